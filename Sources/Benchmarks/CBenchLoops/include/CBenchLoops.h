@@ -1,0 +1,1 @@
+int tk_bench_placeholder(void);

@@ -1,0 +1,74 @@
+// tcp:// and unix:// — stream sockets through SwiftNIO (connect and listen).
+//
+// Grammar:
+//   tcp://HOST:PORT[?noDelay=BOOL&keepAlive=BOOL&keepAliveIdle=SECONDS&backlog=N&timeout=SECONDS]
+//     HOST is a name (resolved through getaddrinfo, IPv4 and IPv6 raced), an IPv4 address or an IPv6
+//     address in brackets. As a listener, HOST is the address to bind and PORT 0 picks a free port.
+//   unix:///PATH[?backlog=N&timeout=SECONDS]
+//     PATH is the socket file. A listener replaces a stale socket file (nobody accepting on it) and
+//     removes its file when closed; it refuses with "busy" when another process is listening.
+
+import NIOCore
+import NIOPosix
+import TransportKitCore
+
+/// The `tcp://` and `unix://` schemes.
+///
+/// ```swift
+/// let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+/// let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port!)?noDelay=true")
+/// ```
+public struct SocketsPlugin: TransportPlugin {
+    public init() {}
+
+    public let schemes = [
+        SchemeDescriptor(
+            scheme: "tcp",
+            summary: "TCP stream socket (IPv4, IPv6, DNS names)",
+            grammar: "tcp://HOST:PORT[?OPTIONS]",
+            examples: ["tcp://192.168.0.10:35000", "tcp://[::1]:4000?noDelay=false", "tcp://localhost:4000?keepAlive=true"],
+            host: .required, port: .required, portRange: 0...65535, path: .forbidden,
+            options: [
+                OptionSpec("noDelay", .bool, default: "true", help: "Set TCP_NODELAY: send small writes at once instead of coalescing them"),
+                OptionSpec("keepAlive", .bool, default: "false", help: "Set SO_KEEPALIVE so a dead peer is noticed on an idle connection"),
+                OptionSpec("keepAliveIdle", .duration, help: "Seconds of idleness before the first keep-alive probe (TCP_KEEPIDLE; implies keepAlive)"),
+                OptionSpec("backlog", .integer(min: 1, max: 65535), default: "128", help: "Listen mode: pending connections the kernel queues"),
+            ],
+            canListen: true
+        ),
+        SchemeDescriptor(
+            scheme: "unix",
+            summary: "Unix domain stream socket",
+            grammar: "unix:///PATH[?OPTIONS]",
+            examples: ["unix:///run/app.sock", "unix:///tmp/device.sock?timeout=2"],
+            host: .forbidden, port: .forbidden, path: .required,
+            options: [
+                OptionSpec("backlog", .integer(min: 1, max: 65535), default: "128", help: "Listen mode: pending connections the kernel queues"),
+            ],
+            canListen: true
+        ),
+    ]
+
+    public func connect(_ request: ConnectRequest) async throws -> Connection {
+        switch request.url.scheme {
+        case "unix": try await UnixSocket.connect(request)
+        default: try await TCPSocket.connect(request)
+        }
+    }
+
+    public func listen(_ request: ConnectRequest) async throws -> Listener {
+        switch request.url.scheme {
+        case "unix": try await UnixSocket.listen(request)
+        default: try await TCPSocket.listen(request)
+        }
+    }
+}
+
+extension ConnectRequest {
+    /// NIO's connect timeout: the `timeout` option, or a day when it is 0 (the kernel's own
+    /// SYN retry limit ends a hopeless attempt first).
+    var nioConnectTimeout: TimeAmount {
+        timeout.map { .nanoseconds(Int64($0.components.seconds) * 1_000_000_000 + $0.components.attoseconds / 1_000_000_000) }
+            ?? .hours(24)
+    }
+}

@@ -1,0 +1,406 @@
+import NIOCore
+import Synchronization
+
+/// A ``ConnectionBackend`` over a SwiftNIO `Channel`: what socket-like plugins (tcp, unix, tty, …)
+/// share.
+///
+/// Backpressure both ways, nothing unbounded:
+/// - inbound: bytes the application has not read yet are kept up to `inboundLimit`; past it the
+///   handler holds NIO's `read()` so the kernel's socket buffer fills and the peer's TCP window closes.
+/// - outbound: `write` hands bytes to NIO and suspends while the channel is not writable (NIO's
+///   write-buffer watermarks, 32 KiB/64 KiB by default).
+///
+/// Use: create one, add ``handler`` to the channel's pipeline in the bootstrap's initializer, then
+/// ``attach(_:)`` the connected channel.
+///
+/// ```swift
+/// let backend = ChannelBackend(describing: "tcp://\(host):\(port)", supportsHalfClose: true)
+/// let channel = try await ClientBootstrap(group: group)
+///     .channelInitializer { channel in
+///         channel.eventLoop.makeCompletedFuture { try channel.pipeline.syncOperations.addHandler(backend.handler) }
+///     }
+///     .connect(host: host, port: port).get()
+/// backend.attach(channel)
+/// ```
+///
+/// Ownership: the backend owns the channel. It closes it in ``close()`` or, if the application
+/// drops the connection without closing, when the backend is released.
+public final class ChannelBackend: ConnectionBackend {
+    public let supportsHalfClose: Bool
+    /// The handler that feeds this backend; add it last in the channel's pipeline.
+    public let handler: ChannelBackendHandler
+    private let shared: Shared
+    private let channelBox: Mutex<(any Channel)?>
+
+    /// - Parameters:
+    ///   - describing: names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
+    ///   - inboundLimit: bytes kept for the application before reading from the kernel pauses.
+    public init(describing: String, supportsHalfClose: Bool, inboundLimit: Int = 256 * 1024) {
+        let shared = Shared(describing: describing, inboundLimit: inboundLimit)
+        self.shared = shared
+        self.supportsHalfClose = supportsHalfClose
+        self.handler = ChannelBackendHandler(shared: shared)
+        self.channelBox = Mutex(nil)
+    }
+
+    /// Binds the backend to its connected channel (the one whose pipeline holds ``handler``).
+    public func attach(_ channel: any Channel) {
+        channelBox.withLock { $0 = channel }
+    }
+
+    deinit {
+        // The application dropped the connection without close(): release the descriptor.
+        channelBox.withLock { $0 }?.close(promise: nil)
+    }
+
+    private var channel: any Channel {
+        get throws {
+            guard let channel = channelBox.withLock({ $0 }) else {
+                throw TransportError(.io, "internal: ChannelBackend for \(shared.describing) used before attach(_:)")
+            }
+            return channel
+        }
+    }
+
+    public func read() async throws -> ByteBuffer? {
+        let channel = try self.channel
+        switch shared.take() {
+        case .chunk(let buffer, let resumeReading):
+            if resumeReading { channel.read() }
+            return buffer
+        case .finished(let result):
+            return try result.get()
+        case .empty:
+            break
+        }
+        let shared = self.shared
+        return try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<ByteBuffer?, any Error>) in
+                if shared.park(continuation) {
+                    channel.read()
+                }
+            }
+        } onCancel: {
+            shared.cancelParkedReader()
+        }
+    }
+
+    public func write(_ buffer: ByteBuffer) async throws {
+        let channel = try self.channel
+        if let failure = shared.takeUnreportedWriteFailure() { throw failure }
+        let promise = channel.eventLoop.makePromise(of: Void.self)
+        let shared = self.shared
+        promise.futureResult.whenFailure { error in
+            shared.recordWriteFailure(TransportError.from(error, context: "writing to \(shared.describing)"))
+        }
+        shared.setLastWrite(promise.futureResult)
+        channel.writeAndFlush(buffer, promise: promise)
+        if !channel.isWritable {
+            try await waitUntilWritable(channel)
+        }
+    }
+
+    private func waitUntilWritable(_ channel: any Channel) async throws {
+        let shared = self.shared
+        let id = shared.nextWaiterID()
+        try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Void, any Error>) in
+                channel.eventLoop.execute {
+                    if !channel.isActive {
+                        continuation.resume(throwing: shared.disconnectedError())
+                    } else if channel.isWritable {
+                        continuation.resume()
+                    } else {
+                        shared.parkWriter(id: id, continuation)
+                    }
+                }
+            }
+        } onCancel: {
+            shared.cancelWriter(id: id)
+        }
+    }
+
+    public func closeWrite() async throws {
+        let channel = try self.channel
+        await shared.lastWrite?.flushed()
+        if let failure = shared.takeUnreportedWriteFailure() { throw failure }
+        do {
+            try await channel.close(mode: .output).get()
+        } catch {
+            throw TransportError.from(error, context: "half-closing \(shared.describing)")
+        }
+    }
+
+    public func close() async throws {
+        let channel = try self.channel
+        await shared.lastWrite?.flushed()
+        do {
+            try await channel.close().get()
+        } catch ChannelError.alreadyClosed {
+            // The peer closed first; nothing left to release.
+        } catch {
+            throw TransportError.from(error, context: "closing \(shared.describing)")
+        }
+        if let failure = shared.takeUnreportedWriteFailure() {
+            throw TransportError(failure.kind, "bytes written to \(shared.describing) were not delivered: \(failure.message)",
+                                 errno: failure.errno, syscall: failure.syscall)
+        }
+    }
+
+    /// State shared by the event loop (handler) and the application's tasks.
+    final class Shared: Sendable {
+        let describing: String
+        let inboundLimit: Int
+        private let state: Mutex<State>
+
+        struct State {
+            var buffered = CircularBuffer<ByteBuffer>()
+            var bufferedBytes = 0
+            var reader: CheckedContinuation<ByteBuffer?, any Error>?
+            var end: Result<ByteBuffer?, TransportError>?
+            /// NIO asked to read while the buffer was full; call `channel.read()` once drained.
+            var heldRead = false
+            var writers: [Int: CheckedContinuation<Void, any Error>] = [:]
+            var cancelledWriters: Set<Int> = []
+            var nextWaiterID = 0
+            var writeFailure: TransportError?
+            var writeFailureReported = false
+            var lastWrite: EventLoopFuture<Void>?
+        }
+
+        init(describing: String, inboundLimit: Int) {
+            self.describing = describing
+            self.inboundLimit = inboundLimit
+            self.state = Mutex(State())
+        }
+
+        enum Take {
+            case chunk(ByteBuffer, resumeReading: Bool)
+            case finished(Result<ByteBuffer?, TransportError>)
+            case empty
+        }
+
+        func take() -> Take {
+            state.withLock { state in
+                if let buffer = state.buffered.popFirst() {
+                    state.bufferedBytes -= buffer.readableBytes
+                    let resume = state.heldRead && state.bufferedBytes < inboundLimit / 2
+                    if resume { state.heldRead = false }
+                    return .chunk(buffer, resumeReading: resume)
+                }
+                if let end = state.end { return .finished(end) }
+                return .empty
+            }
+        }
+
+        /// Parks the reader, or resumes it at once if bytes or the end arrived meanwhile.
+        /// Returns `true` when the caller should ask NIO to read (a read was held).
+        func park(_ continuation: CheckedContinuation<ByteBuffer?, any Error>) -> Bool {
+            let (ready, resumeReading): (Result<ByteBuffer?, any Error>?, Bool) = state.withLock { state in
+                if let buffer = state.buffered.popFirst() {
+                    state.bufferedBytes -= buffer.readableBytes
+                    return (.success(buffer), false)
+                }
+                if let end = state.end { return (end.mapError { $0 }, false) }
+                // Checked under the lock: cancelParkedReader() either runs after this and finds the
+                // reader, or ran before and set the flag seen here.
+                if Task.isCancelled { return (.failure(CancellationError()), false) }
+                state.reader = continuation
+                let resume = state.heldRead
+                state.heldRead = false
+                return (nil, resume)
+            }
+            if let ready { continuation.resume(with: ready) }
+            return resumeReading
+        }
+
+        func cancelParkedReader() {
+            state.withLock { state in
+                defer { state.reader = nil }
+                return state.reader
+            }?.resume(throwing: CancellationError())
+        }
+
+        // Event-loop side.
+
+        func deliver(_ buffer: ByteBuffer) {
+            let reader: CheckedContinuation<ByteBuffer?, any Error>? = state.withLock { state in
+                if let reader = state.reader {
+                    state.reader = nil
+                    return reader
+                }
+                state.buffered.append(buffer)
+                state.bufferedBytes += buffer.readableBytes
+                return nil
+            }
+            reader?.resume(returning: buffer)
+        }
+
+        /// Returns `true` when NIO's read should go ahead.
+        func shouldRead() -> Bool {
+            state.withLock { state in
+                if state.bufferedBytes >= inboundLimit {
+                    state.heldRead = true
+                    return false
+                }
+                return true
+            }
+        }
+
+        func finish(_ end: Result<ByteBuffer?, TransportError>) {
+            let (reader, writers): (CheckedContinuation<ByteBuffer?, any Error>?, [CheckedContinuation<Void, any Error>]) =
+                state.withLock { state in
+                    if state.end == nil { state.end = end }
+                    let reader = state.buffered.isEmpty ? state.reader : nil
+                    if reader != nil { state.reader = nil }
+                    let writers = Array(state.writers.values)
+                    state.writers = [:]
+                    return (reader, writers)
+                }
+            reader?.resume(with: end.mapError { $0 })
+            for writer in writers { writer.resume(throwing: disconnectedError()) }
+        }
+
+        func disconnectedError() -> TransportError {
+            state.withLock { state in
+                if case .failure(let error)? = state.end { return error }
+                return nil
+            } ?? TransportError(.disconnected, "the connection to \(describing) is closed")
+        }
+
+        func resumeWriters() {
+            let writers = state.withLock { state in
+                defer { state.writers = [:] }
+                return Array(state.writers.values)
+            }
+            for writer in writers { writer.resume() }
+        }
+
+        func nextWaiterID() -> Int {
+            state.withLock { state in
+                state.nextWaiterID += 1
+                return state.nextWaiterID
+            }
+        }
+
+        func parkWriter(id: Int, _ continuation: CheckedContinuation<Void, any Error>) {
+            let cancelled = state.withLock { state in
+                if state.cancelledWriters.remove(id) != nil { return true }
+                state.writers[id] = continuation
+                return false
+            }
+            if cancelled { continuation.resume(throwing: CancellationError()) }
+        }
+
+        func cancelWriter(id: Int) {
+            state.withLock { state -> CheckedContinuation<Void, any Error>? in
+                if let writer = state.writers.removeValue(forKey: id) { return writer }
+                state.cancelledWriters.insert(id)
+                return nil
+            }?.resume(throwing: CancellationError())
+        }
+
+        func recordWriteFailure(_ error: TransportError) {
+            state.withLock { state in
+                if state.writeFailure == nil { state.writeFailure = error }
+            }
+        }
+
+        func takeUnreportedWriteFailure() -> TransportError? {
+            state.withLock { state in
+                guard let failure = state.writeFailure, !state.writeFailureReported else { return nil }
+                state.writeFailureReported = true
+                return failure
+            }
+        }
+
+        func setLastWrite(_ future: EventLoopFuture<Void>) {
+            state.withLock { $0.lastWrite = future }
+        }
+
+        var lastWrite: EventLoopFuture<Void>? { state.withLock { $0.lastWrite } }
+    }
+}
+
+/// The NIO side of ``ChannelBackend``. Add ``ChannelBackend/handler`` last in the pipeline.
+public final class ChannelBackendHandler: ChannelDuplexHandler, Sendable {
+    public typealias InboundIn = ByteBuffer
+    public typealias OutboundIn = ByteBuffer
+    public typealias OutboundOut = ByteBuffer
+
+    let shared: ChannelBackend.Shared
+
+    init(shared: ChannelBackend.Shared) { self.shared = shared }
+
+    public func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        shared.deliver(Self.unwrapInboundIn(data))
+    }
+
+    public func read(context: ChannelHandlerContext) {
+        if shared.shouldRead() { context.read() }
+    }
+
+    public func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        if let event = event as? ChannelEvent, event == .inputClosed {
+            shared.finish(.success(nil))
+        }
+        context.fireUserInboundEventTriggered(event)
+    }
+
+    public func channelInactive(context: ChannelHandlerContext) {
+        shared.finish(.success(nil))
+        context.fireChannelInactive()
+    }
+
+    public func errorCaught(context: ChannelHandlerContext, error: any Error) {
+        shared.finish(.failure(TransportError.from(error, context: "reading from \(shared.describing)")))
+        context.close(promise: nil)
+    }
+
+    public func channelWritabilityChanged(context: ChannelHandlerContext) {
+        if context.channel.isWritable { shared.resumeWriters() }
+        context.fireChannelWritabilityChanged()
+    }
+}
+
+extension EventLoopFuture where Value == Void {
+    /// Waits for the write to finish either way; its failure is recorded elsewhere.
+    func flushed() async {
+        _ = try? await self.get()
+    }
+}
+
+extension TransportError {
+    /// Maps a SwiftNIO error to a ``TransportError``, keeping errno and the system call name.
+    /// `context` says what was being done, such as "connecting to tcp://host:port".
+    public static func from(_ error: any Error, context: String) -> TransportError {
+        if let error = error as? TransportError { return error }
+        if let error = error as? IOError {
+            // IOError's description is "<syscall>(<args>): <strerror> (errno: N)".
+            let text = error.description
+            let syscall = text.firstIndex(of: "(").map { String(text[..<$0]) }
+            let kind = TransportError.Kind(errno: error.errnoCode)
+            return TransportError(kind, "\(context) failed: \(ErrnoName.describe(error.errnoCode))\(hint(for: kind))",
+                                  errno: error.errnoCode, syscall: syscall)
+        }
+        if let error = error as? ChannelError {
+            switch error {
+            case .connectTimeout(let timeout):
+                return TransportError(.timedOut, "\(context) did not finish within \(Duration.nanoseconds(timeout.nanoseconds).secondsText); check that the peer is reachable, or raise ?timeout=")
+            case .ioOnClosedChannel, .alreadyClosed, .outputClosed, .inputClosed, .eof:
+                return TransportError(.disconnected, "\(context) failed: the connection is closed")
+            default:
+                break
+            }
+        }
+        return TransportError(.io, "\(context) failed: \(error)")
+    }
+
+    static func hint(for kind: Kind) -> String {
+        switch kind {
+        case .disconnected: "; the peer closed the connection or the link dropped, reconnect to go on"
+        case .permissionDenied: "; check the permissions of the path or device"
+        default: ""
+        }
+    }
+}
