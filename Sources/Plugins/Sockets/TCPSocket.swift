@@ -56,14 +56,14 @@ enum TCPSocket {
             if error.connectionErrors.isEmpty, error.dnsAError != nil || error.dnsAAAAError != nil {
                 return TransportError(.notFound, "cannot resolve the host '\(host)': check the name, or use an IP address")
             }
-            let failures = error.connectionErrors.map { TransportError.from($0.error, context: "connecting to \($0.target)") }
+            let failures = error.connectionErrors.map { TransportError.from($0.error, context: "connecting to \($0.target)", syscall: "connect") }
             if let refused = failures.first(where: { $0.kind == .refused }) {
                 return TransportError(.refused, "\(target) refused the connection: is the server running and listening on port \(port)?",
-                                      errno: refused.errno, syscall: refused.syscall ?? "connect")
+                                      errno: refused.errno, syscall: "connect")
             }
             if let first = failures.first { return first }
         }
-        return TransportError.from(error, context: "connecting to \(target)")
+        return TransportError.from(error, context: "connecting to \(target)", syscall: "connect")
     }
 
     static func listen(_ request: ConnectRequest) async throws -> Listener {

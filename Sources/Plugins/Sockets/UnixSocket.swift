@@ -31,7 +31,7 @@ enum UnixSocket {
         if error is SocketAddressError {
             return TransportError(.invalidURL, "the socket path '\(path)' is too long: Linux allows 107 bytes")
         }
-        let mapped = TransportError.from(error, context: "\(doing) unix://\(path)")
+        let mapped = TransportError.from(error, context: "\(doing) unix://\(path)", syscall: doing == "connecting to" ? "connect" : "bind")
         switch mapped.kind {
         case .notFound:
             return TransportError(.notFound, "no socket at \(path): is the server running, and is the path right?",

@@ -373,12 +373,15 @@ extension EventLoopFuture where Value == Void {
 extension TransportError {
     /// Maps a SwiftNIO error to a ``TransportError``, keeping errno and the system call name.
     /// `context` says what was being done, such as "connecting to tcp://host:port".
-    public static func from(_ error: any Error, context: String) -> TransportError {
+    /// `syscall` names the call when the caller knows it better than the error does.
+    public static func from(_ error: any Error, context: String, syscall knownSyscall: String? = nil) -> TransportError {
         if let error = error as? TransportError { return error }
         if let error = error as? IOError {
-            // IOError's description is "<syscall>(<args>): <strerror> (errno: N)".
+            // IOError's description is "<syscall>(<args>): <strerror> (errno: N)" for system calls,
+            // and a phrase such as "connection reset (error set): …" otherwise.
             let text = error.description
-            let syscall = text.firstIndex(of: "(").map { String(text[..<$0]) }
+            let prefix = text.firstIndex(of: "(").map { String(text[..<$0]) }
+            let syscall = knownSyscall ?? prefix.flatMap { $0.allSatisfy { $0.isLetter || $0.isNumber || $0 == "_" } ? $0 : nil }
             let kind = TransportError.Kind(errno: error.errnoCode)
             return TransportError(kind, "\(context) failed: \(ErrnoName.describe(error.errnoCode))\(hint(for: kind))",
                                   errno: error.errnoCode, syscall: syscall)

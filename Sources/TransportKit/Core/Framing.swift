@@ -1,0 +1,304 @@
+import NIOCore
+
+/// How a byte stream is cut into messages.
+///
+/// ```swift
+/// for try await line in connection.frames(.delimiter("\n")) { … }
+/// let header = try await connection.readFrame(.fixedLength(4))
+/// let packet = try await connection.readFrame(.lengthPrefixed(.uint16(.big)), timeout: .seconds(2))
+/// let burst = try await connection.readFrame(.interByteTimeout(.milliseconds(20)))
+/// ```
+public enum Framing: Sendable, Equatable {
+    /// Up to (not including) a delimiter such as `\n`, `\r` or `>`. At the end of the stream the
+    /// bytes after the last delimiter form a last frame.
+    case delimiter([UInt8])
+    /// Exactly this many bytes.
+    case fixedLength(Int)
+    /// A length field followed by that many bytes (the field is not part of the frame).
+    case lengthPrefixed(LengthPrefix)
+    /// Whatever arrives until the line stays silent for this long (after the first byte).
+    case interByteTimeout(Duration)
+
+    /// A text delimiter, such as `.delimiter("\r\n")`.
+    public static func delimiter(_ text: String) -> Framing { .delimiter(Array(text.utf8)) }
+}
+
+/// The length field of ``Framing/lengthPrefixed(_:)``.
+public enum LengthPrefix: Sendable, Equatable {
+    public enum ByteOrder: Sendable { case big, little }
+    case uint8
+    case uint16(ByteOrder)
+    case uint32(ByteOrder)
+
+    var width: Int {
+        switch self {
+        case .uint8: 1
+        case .uint16: 2
+        case .uint32: 4
+        }
+    }
+
+    var maximum: Int {
+        switch self {
+        case .uint8: Int(UInt8.max)
+        case .uint16: Int(UInt16.max)
+        case .uint32: Int(UInt32.max)
+        }
+    }
+
+    func decode(_ bytes: [UInt8]) -> Int {
+        let ordered: [UInt8]
+        switch self {
+        case .uint8, .uint16(.big), .uint32(.big): ordered = bytes
+        case .uint16(.little), .uint32(.little): ordered = bytes.reversed()
+        }
+        return ordered.reduce(0) { $0 << 8 | Int($1) }
+    }
+
+    func encode(_ length: Int) -> [UInt8] {
+        let big = (0..<width).reversed().map { UInt8(truncatingIfNeeded: length >> ($0 * 8)) }
+        switch self {
+        case .uint8, .uint16(.big), .uint32(.big): return big
+        case .uint16(.little), .uint32(.little): return big.reversed()
+        }
+    }
+}
+
+extension Connection {
+    /// Reads one frame. Returns `nil` when the stream ended before a frame began.
+    ///
+    /// - Parameters:
+    ///   - maxLength: the longest frame accepted; a longer one throws `.io` and its bytes stay unread.
+    ///   - timeout: a deadline for the whole frame. When it passes the partial frame stays unread
+    ///     (the next read gets it) and `.timedOut` is thrown.
+    /// - Throws: `.disconnected` when the stream ends inside a fixed-length or length-prefixed frame.
+    public func readFrame(_ framing: Framing, maxLength: Int = 1 << 20, timeout: Duration? = nil) async throws -> [UInt8]? {
+        let deadline = timeout.map { ContinuousClock.now + $0 }
+        switch framing {
+        case .delimiter(let delimiter):
+            precondition(!delimiter.isEmpty, "the delimiter must not be empty")
+            return try await readUntil(delimiter, maxLength: maxLength, deadline: deadline)
+        case .fixedLength(let length):
+            precondition(length >= 0, "the length must not be negative")
+            return try await readExactly(length, deadline: deadline, what: "a \(length)-byte frame")
+        case .lengthPrefixed(let prefix):
+            guard let field = try await readExactly(prefix.width, deadline: deadline, what: "a length field") else { return nil }
+            let length = prefix.decode(field)
+            guard length <= maxLength else {
+                unread(ByteBuffer(bytes: field))
+                throw TransportError(.io, "a length-prefixed frame from \(url) announces \(length) bytes, more than maxLength \(maxLength)")
+            }
+            guard let payload = try await readExactly(length, deadline: deadline, what: "a \(length)-byte frame") else {
+                throw TransportError(.disconnected, "\(url) ended after a length field, before its \(length)-byte frame")
+            }
+            return payload
+        case .interByteTimeout(let gap):
+            return try await readUntilSilent(gap: gap, maxLength: maxLength, deadline: deadline)
+        }
+    }
+
+    /// Reads one line (up to `\n`, a `\r` before it removed) as UTF-8 text; `nil` at the end.
+    public func readLine(maxLength: Int = 1 << 16, timeout: Duration? = nil) async throws -> String? {
+        guard var line = try await readFrame(.delimiter([UInt8(ascii: "\n")]), maxLength: maxLength, timeout: timeout) else {
+            return nil
+        }
+        if line.last == UInt8(ascii: "\r") { line.removeLast() }
+        return String(decoding: line, as: UTF8.self)
+    }
+
+    /// Writes `payload` behind its length field.
+    public func writeFrame(_ payload: [UInt8], prefix: LengthPrefix) async throws {
+        guard payload.count <= prefix.maximum else {
+            throw TransportError(.io, "a \(payload.count)-byte frame does not fit a \(prefix.width)-byte length field")
+        }
+        try await write(prefix.encode(payload.count) + payload)
+    }
+
+    /// The frames of the inbound stream as an `AsyncSequence`; it ends with the stream.
+    public func frames(_ framing: Framing, maxLength: Int = 1 << 20) -> Frames {
+        Frames(connection: self, framing: framing, maxLength: maxLength)
+    }
+
+    /// Inbound lines as text; see ``readLine(maxLength:timeout:)``.
+    public var lines: AsyncThrowingMapSequence<Frames, String> {
+        frames(.delimiter([UInt8(ascii: "\n")]), maxLength: 1 << 16).map { line in
+            String(decoding: line.last == UInt8(ascii: "\r") ? line.dropLast() : line[...], as: UTF8.self)
+        }
+    }
+
+    /// An `AsyncSequence` of frames; see ``Connection/frames(_:maxLength:)``.
+    public struct Frames: AsyncSequence, Sendable {
+        public typealias Element = [UInt8]
+        let connection: Connection
+        let framing: Framing
+        let maxLength: Int
+
+        public struct AsyncIterator: AsyncIteratorProtocol {
+            let frames: Frames
+            public mutating func next() async throws -> [UInt8]? {
+                try await frames.connection.readFrame(frames.framing, maxLength: frames.maxLength)
+            }
+        }
+
+        public func makeAsyncIterator() -> AsyncIterator { AsyncIterator(frames: self) }
+    }
+
+    // MARK: Building blocks
+
+    private func remaining(until deadline: ContinuousClock.Instant?) throws -> Duration? {
+        guard let deadline else { return nil }
+        let left = deadline - ContinuousClock.now
+        guard left > .zero else {
+            throw TransportError(.timedOut, "no complete frame from \(url) before the deadline")
+        }
+        return left
+    }
+
+    /// Reads a chunk before `deadline`; on failure the bytes gathered so far go back unread.
+    private func nextChunk(_ gathered: inout ByteBuffer, deadline: ContinuousClock.Instant?) async throws -> ByteBuffer? {
+        do {
+            return try await readBuffer(timeout: try remaining(until: deadline))
+        } catch {
+            unread(gathered)
+            gathered.clear()
+            if let error = error as? TransportError, error.kind == .timedOut {
+                throw TransportError(.timedOut, "no complete frame from \(url) within the timeout; the partial frame stays unread")
+            }
+            throw error
+        }
+    }
+
+    private func readUntil(_ delimiter: [UInt8], maxLength: Int, deadline: ContinuousClock.Instant?) async throws -> [UInt8]? {
+        var gathered = ByteBuffer()
+        var searchFrom = 0
+        while true {
+            let view = gathered.readableBytesView
+            if let end = view.firstRange(of: delimiter, from: searchFrom) {
+                let frame = Array(view[view.startIndex..<end.lowerBound])
+                gathered.moveReaderIndex(forwardBy: end.upperBound - view.startIndex)
+                unread(gathered)
+                return frame
+            }
+            if gathered.readableBytes > maxLength + delimiter.count {
+                unread(gathered)
+                throw TransportError(.io, "no delimiter within \(maxLength) bytes from \(url); the bytes stay unread")
+            }
+            searchFrom = max(0, gathered.readableBytes - delimiter.count + 1)
+            guard var chunk = try await nextChunk(&gathered, deadline: deadline) else {
+                return gathered.readableBytes > 0 ? Array(gathered.readableBytesView) : nil
+            }
+            gathered.writeBuffer(&chunk)
+        }
+    }
+
+    private func readExactly(_ length: Int, deadline: ContinuousClock.Instant?, what: String) async throws -> [UInt8]? {
+        var gathered = ByteBuffer()
+        while gathered.readableBytes < length {
+            guard var chunk = try await nextChunk(&gathered, deadline: deadline) else {
+                if gathered.readableBytes == 0 { return nil }
+                throw TransportError(.disconnected, "\(url) ended after \(gathered.readableBytes) bytes of \(what)")
+            }
+            gathered.writeBuffer(&chunk)
+        }
+        let frame = Array(gathered.readableBytesView.prefix(length))
+        gathered.moveReaderIndex(forwardBy: length)
+        unread(gathered)
+        return frame
+    }
+
+    private func readUntilSilent(gap: Duration, maxLength: Int, deadline: ContinuousClock.Instant?) async throws -> [UInt8]? {
+        var gathered = ByteBuffer()
+        guard var first = try await nextChunk(&gathered, deadline: deadline) else { return nil }
+        gathered.writeBuffer(&first)
+        while gathered.readableBytes < maxLength {
+            do {
+                guard var chunk = try await readBuffer(timeout: gap) else { break }
+                gathered.writeBuffer(&chunk)
+            } catch let error as TransportError where error.kind == .timedOut {
+                break
+            }
+        }
+        let frame = Array(gathered.readableBytesView.prefix(maxLength))
+        gathered.moveReaderIndex(forwardBy: frame.count)
+        unread(gathered)
+        return frame
+    }
+}
+
+extension ByteBufferView {
+    /// The first occurrence of `needle` at or after offset `from` (relative to the view's start).
+    func firstRange(of needle: [UInt8], from: Int) -> Range<Int>? {
+        guard count >= needle.count else { return nil }
+        var index = startIndex + from
+        let last = endIndex - needle.count
+        while index <= last {
+            if self[index] == needle[0] && self[index..<(index + needle.count)].elementsEqual(needle) {
+                return index..<(index + needle.count)
+            }
+            index += 1
+        }
+        return nil
+    }
+}
+
+/// Sends commands to a prompt-driven device and reads each response up to its prompt, such as the
+/// `>` of ELM327 OBD-II adapters or a modem's `OK`.
+///
+/// ```swift
+/// let elm = CommandSession(connection, terminator: ">", lineEnding: "\r")
+/// _ = try await elm.send("ATZ")                 // reset
+/// let voltage = try await elm.send("ATRV")      // "12.6V"
+/// ```
+public struct CommandSession: Sendable {
+    public let connection: Connection
+    public var terminator: [UInt8]
+    public var lineEnding: String
+    public var timeout: Duration
+    /// Drop bytes that arrived unasked (a late answer to a timed-out command) before each command.
+    public var discardStaleInput: Bool
+
+    public init(_ connection: Connection, terminator: String = ">", lineEnding: String = "\r",
+                timeout: Duration = .seconds(5), discardStaleInput: Bool = false) {
+        self.connection = connection
+        self.terminator = Array(terminator.utf8)
+        self.lineEnding = lineEnding
+        self.timeout = timeout
+        self.discardStaleInput = discardStaleInput
+    }
+
+    /// Sends `command` plus the line ending and returns the response text before the prompt, with
+    /// the echo of nothing removed, CRs turned into newlines and surrounding blank space trimmed.
+    public func send(_ command: String) async throws -> String {
+        let response = try await request(Array((command + lineEnding).utf8))
+        let text = String(decoding: response, as: UTF8.self)
+            .split(omittingEmptySubsequences: true) { $0 == "\r" || $0 == "\n" || $0 == "\r\n" }
+            .joined(separator: "\n")
+        return text.trimmingBlanks()
+    }
+
+    /// Writes `bytes` and returns what arrives before the terminator (not included).
+    /// Throws `.timedOut` when the prompt does not come within ``timeout``.
+    public func request(_ bytes: [UInt8]) async throws -> [UInt8] {
+        if discardStaleInput {
+            while let stale = try? await connection.readBuffer(timeout: .milliseconds(1)), stale.readableBytes > 0 {}
+        }
+        try await connection.write(bytes)
+        do {
+            guard let response = try await connection.readFrame(.delimiter(terminator), timeout: timeout) else {
+                throw TransportError(.disconnected, "\(connection.url) closed before answering")
+            }
+            return response
+        } catch let error as TransportError where error.kind == .timedOut {
+            throw TransportError(.timedOut, "\(connection.url) did not answer with '\(String(decoding: terminator, as: UTF8.self))' within \(timeout.secondsText); is the device on and at the right bit rate?")
+        }
+    }
+}
+
+extension String {
+    func trimmingBlanks() -> String {
+        let blanks: Set<Character> = [" ", "\t", "\n", "\r"]
+        guard let first = firstIndex(where: { !blanks.contains($0) }),
+              let last = lastIndex(where: { !blanks.contains($0) }) else { return "" }
+        return String(self[first...last])
+    }
+}
