@@ -2,8 +2,8 @@
 // `import TransportKit` is all an application needs.
 
 @_exported import TransportKitCore
-import TransportKitLoop
-import TransportKitSockets
+@_exported import TransportKitLoop
+@_exported import TransportKitSockets
 
 extension TransportRegistry {
     /// A registry with every built-in plugin registered. `Transport` uses it; applications add

@@ -68,11 +68,13 @@ struct EventTarget: @unchecked Sendable {
     weak var delegate: (any StreamDelegate)?
     var schedules: [(runLoop: RunLoop, mode: RunLoop.Mode)] = []
 
-    func post(_ event: Stream.Event) {
+    /// Posts `event`; `stillValid` runs on the run loop just before the delegate is called, so an
+    /// event that no longer holds (bytes already read) is not delivered.
+    func post(_ event: Stream.Event, stillValid: @escaping @Sendable () -> Bool) {
         let reference = stream
         for (runLoop, mode) in schedules {
             let timer = Timer(fire: Date(), interval: 0, repeats: false) { _ in
-                guard let stream = reference.stream, let delegate = stream.delegate else { return }
+                guard stillValid(), let stream = reference.stream, let delegate = stream.delegate else { return }
                 delegate.stream(stream, handle: event)
             }
             runLoop.add(timer, forMode: mode)
@@ -98,6 +100,8 @@ class BridgeCoreBase: @unchecked Sendable {
         var buffer: [UInt8] = []
         /// Inbound only: the connection reached its end or failed.
         var ended = false
+        /// hasBytesAvailable/hasSpaceAvailable events posted and not yet delivered (at most one each).
+        var pending: Set<UInt> = []
     }
 
     init(pair: StreamPairOwner, bufferSize: Int) {
@@ -105,10 +109,26 @@ class BridgeCoreBase: @unchecked Sendable {
         self.bufferSize = max(1, bufferSize)
     }
 
+    /// Posts `event` to the delegate. Availability events are coalesced (one pending at a time)
+    /// and re-checked on the run loop, so a delegate that reads or writes on them never blocks.
     func post(_ event: Stream.Event) {
-        let target = common.withLock { $0.target }
-        target.post(event)
+        let coalesced = event == .hasBytesAvailable || event == .hasSpaceAvailable
+        let target = common.withLock { common -> EventTarget? in
+            if coalesced && !common.target.schedules.isEmpty {
+                guard common.pending.insert(event.rawValue).inserted else { return nil }
+            }
+            return common.target
+        }
+        target?.post(event) { [self] in
+            common.withLock { common in
+                if coalesced { common.pending.remove(event.rawValue) }
+                return stillHolds(event, common)
+            }
+        }
     }
+
+    /// Whether `event` is still true; subclasses answer for the availability events.
+    func stillHolds(_ event: Stream.Event, _ common: Common) -> Bool { true }
 
     /// Runs `change` under the condition's lock and wakes blocked readers and writers.
     func signal<T>(_ change: (inout Common) -> T) -> T {
@@ -130,6 +150,10 @@ class BridgeCoreBase: @unchecked Sendable {
 }
 
 final class InboundCore: BridgeCoreBase, @unchecked Sendable {
+    override func stillHolds(_ event: Stream.Event, _ common: Common) -> Bool {
+        event != .hasBytesAvailable || (common.status == .open && !common.buffer.isEmpty)
+    }
+
     private let pump = Mutex<(task: Task<Void, Never>?, room: CheckedContinuation<Void, Never>?, endPosted: Bool)>((nil, nil, false))
 
     func open() {
@@ -245,6 +269,10 @@ final class InboundCore: BridgeCoreBase, @unchecked Sendable {
 }
 
 final class OutboundCore: BridgeCoreBase, @unchecked Sendable {
+    override func stillHolds(_ event: Stream.Event, _ common: Common) -> Bool {
+        event != .hasSpaceAvailable || (common.status == .open && common.buffer.count < bufferSize)
+    }
+
     private let pump = Mutex<(data: CheckedContinuation<Void, Never>?, closing: Bool)>((nil, false))
 
     func open() {

@@ -152,7 +152,8 @@ enum URLParser {
                 guard after.hasPrefix(":") else { throw fail(string, "expected ':PORT' after ']'") }
                 portPart = after.dropFirst()
             }
-            guard !hostPart.isEmpty, hostPart.allSatisfy({ $0.isHexDigit || $0 == ":" || $0 == "." || $0 == "%" }) else {
+            let address = hostPart.prefix { $0 != "%" }
+            guard !address.isEmpty, address.allSatisfy({ $0.isHexDigit || $0 == ":" || $0 == "." }) else {
                 throw fail(string, "'\(hostPart)' is not an IPv6 address")
             }
             // A zone such as fe80::1%eth0 is taken verbatim, not percent-decoded.

@@ -1,0 +1,183 @@
+import Testing
+@testable import TransportKit
+
+@Suite("Framing")
+struct FramingTests {
+    func loop() async throws -> Connection { try await Transport.connect(to: "loop://?buffer=65536") }
+
+    @Test func linesAcrossChunksAndCRLF() async throws {
+        let c = try await loop()
+        try await c.write("first\r\nsec")
+        try await c.write("ond\nthird")
+        try await c.closeWrite()
+        var lines: [String] = []
+        for try await line in c.lines { lines.append(line) }
+        #expect(lines == ["first", "second", "third"])
+    }
+
+    @Test func anyDelimiterLeavesTheRestUnread() async throws {
+        let c = try await loop()
+        try await c.write("AT>OK>tail")
+        #expect(try await c.readFrame(.delimiter(">")) == Array("AT".utf8))
+        #expect(try await c.readFrame(.delimiter(">")) == Array("OK".utf8))
+        // The bytes after the last delimiter are still there for a plain read.
+        #expect(try await c.read() == Array("tail".utf8))
+        try await c.close()
+    }
+
+    @Test func multiByteDelimiterSplitAcrossWrites() async throws {
+        let c = try await loop()
+        try await c.write("a\r")
+        try await c.write("\nb\r\n")
+        #expect(try await c.readFrame(.delimiter("\r\n")) == [0x61])
+        #expect(try await c.readFrame(.delimiter("\r\n")) == [0x62])
+        try await c.close()
+    }
+
+    @Test func fixedLength() async throws {
+        let c = try await loop()
+        try await c.write([1, 2, 3, 4, 5])
+        try await c.write([6, 7])
+        #expect(try await c.readFrame(.fixedLength(3)) == [1, 2, 3])
+        #expect(try await c.readFrame(.fixedLength(3)) == [4, 5, 6])
+        try await c.closeWrite()
+        // One byte left, the stream ended: a truncated frame is an error, not a short frame.
+        let error = await expectTransportError(.disconnected) { try await c.readFrame(.fixedLength(3)) }
+        #expect(error?.message.contains("1 bytes of a 3-byte frame") == true)
+    }
+
+    @Test func lengthPrefixedRoundTrip() async throws {
+        let c = try await loop()
+        for prefix: LengthPrefix in [.uint8, .uint16(.big), .uint16(.little), .uint32(.big), .uint32(.little)] {
+            try await c.writeFrame([9, 8, 7], prefix: prefix)
+            try await c.writeFrame([], prefix: prefix)
+            #expect(try await c.readFrame(.lengthPrefixed(prefix)) == [9, 8, 7])
+            #expect(try await c.readFrame(.lengthPrefixed(prefix)) == [])
+        }
+        try await c.write([0x00, 0x02, 0xAA, 0xBB])
+        #expect(try await c.readFrame(.lengthPrefixed(.uint16(.big))) == [0xAA, 0xBB])
+        try await c.write([0x02, 0x00, 0xCC, 0xDD])
+        #expect(try await c.readFrame(.lengthPrefixed(.uint16(.little))) == [0xCC, 0xDD])
+        await expectTransportError(.io) { try await c.writeFrame([UInt8](repeating: 0, count: 256), prefix: .uint8) }
+        try await c.close()
+    }
+
+    @Test func oversizedLengthIsRefusedAndKept() async throws {
+        let c = try await loop()
+        try await c.write([0xFF, 0xFF])
+        let error = await expectTransportError(.io) { try await c.readFrame(.lengthPrefixed(.uint16(.big)), maxLength: 100) }
+        #expect(error?.message.contains("65535") == true)
+        #expect(try await c.read() == [0xFF, 0xFF])
+        try await c.close()
+    }
+
+    @Test func delimiterNotFoundWithinMaxLength() async throws {
+        let c = try await loop()
+        try await c.write([UInt8](repeating: 0x41, count: 40))
+        await expectTransportError(.io) { try await c.readFrame(.delimiter("\n"), maxLength: 10) }
+        #expect(try await c.read()?.count == 40, "the bytes stay unread")
+        try await c.close()
+    }
+
+    @Test func frameTimeoutKeepsThePartialFrame() async throws {
+        let c = try await loop()
+        try await c.write("partial")
+        await expectTransportError(.timedOut) { try await c.readFrame(.delimiter("\n"), timeout: .milliseconds(50)) }
+        try await c.write(" line\n")
+        #expect(try await c.readLine(timeout: .seconds(5)) == "partial line")
+        try await c.close()
+    }
+
+    @Test func interByteTimeoutCutsBursts() async throws {
+        let c = try await loop()
+        let writer = Task {
+            try await c.write("burst")
+            try await c.write("-one")
+            try await Task.sleep(for: .milliseconds(300))
+            try await c.write("two")
+        }
+        #expect(try await c.readFrame(.interByteTimeout(.milliseconds(100))) == Array("burst-one".utf8))
+        #expect(try await c.readFrame(.interByteTimeout(.milliseconds(100))) == Array("two".utf8))
+        try await writer.value
+        await expectTransportError(.timedOut) {
+            try await c.readFrame(.interByteTimeout(.milliseconds(10)), timeout: .milliseconds(50))
+        }
+        try await c.close()
+    }
+
+    @Test func framesSequenceOverTCP() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
+        let server = try #require(try await listener.accept())
+        for index in 0..<100 { try await client.writeFrame(Array("message \(index)".utf8), prefix: .uint16(.big)) }
+        try await client.closeWrite()
+        var count = 0
+        for try await frame in server.frames(.lengthPrefixed(.uint16(.big))) {
+            #expect(String(decoding: frame, as: UTF8.self) == "message \(count)")
+            count += 1
+        }
+        #expect(count == 100)
+        try await client.close()
+        try await server.close()
+        try await listener.close()
+    }
+}
+
+/// A prompt-driven device like an ELM327 OBD-II adapter: echo off, answers end with "\r\r>".
+func runFakeELM327(_ device: Connection, silentOn: String = "ATMA") async throws {
+    while let command = try await device.readFrame(.delimiter("\r")) {
+        let text = String(decoding: command, as: UTF8.self)
+        let answer: String
+        switch text {
+        case "ATZ": answer = "ELM327 v1.5"
+        case "ATRV": answer = "12.6V"
+        case "0100": answer = "41 00 BE 3F A8 13\r41 00 98 18 80 11"
+        case silentOn: continue
+        default: answer = "?"
+        }
+        try await device.write(answer + "\r\r>")
+    }
+}
+
+@Suite("CommandSession")
+struct CommandSessionTests {
+    @Test func talksToAPromptDrivenDevice() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let device = Task {
+            let connection = try #require(try await listener.accept())
+            try await runFakeELM327(connection)
+            try await connection.close()
+        }
+        let connection = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
+        let elm = CommandSession(connection, terminator: ">", lineEnding: "\r", timeout: .seconds(5))
+        #expect(try await elm.send("ATZ") == "ELM327 v1.5")
+        #expect(try await elm.send("ATRV") == "12.6V")
+        #expect(try await elm.send("0100") == "41 00 BE 3F A8 13\n41 00 98 18 80 11")
+        #expect(try await elm.send("XYZ") == "?")
+
+        let quick = CommandSession(connection, timeout: .milliseconds(100))
+        let error = await expectTransportError(.timedOut) { try await quick.send("ATMA") }
+        #expect(error?.message.contains("'>'") == true)
+
+        try await connection.close()
+        try await device.value
+        try await listener.close()
+    }
+
+    @Test func staleInputIsDiscardedWhenAsked() async throws {
+        let c = try await Transport.connect(to: "loop://?buffer=65536")
+        try await c.write("stale>")
+        let session = CommandSession(c, terminator: ">", lineEnding: ">", discardStaleInput: true)
+        // On a loop the command (ended by the prompt character) comes back as its own answer.
+        #expect(try await session.send("fresh") == "fresh")
+        try await c.close()
+    }
+
+    @Test func aDeviceThatClosesIsDisconnected() async throws {
+        let c = try await Transport.connect(to: "loop://")
+        try await c.closeWrite()
+        let session = CommandSession(c)
+        await expectTransportError(.io) { try await session.send("ATZ") }
+        try await c.close()
+    }
+}

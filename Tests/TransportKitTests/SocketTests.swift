@@ -1,0 +1,310 @@
+import Foundation
+import Glibc
+import Testing
+@testable import TransportKit
+
+@Suite("tcp://")
+struct TCPTests {
+    @Test func listenAndConnectCarryBytesBothWays() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        #expect(port > 0)
+        async let accepted = listener.accept()
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
+        let server = try #require(try await accepted)
+        try await client.write("ping")
+        #expect(try await server.read() == Array("ping".utf8))
+        try await server.write("pong")
+        #expect(try await client.read() == Array("pong".utf8))
+        #expect(client.metadata.remoteAddress?.contains("\(port)") == true)
+        #expect(server.url.scheme == "tcp")
+        try await client.close()
+        #expect(try await server.read() == nil)
+        try await server.close()
+        try await listener.close()
+        #expect(await Support.eventually { Support.openSockets(port: port) == 0 })
+    }
+
+    @Test func ipv6AndDNSNames() async throws {
+        // IPv6 literal, and a name resolved through getaddrinfo (localhost: 127.0.0.1 here).
+        let v6 = try await Transport.listen(on: "tcp://[::1]:0")
+        let v4 = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        #expect(v6.url.description.hasPrefix("tcp://[::1]:"))
+        for (url, listener) in [("tcp://[::1]:\(v6.url.port ?? 0)", v6), ("tcp://localhost:\(v4.url.port ?? 0)", v4)] {
+            let client = try await Transport.connect(to: url)
+            let server = try #require(try await listener.accept())
+            try await client.write("6")
+            #expect(try await server.read() == [0x36])
+            try await client.close()
+            try await server.close()
+        }
+        try await v6.close()
+        try await v4.close()
+    }
+
+    @Test func unresolvableHostIsNotFound() async {
+        let error = await expectTransportError(.notFound) {
+            try await Transport.connect(to: "tcp://no-such-host.invalid:80?timeout=5")
+        }
+        #expect(error?.message.contains("cannot resolve") == true)
+    }
+
+    @Test func refusedConnectionSaysSoAndLeaksNothing() async throws {
+        let raw = try Support.RawListener()
+        let port = raw.port
+        raw.close()  // nobody listens on this port now
+        let error = await expectTransportError(.refused) { try await Transport.connect(to: "tcp://127.0.0.1:\(port)") }
+        #expect(error?.errno == ErrnoName.ECONNREFUSED)
+        #expect(error?.syscall == "connect")
+        #expect(error?.message.contains("is the server running") == true)
+        #expect(Support.openSockets(port: port) == 0)
+    }
+
+    @Test func connectTimeoutFiresAndLeaksNothing() async throws {
+        let hole = try Support.blackHole()
+        defer {
+            for fd in hole.fillers { close(fd) }
+            hole.listener.close()
+        }
+        let baseline = Support.openSockets(port: hole.listener.port)
+        let start = ContinuousClock.now
+        let error = await expectTransportError(.timedOut) {
+            try await Transport.connect(to: "tcp://127.0.0.1:\(hole.listener.port)?timeout=0.3")
+        }
+        #expect(ContinuousClock.now - start < .seconds(3))
+        #expect(error?.message.contains("timeout") == true)
+        #expect(await Support.eventually { Support.openSockets(port: hole.listener.port) == baseline })
+    }
+
+    @Test func cancellingAConnectReturnsPromptlyAndLeaksNothing() async throws {
+        let hole = try Support.blackHole()
+        defer {
+            for fd in hole.fillers { close(fd) }
+            hole.listener.close()
+        }
+        let baseline = Support.openSockets(port: hole.listener.port)
+        let task = Task { try await Transport.connect(to: "tcp://127.0.0.1:\(hole.listener.port)?timeout=0") }
+        try await Task.sleep(for: .milliseconds(200))
+        let start = ContinuousClock.now
+        task.cancel()
+        await #expect(throws: CancellationError.self) { try await task.value }
+        #expect(ContinuousClock.now - start < .seconds(1))
+        // The abandoned attempt's socket is closed once NIO gives up on it.
+        #expect(await Support.eventually(15) { Support.openSockets(port: hole.listener.port) == baseline })
+    }
+
+    @Test func halfCloseLetsThePeerAnswerAfterTheEnd() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        let serverTask = Task {
+            let server = try #require(try await listener.accept())
+            var request: [UInt8] = []
+            while let chunk = try await server.read() { request += chunk }  // until the client's FIN
+            try await server.write(request.reversed())
+            try await server.close()
+        }
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
+        try await client.write("stressed")
+        try await client.closeWrite()
+        var answer: [UInt8] = []
+        while let chunk = try await client.read() { answer += chunk }
+        #expect(String(decoding: answer, as: UTF8.self) == "desserts")
+        try await serverTask.value
+        try await client.close()
+        try await listener.close()
+    }
+
+    @Test func aSlowReaderBoundsTheWritersBuffer() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
+        let server = try #require(try await listener.accept())
+        let chunk = [UInt8](repeating: 0x55, count: 256 * 1024)
+        let total = 64 * 1024 * 1024
+        let writer = Task {
+            var sent = 0
+            while sent < total {
+                try await client.write(chunk)
+                sent += chunk.count
+            }
+        }
+        try await Task.sleep(for: .milliseconds(500))
+        // Nobody reads: the writer is held back by the kernel's buffers, NIO's watermark and the
+        // reader's inbound limit, not queued without bound.
+        let accepted = client.bytesWritten
+        #expect(accepted < 24 * 1024 * 1024, "the writer got \(accepted) bytes ahead of a reader that reads nothing")
+        try await Task.sleep(for: .milliseconds(200))
+        #expect(client.bytesWritten == accepted, "the writer kept going without a reader")
+        // Now drain: every byte written arrives.
+        var received = 0
+        while received < total, let bytes = try await server.readBuffer() { received += bytes.readableBytes }
+        try await writer.value
+        #expect(received == total)
+        try await client.close()
+        try await server.close()
+        try await listener.close()
+    }
+
+    @Test func aSlowApplicationReaderStopsReadingFromTheKernel() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
+        let server = try #require(try await listener.accept())
+        let writer = Task {
+            let chunk = [UInt8](repeating: 1, count: 64 * 1024)
+            while !Task.isCancelled { try await server.write(chunk) }
+        }
+        try await Task.sleep(for: .milliseconds(500))
+        let written = server.bytesWritten
+        #expect(written < 24 * 1024 * 1024, "\(written) bytes sent to a client that reads nothing")
+        writer.cancel()
+        _ = try? await writer.value
+        try await client.close()
+        // The server's last writes may not have reached a client that closed: close may say so.
+        try? await server.close()
+        try await listener.close()
+    }
+
+    @Test func peerResetIsDisconnectedAfterTheBytesBeforeIt() async throws {
+        let raw = try Support.RawListener()
+        defer { raw.close() }
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(raw.port)")
+        let fd = await raw.accept()
+        Support.writeAll(fd, Array("last words".utf8))
+        try await Task.sleep(for: .milliseconds(50))
+        Support.resetClose(fd)
+        var received: [UInt8] = []
+        do {
+            while let chunk = try await client.read() { received += chunk }
+            Issue.record("a reset ended like an orderly close")
+        } catch let error as TransportError {
+            #expect(error.kind == .disconnected)
+            #expect(error.errno == ErrnoName.ECONNRESET)
+        }
+        #expect(received == Array("last words".utf8))
+        try? await client.close()
+        #expect(await Support.eventually { Support.openSockets(port: raw.port) == 0 })
+    }
+
+    @Test func writingToAResetPeerFails() async throws {
+        let raw = try Support.RawListener()
+        defer { raw.close() }
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(raw.port)")
+        Support.resetClose(await raw.accept())
+        try await Task.sleep(for: .milliseconds(50))
+        await expectTransportError(.disconnected) {
+            for _ in 0..<100 {
+                try await client.write([UInt8](repeating: 0, count: 1024))
+                try await Task.sleep(for: .milliseconds(5))
+            }
+            try await client.close()
+        }
+        try? await client.close()
+    }
+
+    @Test func droppedConnectionsAreClosed() async throws {
+        let raw = try Support.RawListener()
+        defer { raw.close() }
+        do {
+            _ = try await Transport.connect(to: "tcp://127.0.0.1:\(raw.port)")
+        }
+        let fd = await raw.accept()
+        // The application never called close(): releasing the connection closed its socket.
+        #expect(await Support.readAll(fd).isEmpty)
+        close(fd)
+        #expect(await Support.eventually { Support.openSockets(port: raw.port) == 0 })
+    }
+
+    @Test func addressInUseIsBusy() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        await expectTransportError(.busy) { try await Transport.listen(on: "tcp://127.0.0.1:\(port)") }
+        try await listener.close()
+    }
+
+    @Test func listenerCloseEndsAcceptAndTheSequence() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let waiting = Task { try await listener.accept() }
+        try await Task.sleep(for: .milliseconds(50))
+        try await listener.close()
+        #expect(try await waiting.value == nil)
+        var count = 0
+        for try await _ in listener.connections { count += 1 }
+        #expect(count == 0)
+    }
+
+    @Test func socketOptionsAreApplied() async throws {
+        let raw = try Support.RawListener()
+        defer { raw.close() }
+        // keepAliveIdle implies keepAlive; both must be accepted by the kernel without error.
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(raw.port)?noDelay=false&keepAliveIdle=30")
+        let fd = await raw.accept()
+        defer { close(fd) }
+        try await client.write("k")
+        try await client.close()
+        #expect(await Support.readAll(fd) == Array("k".utf8))
+    }
+}
+
+@Suite("unix://")
+struct UnixTests {
+    @Test func listenAndConnect() async throws {
+        let path = Support.temporaryPath("basic")
+        let listener = try await Transport.listen(on: "unix://\(path)")
+        async let accepted = listener.accept()
+        let client = try await Transport.connect(to: "unix://\(path)")
+        let server = try #require(try await accepted)
+        try await client.write("over unix")
+        #expect(try await server.read() == Array("over unix".utf8))
+        try await client.closeWrite()
+        #expect(try await server.read() == nil)
+        try await server.write("reply")
+        #expect(try await client.read() == Array("reply".utf8))
+        try await client.close()
+        try await server.close()
+        try await listener.close()
+        #expect(!FileManager.default.fileExists(atPath: path), "the listener removes its socket file")
+        #expect(Support.openUnixSockets(path: path) == 0)
+    }
+
+    @Test func missingSocketIsNotFound() async {
+        let error = await expectTransportError(.notFound) { try await Transport.connect(to: "unix:///nonexistent/dir/x.sock") }
+        #expect(error?.errno == ErrnoName.ENOENT)
+        #expect(error?.syscall == "connect")
+    }
+
+    @Test func staleSocketFileIsReplacedButALiveOneIsBusy() async throws {
+        let path = Support.temporaryPath("stale")
+        // A socket file left by a process that died: bound, never listening, closed.
+        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue), 0)
+        var address = sockaddr_un()
+        address.sun_family = sa_family_t(AF_UNIX)
+        withUnsafeMutableBytes(of: &address.sun_path) { raw in
+            path.utf8CString.withUnsafeBytes { raw.copyMemory(from: $0) }
+        }
+        _ = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        }
+        close(fd)
+        #expect(FileManager.default.fileExists(atPath: path))
+        await expectTransportError(.refused) { try await Transport.connect(to: "unix://\(path)") }
+
+        let listener = try await Transport.listen(on: "unix://\(path)")
+        let error = await expectTransportError(.busy) { try await Transport.listen(on: "unix://\(path)") }
+        #expect(error?.message.contains("another process") == true)
+        try await listener.close()
+    }
+
+    @Test func aRegularFileIsNotReplaced() async throws {
+        let path = Support.temporaryPath("file")
+        #expect(FileManager.default.createFile(atPath: path, contents: Data("keep".utf8)))
+        defer { try? FileManager.default.removeItem(atPath: path) }
+        await expectTransportError(.busy) { try await Transport.listen(on: "unix://\(path)") }
+        #expect(FileManager.default.contents(atPath: path) == Data("keep".utf8))
+    }
+
+    @Test func overlongPathIsInvalid() async {
+        let long = "/tmp/" + String(repeating: "x", count: 200)
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "unix://\(long)") }
+    }
+}

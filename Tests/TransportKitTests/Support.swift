@@ -1,0 +1,178 @@
+import Foundation
+import Glibc
+import Testing
+@testable import TransportKit
+
+/// Test helpers built on plain system calls, independent of the code under test.
+enum Support {
+    /// Runs a blocking call on a Dispatch thread. Blocking a cooperative-pool thread in a test can
+    /// starve the whole run: on a 2-core machine that pool has two threads.
+    static func offPool<T: Sendable>(_ body: @escaping @Sendable () -> T) async -> T {
+        await withCheckedContinuation { continuation in
+            DispatchQueue.global().async { continuation.resume(returning: body()) }
+        }
+    }
+
+    /// A listening TCP socket on 127.0.0.1 made with plain system calls.
+    struct RawListener {
+        let fd: Int32
+        let port: Int
+
+        init(backlog: Int32 = 16) throws {
+            fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+            guard fd >= 0 else { throw TransportError.posix("socket", errno: errno, what: "test listener") }
+            var address = sockaddr_in()
+            address.sin_family = sa_family_t(AF_INET)
+            address.sin_addr.s_addr = inet_addr("127.0.0.1")
+            let socketFD = fd
+            let bound = withUnsafePointer(to: &address) {
+                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(socketFD, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
+            }
+            guard bound == 0, Glibc.listen(fd, backlog) == 0 else {
+                throw TransportError.posix("bind/listen", errno: errno, what: "test listener")
+            }
+            var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+            _ = withUnsafeMutablePointer(to: &address) {
+                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(socketFD, $0, &length) }
+            }
+            port = Int(UInt16(bigEndian: address.sin_port))
+        }
+
+        /// Waits for a client; the blocking accept(2) runs off the cooperative pool.
+        func accept() async -> Int32 {
+            let fd = self.fd
+            return await Support.offPool { Glibc.accept(fd, nil, nil) }
+        }
+
+        func close() { _ = Glibc.close(fd) }
+    }
+
+    /// A plain blocking client socket connected to 127.0.0.1:`port` (non-blocking when asked, so
+    /// connects to a full backlog return at once).
+    static func rawConnect(port: Int, nonBlocking: Bool = false) -> Int32 {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | (nonBlocking ? Int32(SOCK_NONBLOCK.rawValue) : 0), 0)
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        address.sin_port = UInt16(port).bigEndian
+        _ = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
+        }
+        return fd
+    }
+
+    /// Closes `fd` with SO_LINGER 0, so the peer gets a reset (RST) instead of an orderly end.
+    static func resetClose(_ fd: Int32) {
+        var linger = Glibc.linger(l_onoff: 1, l_linger: 0)
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &linger, socklen_t(MemoryLayout<Glibc.linger>.size))
+        _ = Glibc.close(fd)
+    }
+
+    static func writeAll(_ fd: Int32, _ bytes: [UInt8]) {
+        var offset = 0
+        while offset < bytes.count {
+            let count = bytes[offset...].withUnsafeBytes { Glibc.write(fd, $0.baseAddress, $0.count) }
+            if count <= 0 { return }
+            offset += count
+        }
+    }
+
+    /// Reads until the end of the stream; the blocking reads run off the cooperative pool.
+    static func readAll(_ fd: Int32) async -> [UInt8] {
+        await offPool { readAllBlocking(fd) }
+    }
+
+    private static func readAllBlocking(_ fd: Int32) -> [UInt8] {
+        var result: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 65536)
+        while true {
+            let count = buffer.withUnsafeMutableBytes { Glibc.read(fd, $0.baseAddress, $0.count) }
+            if count <= 0 { return result }
+            result += buffer[..<count]
+        }
+    }
+
+    /// A TCP port whose SYNs go unanswered: a listener with a zero backlog, already full, that
+    /// never accepts. Connects to it hang until their timeout. Keep the returned fds open.
+    static func blackHole() throws -> (listener: RawListener, fillers: [Int32]) {
+        let listener = try RawListener(backlog: 0)
+        var fillers: [Int32] = []
+        for _ in 0..<4 {
+            fillers.append(rawConnect(port: listener.port, nonBlocking: true))
+            Thread.sleep(forTimeInterval: 0.02)
+        }
+        return (listener, fillers)
+    }
+
+    /// The number of this process's file descriptors that are connected (or connecting) TCP
+    /// sockets with `port` at either end; listening sockets are not counted. Precise where a plain
+    /// fd count is not (tests run in parallel).
+    static func openSockets(port: Int) -> Int {
+        let inodes = socketInodes(table: ["/proc/net/tcp", "/proc/net/tcp6"]) { fields in
+            let hexPort = String(format: "%04X", port)
+            let listening = fields[3] == "0A"
+            return !listening && (fields[1].hasSuffix(":" + hexPort) || fields[2].hasSuffix(":" + hexPort))
+        }
+        return ownSocketInodes().filter(inodes.contains).count
+    }
+
+    /// The number of this process's file descriptors that are Unix sockets bound to `path`.
+    static func openUnixSockets(path: String) -> Int {
+        let inodes = socketInodes(table: ["/proc/net/unix"]) { fields in fields.count > 7 && fields[7] == path }
+        return ownSocketInodes().filter(inodes.contains).count
+    }
+
+    private static func socketInodes(table paths: [String], matching: ([String]) -> Bool) -> Set<String> {
+        var inodes = Set<String>()
+        for path in paths {
+            guard let text = try? String(contentsOfFile: path, encoding: .utf8) else { continue }
+            for line in text.split(separator: "\n").dropFirst() {
+                let fields = line.split(separator: " ").map(String.init)
+                guard fields.count > 9 else { continue }
+                if matching(fields) { inodes.insert(path.hasSuffix("unix") ? fields[6] : fields[9]) }
+            }
+        }
+        return inodes
+    }
+
+    private static func ownSocketInodes() -> [String] {
+        let entries = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []
+        return entries.compactMap { entry in
+            guard let target = try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/" + entry),
+                  target.hasPrefix("socket:[") else { return nil }
+            return String(target.dropFirst("socket:[".count).dropLast())
+        }
+    }
+
+    /// Polls `condition` for up to `seconds` (the socket tables update asynchronously after close).
+    static func eventually(_ seconds: Double = 2, _ condition: () -> Bool) async -> Bool {
+        let deadline = Date().addingTimeInterval(seconds)
+        while Date() < deadline {
+            if condition() { return true }
+            try? await Task.sleep(for: .milliseconds(10))
+        }
+        return condition()
+    }
+
+    static func temporaryPath(_ name: String) -> String {
+        let directory = FileManager.default.temporaryDirectory.path + "/tk-tests-\(getpid())"
+        try? FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        return directory + "/" + name + "-\(UInt32.random(in: 0...UInt32.max)).sock"
+    }
+}
+
+/// Expects `body` to throw a TransportError of `kind`; returns it for further checks.
+@discardableResult
+func expectTransportError<T>(_ kind: TransportError.Kind, sourceLocation: SourceLocation = #_sourceLocation,
+                             _ body: () async throws -> T) async -> TransportError? {
+    do {
+        _ = try await body()
+        Issue.record("expected a \(kind) error, got success", sourceLocation: sourceLocation)
+    } catch let error as TransportError {
+        #expect(error.kind == kind, "wrong kind: \(error)", sourceLocation: sourceLocation)
+        return error
+    } catch {
+        Issue.record("expected a TransportError, got \(error)", sourceLocation: sourceLocation)
+    }
+    return nil
+}
