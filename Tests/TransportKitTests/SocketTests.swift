@@ -25,6 +25,37 @@ struct TCPTests {
         #expect(await Support.eventually { Support.openSockets(port: port) == 0 })
     }
 
+    @Test func aConnectionThatArrivesBeforeAcceptIsKept() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
+        try await client.write("early")
+        try await Task.sleep(for: .milliseconds(300))
+        let server = try #require(try await listener.accept())
+        #expect(try await server.read(timeout: .seconds(5)) == Array("early".utf8))
+        try await server.write("welcome")
+        #expect(try await client.read(timeout: .seconds(5)) == Array("welcome".utf8))
+        try await client.close()
+        try await server.close()
+        try await listener.close()
+    }
+
+    @Test func closingTheListenerRightAfterAcceptKeepsTheConnection() async throws {
+        // NIO closes a child whose server channel closed before the child was passed on; the
+        // listener must hand connections out only after that point.
+        for round in 0..<20 {
+            let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+            let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
+            try await client.write("round \(round)")
+            let server = try #require(try await listener.accept())
+            try await listener.close()
+            #expect(try await server.read(timeout: .seconds(5)) == Array("round \(round)".utf8))
+            try await server.write("ok")
+            #expect(try await client.read(timeout: .seconds(5)) == Array("ok".utf8))
+            try await client.close()
+            try await server.close()
+        }
+    }
+
     @Test func ipv6AndDNSNames() async throws {
         // IPv6 literal, and a name resolved through getaddrinfo (localhost: 127.0.0.1 here).
         let v6 = try await Transport.listen(on: "tcp://[::1]:0")
@@ -61,7 +92,7 @@ struct TCPTests {
     }
 
     @Test func connectTimeoutFiresAndLeaksNothing() async throws {
-        let hole = try Support.blackHole()
+        let hole = try await Support.blackHole()
         defer {
             for fd in hole.fillers { close(fd) }
             hole.listener.close()
@@ -77,7 +108,7 @@ struct TCPTests {
     }
 
     @Test func cancellingAConnectReturnsPromptlyAndLeaksNothing() async throws {
-        let hole = try Support.blackHole()
+        let hole = try await Support.blackHole()
         defer {
             for fd in hole.fillers { close(fd) }
             hole.listener.close()
@@ -276,7 +307,7 @@ struct UnixTests {
     @Test func staleSocketFileIsReplacedButALiveOneIsBusy() async throws {
         let path = Support.temporaryPath("stale")
         // A socket file left by a process that died: bound, never listening, closed.
-        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue), 0)
+        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
         var address = sockaddr_un()
         address.sun_family = sa_family_t(AF_UNIX)
         withUnsafeMutableBytes(of: &address.sun_path) { raw in

@@ -5,11 +5,12 @@ import Testing
 
 /// Test helpers built on plain system calls, independent of the code under test.
 enum Support {
-    /// Runs a blocking call on a Dispatch thread. Blocking a cooperative-pool thread in a test can
-    /// starve the whole run: on a 2-core machine that pool has two threads.
+    /// Runs a blocking call on a thread of its own. Blocking a cooperative-pool thread starves the
+    /// whole run (on a 2-core machine that pool has two threads), and on Linux so does blocking in
+    /// `DispatchQueue.global()`: Swift's global executor runs on that same width-limited queue.
     static func offPool<T: Sendable>(_ body: @escaping @Sendable () -> T) async -> T {
         await withCheckedContinuation { continuation in
-            DispatchQueue.global().async { continuation.resume(returning: body()) }
+            Thread { continuation.resume(returning: body()) }.start()
         }
     }
 
@@ -19,7 +20,9 @@ enum Support {
         let port: Int
 
         init(backlog: Int32 = 16) throws {
-            fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+            // SOCK_CLOEXEC on every test socket: other tests spawn processes, and an inherited
+            // duplicate would keep a "closed" socket open (no FIN, no RST) for as long as they run.
+            fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
             guard fd >= 0 else { throw TransportError.posix("socket", errno: errno, what: "test listener") }
             var address = sockaddr_in()
             address.sin_family = sa_family_t(AF_INET)
@@ -41,7 +44,12 @@ enum Support {
         /// Waits for a client; the blocking accept(2) runs off the cooperative pool.
         func accept() async -> Int32 {
             let fd = self.fd
-            return await Support.offPool { Glibc.accept(fd, nil, nil) }
+            return await Support.offPool {
+                // accept4(2) is not visible from Swift's Glibc module; set FD_CLOEXEC right after.
+                let client = Glibc.accept(fd, nil, nil)
+                if client >= 0 { _ = fcntl(client, F_SETFD, FD_CLOEXEC) }
+                return client
+            }
         }
 
         func close() { _ = Glibc.close(fd) }
@@ -50,7 +58,8 @@ enum Support {
     /// A plain blocking client socket connected to 127.0.0.1:`port` (non-blocking when asked, so
     /// connects to a full backlog return at once).
     static func rawConnect(port: Int, nonBlocking: Bool = false) -> Int32 {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | (nonBlocking ? Int32(SOCK_NONBLOCK.rawValue) : 0), 0)
+        let flags = Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue) | (nonBlocking ? Int32(SOCK_NONBLOCK.rawValue) : 0)
+        let fd = socket(AF_INET, flags, 0)
         var address = sockaddr_in()
         address.sin_family = sa_family_t(AF_INET)
         address.sin_addr.s_addr = inet_addr("127.0.0.1")
@@ -94,12 +103,12 @@ enum Support {
 
     /// A TCP port whose SYNs go unanswered: a listener with a zero backlog, already full, that
     /// never accepts. Connects to it hang until their timeout. Keep the returned fds open.
-    static func blackHole() throws -> (listener: RawListener, fillers: [Int32]) {
+    static func blackHole() async throws -> (listener: RawListener, fillers: [Int32]) {
         let listener = try RawListener(backlog: 0)
         var fillers: [Int32] = []
         for _ in 0..<4 {
             fillers.append(rawConnect(port: listener.port, nonBlocking: true))
-            Thread.sleep(forTimeInterval: 0.02)
+            try await Task.sleep(for: .milliseconds(20))
         }
         return (listener, fillers)
     }

@@ -2,6 +2,10 @@
 // Accepting is driven by demand: the server channel does not auto-read, and each accept() that
 // finds no connection waiting asks for one read of at most one connection, so connections wait in
 // the kernel's backlog, never in an unbounded queue here.
+//
+// A connection is handed out only when its channel reaches the server pipeline: NIO runs the child
+// initializer first and then closes the child if the server channel closed meanwhile, so handing
+// it out from the initializer would let `listener.close()` right after `accept()` kill it.
 
 import NIOCore
 import NIOPosix
@@ -14,6 +18,8 @@ final class SocketListener: ListenerBackend {
     private let onClose: @Sendable () -> Void
 
     private struct State {
+        /// Connections whose child initializer ran, by channel, until NIO passes them on.
+        var staged: [ObjectIdentifier: Connection] = [:]
         var ready: [Connection] = []
         var waiter: CheckedContinuation<Connection?, any Error>?
         var closed = false
@@ -51,27 +57,47 @@ final class SocketListener: ListenerBackend {
                     let connection = Connection(url: url, backend: backend,
                                                 metadata: ConnectionMetadata(name: peer, localAddress: child.localAddress?.description,
                                                                              remoteAddress: child.remoteAddress?.description))
-                    if let listener {
-                        listener.deliver(connection)
-                    } else {
-                        child.close(promise: nil)
-                    }
+                    guard let listener else { throw ChannelError.ioOnClosedChannel }
+                    listener.stage(connection, for: child)
                 }
             }
         let server = try await bind(bootstrap)
+        // Appended after bind so it sits behind NIO's AcceptHandler; nothing is accepted before
+        // the first accept() because the server channel does not auto-read.
+        try await server.pipeline.addHandler(AcceptedChannelHandler { [weak listener] child in
+            if let listener {
+                listener.deliver(child)
+            } else {
+                child.close(promise: nil)
+            }
+        }).get()
         listener.serverBox.withLock { $0 = server }
         server.closeFuture.whenComplete { [weak listener] _ in listener?.serverClosed() }
         return listener
     }
 
-    private func deliver(_ connection: Connection) {
-        let waiter = state.withLock { state -> CheckedContinuation<Connection?, any Error>? in
+    private func stage(_ connection: Connection, for child: any Channel) {
+        let key = ObjectIdentifier(child)
+        state.withLock { $0.staged[key] = connection }
+        // A child that NIO closes before passing it on must not stay staged.
+        child.closeFuture.whenComplete { [weak self] _ in
+            _ = self?.state.withLock { $0.staged.removeValue(forKey: key) }
+        }
+    }
+
+    private func deliver(_ child: any Channel) {
+        let (connection, waiter) = state.withLock { state -> (Connection?, CheckedContinuation<Connection?, any Error>?) in
+            guard let connection = state.staged.removeValue(forKey: ObjectIdentifier(child)) else { return (nil, nil) }
             if let waiter = state.waiter {
                 state.waiter = nil
-                return waiter
+                return (connection, waiter)
             }
             state.ready.append(connection)
-            return nil
+            return (connection, nil)
+        }
+        guard let connection else {
+            child.close(promise: nil)
+            return
         }
         if let waiter {
             waiter.resume(returning: connection)
@@ -131,5 +157,22 @@ final class SocketListener: ListenerBackend {
 
     deinit {
         serverBox.withLock { $0 }?.close(promise: nil)
+    }
+}
+
+/// Sits in the server channel's pipeline and receives each accepted child channel once NIO has
+/// finished setting it up. It passes the event on: NIO registers the child with its event loop
+/// only when the event reaches the end of the server pipeline.
+private final class AcceptedChannelHandler: ChannelInboundHandler, Sendable {
+    typealias InboundIn = any Channel
+    typealias InboundOut = any Channel
+    private let accepted: @Sendable (any Channel) -> Void
+
+    init(_ accepted: @escaping @Sendable (any Channel) -> Void) { self.accepted = accepted }
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        let child = Self.unwrapInboundIn(data)
+        context.fireChannelRead(data)
+        accepted(child)
     }
 }

@@ -1,0 +1,259 @@
+import Foundation
+import Testing
+import TransportKit
+
+/// Runs the built `transportkit` binary (next to the test bundle) as a child process.
+struct CLI {
+    static var binary: String {
+        URL(fileURLWithPath: ProcessInfo.processInfo.arguments[0]).deletingLastPathComponent()
+            .appendingPathComponent("transportkit").path
+    }
+
+    struct Result {
+        var status: Int32
+        var stdout: [UInt8]
+        var stderr: String
+        var text: String { String(decoding: stdout, as: UTF8.self) }
+    }
+
+    /// A started process whose output is collected in the background.
+    final class Running: @unchecked Sendable {
+        // @unchecked Sendable: `process` and the pipes are used from the test task; the collected
+        // output is written once by the reader threads and read after `wait()` joined them.
+        let process = Process()
+        let input = Pipe()
+        let output = Pipe()
+        let errors = Pipe()
+        private let group = DispatchGroup()
+        private var out = Data()
+        private var err = Data()
+        private let lock = NSLock()
+        private var errLines: [String] = []
+
+        init(_ arguments: [String], launchAs user: String? = nil) throws {
+            if let user {
+                process.executableURL = URL(fileURLWithPath: "/usr/sbin/runuser")
+                process.arguments = ["-u", user, "--", CLI.binary] + arguments
+            } else {
+                process.executableURL = URL(fileURLWithPath: CLI.binary)
+                process.arguments = arguments
+            }
+            process.standardInput = input
+            process.standardOutput = output
+            process.standardError = errors
+            try process.run()
+            // Blocking reads run on threads of their own, never on DispatchQueue.global(): on Linux
+            // Swift's global executor shares that queue's two-thread width on this machine.
+            group.enter()
+            Thread { [self] in
+                let data = output.fileHandleForReading.readDataToEndOfFile()
+                lock.withLock { out = data }
+                group.leave()
+            }.start()
+            group.enter()
+            Thread { [self] in
+                let handle = errors.fileHandleForReading
+                while true {
+                    let chunk = handle.availableData
+                    if chunk.isEmpty { break }
+                    lock.withLock {
+                        err.append(chunk)
+                        errLines = String(decoding: err, as: UTF8.self).split(separator: "\n").map(String.init)
+                    }
+                }
+                group.leave()
+            }.start()
+        }
+
+        /// Standard input is written on a serial queue: a blocking pipe write on a cooperative thread
+        /// could deadlock a test whose server task (in this process) must run for the child to read.
+        private let writer = DispatchQueue(label: "cli-test-stdin")
+
+        func send(_ bytes: [UInt8]) {
+            let handle = input.fileHandleForWriting
+            writer.async { try? handle.write(contentsOf: Data(bytes)) }
+        }
+
+        func endInput() {
+            let handle = input.fileHandleForWriting
+            writer.async { try? handle.close() }
+        }
+
+        /// The standard-error lines so far.
+        var stderrLines: [String] { lock.withLock { errLines } }
+
+        /// Waits for the process to exit (killing it after `timeout` seconds).
+        func wait(timeout: Double = 20) async -> Result {
+            let deadline = Date().addingTimeInterval(timeout)
+            while process.isRunning && Date() < deadline { try? await Task.sleep(for: .milliseconds(20)) }
+            if process.isRunning { process.terminate() }
+            await withCheckedContinuation { continuation in
+                Thread { [self] in
+                    process.waitUntilExit()
+                    group.wait()
+                    continuation.resume()
+                }.start()
+            }
+            return lock.withLock { Result(status: process.terminationStatus, stdout: Array(out), stderr: String(decoding: err, as: UTF8.self)) }
+        }
+    }
+
+    static func run(_ arguments: [String], stdin: [UInt8] = [], timeout: Double = 20) async throws -> Result {
+        let running = try Running(arguments)
+        running.send(stdin)
+        running.endInput()
+        return await running.wait(timeout: timeout)
+    }
+}
+
+@Suite("transportkit CLI")
+struct CLITests {
+    @Test func schemesText() async throws {
+        let result = try await CLI.run(["schemes"])
+        #expect(result.status == 0)
+        #expect(result.text.contains("tcp://HOST:PORT[?OPTIONS]"))
+        #expect(result.text.contains("unix:///PATH"))
+        #expect(result.text.contains("loop://[?buffer=BYTES]"))
+        #expect(result.text.contains("noDelay (bool, default true)"))
+    }
+
+    @Test func schemesJSONIsParseable() async throws {
+        let result = try await CLI.run(["schemes", "--json"])
+        #expect(result.status == 0)
+        let array = try #require(try JSONSerialization.jsonObject(with: Data(result.stdout)) as? [[String: Any]])
+        let byName = Dictionary(uniqueKeysWithValues: array.compactMap { item in (item["scheme"] as? String).map { ($0, item) } })
+        #expect(Set(byName.keys).isSuperset(of: ["tcp", "unix", "loop"]))
+        let tcp = try #require(byName["tcp"])
+        #expect(tcp["grammar"] as? String == "tcp://HOST:PORT[?OPTIONS]")
+        #expect(tcp["canListen"] as? Bool == true)
+        #expect(tcp["portRange"] as? [Int] == [0, 65535])
+        let options = try #require(tcp["options"] as? [[String: Any]])
+        let noDelay = try #require(options.first { $0["name"] as? String == "noDelay" })
+        #expect(noDelay["type"] as? String == "bool")
+        #expect(noDelay["default"] as? String == "true")
+        #expect(options.contains { $0["name"] as? String == "timeout" })
+    }
+
+    @Test func connectRelaysBytesUntouched() async throws {
+        let payload: [UInt8] = Array(0...255) + Array("line\r\n".utf8) + [0, 0xFF]
+        let result = try await CLI.run(["connect", "loop://?buffer=65536"], stdin: payload)
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(result.stdout == payload)
+    }
+
+    @Test func connectHalfClosesAndReadsTheAnswer() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let server = Task {
+            let connection = try #require(try await listener.accept())
+            var request: [UInt8] = []
+            while let chunk = try await connection.read() { request += chunk }   // until the CLI's FIN
+            try await connection.write(Array(String(decoding: request, as: UTF8.self).uppercased().utf8))
+            try await connection.close()
+        }
+        let big = Array(String(repeating: "abcdefgh", count: 200_000).utf8)  // 1.6 MB through a pipe
+        // The peer answers only after reading everything: give it longer than the default linger.
+        let result = try await CLI.run(["connect", "--linger", "20", "tcp://127.0.0.1:\(listener.url.port ?? 0)"], stdin: big, timeout: 60)
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(result.stdout.count == big.count)
+        #expect(result.stdout.prefix(8) == ArraySlice("ABCDEFGH".utf8))
+        try await server.value
+        try await listener.close()
+    }
+
+    @Test func connectLingersThenExitsWhenThePeerStaysOpen() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let server = Task {
+            let connection = try #require(try await listener.accept())
+            try await connection.write("greeting\n")
+            // Never closes; read until the CLI goes away.
+            while try await connection.read() != nil {}
+            try await connection.close()
+        }
+        let start = Date()
+        let running = try CLI.Running(["connect", "--linger", "0.3", "tcp://127.0.0.1:\(listener.url.port ?? 0)"])
+        try await Task.sleep(for: .milliseconds(300))
+        running.endInput()
+        let result = await running.wait()
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(result.text == "greeting\n")
+        #expect(Date().timeIntervalSince(start) < 10)
+        try await server.value
+        try await listener.close()
+    }
+
+    @Test func connectFailuresPrintTheErrorAndExitNonZero() async throws {
+        let refused = try await CLI.run(["connect", "tcp://127.0.0.1:1"])
+        #expect(refused.status != 0)
+        #expect(refused.stderr.contains("refused the connection"))
+        #expect(refused.stderr.contains("ECONNREFUSED"))
+
+        let invalid = try await CLI.run(["connect", "tcp://127.0.0.1:1?speed=9"])
+        #expect(invalid.status != 0)
+        #expect(invalid.stderr.contains("unknown option 'speed'"))
+        #expect(invalid.stderr.contains("Grammar: tcp://HOST:PORT"))
+
+        let unknown = try await CLI.run(["connect", "gopher://x:70"])
+        #expect(unknown.status != 0)
+        #expect(unknown.stderr.contains("no plugin handles gopher://"))
+    }
+
+    @Test(.enabled(if: getuid() == 0 && FileManager.default.isExecutableFile(atPath: "/usr/sbin/runuser"),
+                   "needs root to run the CLI as an unprivileged user"))
+    func permissionDeniedIsExplained() async throws {
+        let directory = "/tmp/tk-cli-perm-\(getpid())"
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true,
+                                                attributes: [.posixPermissions: 0o755])
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let path = directory + "/private.sock"
+        let listener = try await Transport.listen(on: "unix://\(path)")
+        try FileManager.default.setAttributes([.posixPermissions: 0o600], ofItemAtPath: path)
+        let running = try CLI.Running(["connect", "unix://\(path)"], launchAs: "nobody")
+        running.endInput()
+        let result = await running.wait()
+        #expect(result.status != 0)
+        #expect(result.stderr.contains("no permission to use \(path)"), "\(result.stderr)")
+        #expect(result.stderr.contains("EACCES"))
+        try await listener.close()
+    }
+
+    @Test func bridgeRelaysBetweenAListenerAndAConnection() async throws {
+        // An echo server stands in for a device.
+        let echo = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let echoTask = Task {
+            let connection = try #require(try await echo.accept())
+            while let chunk = try await connection.read() { try await connection.write(chunk) }
+            try await connection.close()
+        }
+        let bridge = try CLI.Running(["bridge", "--json", "--listen", "tcp://127.0.0.1:0", "tcp://127.0.0.1:\(echo.url.port ?? 0)"])
+        var listening: String?
+        for _ in 0..<500 where listening == nil {
+            for line in bridge.stderrLines {
+                if let object = try? JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: String],
+                   object["event"] == "listening" {
+                    listening = object["url"]
+                }
+            }
+            try await Task.sleep(for: .milliseconds(20))
+        }
+        let url = try #require(listening, "the bridge did not report its listening address: \(bridge.stderrLines)")
+        let client = try await Transport.connect(to: url)
+        for index in 0..<50 {
+            try await client.write("frame \(index)\n")
+            #expect(try await client.readLine(timeout: .seconds(10)) == "frame \(index)")
+        }
+        try await client.closeWrite()
+        #expect(try await client.read(timeout: .seconds(10)) == nil, "the bridge passes the end of stream on")
+        try await client.close()
+        let result = await bridge.wait()
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(result.stderr.contains("\"event\":\"accepted\""))
+        try await echoTask.value
+        try await echo.close()
+    }
+
+    @Test func bridgeNeedsTwoEndpoints() async throws {
+        let result = try await CLI.run(["bridge", "loop://"])
+        #expect(result.status != 0)
+        #expect(result.stderr.contains("two endpoints"))
+    }
+}
