@@ -64,7 +64,7 @@ let package = Package(
         .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops"),
         .executableTarget(
             name: "transportkit-bench",
-            dependencies: ["TransportKit", "CBenchLoops"],
+            dependencies: ["TransportKit", "CBenchLoops", .product(name: "NIOCore", package: "swift-nio")],
             path: "Sources/Benchmarks/transportkit-bench",
             swiftSettings: strict
         ),
