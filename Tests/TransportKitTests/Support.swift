@@ -116,13 +116,13 @@ enum Support {
     /// The number of this process's file descriptors that are connected (or connecting) TCP
     /// sockets with `port` at either end; listening sockets are not counted. Precise where a plain
     /// fd count is not (tests run in parallel).
-    static func openSockets(port: Int) -> Int {
+    static func openSockets(port: Int, excluding: [Int32] = []) -> Int {
         let inodes = socketInodes(table: ["/proc/net/tcp", "/proc/net/tcp6"]) { fields in
             let hexPort = String(format: "%04X", port)
             let listening = fields[3] == "0A"
             return !listening && (fields[1].hasSuffix(":" + hexPort) || fields[2].hasSuffix(":" + hexPort))
         }
-        return ownSocketInodes().filter(inodes.contains).count
+        return ownSocketInodes(excluding: excluding).filter(inodes.contains).count
     }
 
     /// The number of this process's file descriptors that are Unix sockets bound to `path`.
@@ -144,9 +144,9 @@ enum Support {
         return inodes
     }
 
-    private static func ownSocketInodes() -> [String] {
+    private static func ownSocketInodes(excluding: [Int32] = []) -> [String] {
         let entries = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []
-        return entries.compactMap { entry in
+        return entries.filter { !excluding.contains(Int32($0) ?? -1) }.compactMap { entry in
             guard let target = try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/" + entry),
                   target.hasPrefix("socket:[") else { return nil }
             return String(target.dropFirst("socket:[".count).dropLast())

@@ -10,6 +10,7 @@
 
 import NIOCore
 import NIOPosix
+import Synchronization
 import TransportKitCore
 
 /// The `tcp://` and `unix://` schemes.
@@ -70,5 +71,40 @@ extension ConnectRequest {
     var nioConnectTimeout: TimeAmount {
         timeout.map { .nanoseconds(Int64($0.components.seconds) * 1_000_000_000 + $0.components.attoseconds / 1_000_000_000) }
             ?? .hours(24)
+    }
+}
+
+/// Channels a bootstrap created for one connect attempt (Happy Eyeballs may make several), so a
+/// cancelled connect can close them at once instead of leaving a half-open socket to the kernel's
+/// SYN retries (about two minutes). NIO's connect futures ignore task cancellation.
+final class PendingChannels: Sendable {
+    private let state = Mutex<(channels: [any Channel], cancelled: Bool)>(([], false))
+
+    /// Records a channel from the bootstrap's initializer; closes it if already cancelled.
+    func add(_ channel: any Channel) {
+        let cancelled = state.withLock { state in
+            state.channels.append(channel)
+            return state.cancelled
+        }
+        if cancelled { channel.close(promise: nil) }
+    }
+
+    func cancel() {
+        let channels = state.withLock { state in
+            state.cancelled = true
+            return state.channels
+        }
+        for channel in channels { channel.close(promise: nil) }
+    }
+
+    /// Runs `connect`, closing every channel it created if the task is cancelled meanwhile.
+    func connect(_ connect: () async throws -> any Channel) async throws -> any Channel {
+        try await withTaskCancellationHandler {
+            let channel = try await connect()
+            try Task.checkCancellation()
+            return channel
+        } onCancel: {
+            cancel()
+        }
     }
 }

@@ -14,19 +14,24 @@ enum TCPSocket {
         let target = "tcp://\(host.contains(":") ? "[\(host)]" : host):\(port)"
         let backend = ChannelBackend(describing: target, supportsHalfClose: true)
         let options = request.options
+        let pending = PendingChannels()
         let bootstrap = ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
             .connectTimeout(request.nioConnectTimeout)
             .channelOption(.allowRemoteHalfClosure, value: true)
             .channelInitializer { channel in
-                channel.eventLoop.makeCompletedFuture {
+                pending.add(channel)
+                return channel.eventLoop.makeCompletedFuture {
                     try applySocketOptions(options, to: channel)
                     try channel.pipeline.syncOperations.addHandler(backend.handler)
                 }
             }
         let channel: any Channel
         do {
-            channel = try await bootstrap.connect(host: host, port: port).get()
+            channel = try await pending.connect { try await bootstrap.connect(host: host, port: port).get() }
+        } catch is CancellationError {
+            throw CancellationError()
         } catch {
+            if Task.isCancelled { throw CancellationError() }
             throw mapConnectError(error, host: host, port: port, target: target)
         }
         backend.attach(channel)

@@ -11,16 +11,19 @@ enum UnixSocket {
         let path = request.url.path
         let target = "unix://\(path)"
         let backend = ChannelBackend(describing: target, supportsHalfClose: true)
+        let pending = PendingChannels()
         let bootstrap = ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
             .connectTimeout(request.nioConnectTimeout)
             .channelOption(.allowRemoteHalfClosure, value: true)
             .channelInitializer { channel in
-                channel.eventLoop.makeCompletedFuture { try channel.pipeline.syncOperations.addHandler(backend.handler) }
+                pending.add(channel)
+                return channel.eventLoop.makeCompletedFuture { try channel.pipeline.syncOperations.addHandler(backend.handler) }
             }
         let channel: any Channel
         do {
-            channel = try await bootstrap.connect(unixDomainSocketPath: path).get()
+            channel = try await pending.connect { try await bootstrap.connect(unixDomainSocketPath: path).get() }
         } catch {
+            if Task.isCancelled { throw CancellationError() }
             throw mapError(error, path: path, doing: "connecting to")
         }
         backend.attach(channel)
