@@ -64,7 +64,10 @@ let package = Package(
         .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops"),
         .executableTarget(
             name: "transportkit-bench",
-            dependencies: ["TransportKit", "CBenchLoops", .product(name: "NIOCore", package: "swift-nio")],
+            dependencies: [
+                "TransportKit", "CBenchLoops",
+                .product(name: "NIOCore", package: "swift-nio"), .product(name: "NIOPosix", package: "swift-nio"),
+            ],
             path: "Sources/Benchmarks/transportkit-bench",
             swiftSettings: strict
         ),

@@ -1,11 +1,12 @@
 // transportkit-bench: loopback tcp:// throughput and 32-byte round trips through TransportKit,
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
-// Run: swift run -c release transportkit-bench [--bytes N] [--rounds N]
+// Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--nio-executor]
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
 import CBenchLoops
 import Foundation
 import NIOCore
+import NIOPosix
 import TransportKit
 
 func argument(_ name: String, default value: Int) -> Int {
@@ -15,6 +16,11 @@ func argument(_ name: String, default value: Int) -> Int {
     }
     return number
 }
+
+// --nio-executor: run Swift concurrency's global executor on NIO's event loops (an application-wide
+// opt-in), so a resumed reader continues on the thread that read the bytes.
+let nioExecutor = CommandLine.arguments.contains("--nio-executor")
+    && NIOSingletons.unsafeTryInstallSingletonPosixEventLoopGroupAsConcurrencyGlobalExecutor()
 
 let totalBytes = argument("--bytes", default: 1 << 30)
 let rounds = argument("--rounds", default: 20_000)
@@ -94,6 +100,7 @@ let cRTT = try await best(of: 3) { tk_bench_c_tcp_round_trips(Int32(rounds)) } /
 let tkRTTCPeer = try await best(of: 3) { try await transportKitRoundTrips(peerInC: true) } / Double(rounds)
 let tkRTT = try await best(of: 3) { try await transportKitRoundTrips(peerInC: false) } / Double(rounds)
 
+print("executor: \(nioExecutor ? "NIO event loops (--nio-executor)" : "Swift's default global executor")")
 print("tcp:// loopback, \(Int(mib)) MiB in \(chunk / 1024) KiB writes, best of 3")
 print(String(format: "  throughput  C loop        %8.0f MiB/s", mib / cThroughput))
 print(String(format: "  throughput  TransportKit  %8.0f MiB/s  (%.0f%% of C)", mib / tkThroughput, 100 * cThroughput / tkThroughput))
