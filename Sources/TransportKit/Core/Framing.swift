@@ -266,8 +266,9 @@ public struct CommandSession: Sendable {
         self.discardStaleInput = discardStaleInput
     }
 
-    /// Sends `command` plus the line ending and returns the response text before the prompt, with
-    /// the echo of nothing removed, CRs turned into newlines and surrounding blank space trimmed.
+    /// Sends `command` plus the line ending and returns the response text before the prompt:
+    /// runs of CR/LF become single newlines and surrounding blank space is trimmed. A device that
+    /// echoes commands (ELM327 with `ATE1`) returns the echo as the first line.
     public func send(_ command: String) async throws -> String {
         let response = try await request(Array((command + lineEnding).utf8))
         let text = String(decoding: response, as: UTF8.self)
