@@ -130,6 +130,29 @@ class BridgeCoreBase: @unchecked Sendable {
     /// Whether `event` is still true; subclasses answer for the availability events.
     func stillHolds(_ event: Stream.Event, _ common: Common) -> Bool { true }
 
+    /// Moves from not-open to open; `false` when the stream was opened (or closed) before.
+    func beginOpen() -> Bool {
+        common.withLock { common in
+            guard common.status == .notOpen else { return false }
+            common.status = .open
+            return true
+        }
+    }
+
+    /// Adds a run loop to deliver events on, and posts `available` there at once if it holds
+    /// (bytes already buffered, or room to write).
+    func schedule(in runLoop: RunLoop, forMode mode: RunLoop.Mode, available: Stream.Event) {
+        let holds = common.withLock { common in
+            common.target.schedules.append((runLoop, mode))
+            return common.status == .open && stillHolds(available, common)
+        }
+        if holds { post(available) }
+    }
+
+    func remove(from runLoop: RunLoop, forMode mode: RunLoop.Mode) {
+        common.withLock { $0.target.schedules.removeAll { $0.runLoop === runLoop && $0.mode == mode } }
+    }
+
     /// Runs `change` under the condition's lock and wakes blocked readers and writers.
     func signal<T>(_ change: (inout Common) -> T) -> T {
         condition.lock()
@@ -157,12 +180,7 @@ final class InboundCore: BridgeCoreBase, @unchecked Sendable {
     private let pump = Mutex<(task: Task<Void, Never>?, room: CheckedContinuation<Void, Never>?, endPosted: Bool)>((nil, nil, false))
 
     func open() {
-        let start = common.withLock { common in
-            guard common.status == .notOpen else { return false }
-            common.status = .open
-            return true
-        }
-        guard start else { return }
+        guard beginOpen() else { return }
         post(.openCompleted)
         let task = Task { [self] in await run() }
         pump.withLock { $0.task = task }
@@ -276,12 +294,7 @@ final class OutboundCore: BridgeCoreBase, @unchecked Sendable {
     private let pump = Mutex<(data: CheckedContinuation<Void, Never>?, closing: Bool)>((nil, false))
 
     func open() {
-        let start = common.withLock { common in
-            guard common.status == .notOpen else { return false }
-            common.status = .open
-            return true
-        }
-        guard start else { return }
+        guard beginOpen() else { return }
         post(.openCompleted)
         post(.hasSpaceAvailable)
         Task { [self] in await run() }
@@ -405,15 +418,11 @@ final class ConnectionInputStream: InputStream {
                             length len: UnsafeMutablePointer<Int>) -> Bool { false }
 
     override func schedule(in aRunLoop: RunLoop, forMode mode: RunLoop.Mode) {
-        let available = core.common.withLock { common in
-            common.target.schedules.append((aRunLoop, mode))
-            return common.status == .open && !common.buffer.isEmpty
-        }
-        if available { core.post(.hasBytesAvailable) }
+        core.schedule(in: aRunLoop, forMode: mode, available: .hasBytesAvailable)
     }
 
     override func remove(from aRunLoop: RunLoop, forMode mode: RunLoop.Mode) {
-        core.common.withLock { $0.target.schedules.removeAll { $0.runLoop === aRunLoop && $0.mode == mode } }
+        core.remove(from: aRunLoop, forMode: mode)
     }
 
     override func property(forKey key: Stream.PropertyKey) -> AnyObject? {
@@ -460,16 +469,11 @@ final class ConnectionOutputStream: OutputStream {
     }
 
     override func schedule(in aRunLoop: RunLoop, forMode mode: RunLoop.Mode) {
-        guard let core else { return }
-        let space = core.common.withLock { common in
-            common.target.schedules.append((aRunLoop, mode))
-            return common.status == .open && common.buffer.count < core.bufferSize
-        }
-        if space { core.post(.hasSpaceAvailable) }
+        core?.schedule(in: aRunLoop, forMode: mode, available: .hasSpaceAvailable)
     }
 
     override func remove(from aRunLoop: RunLoop, forMode mode: RunLoop.Mode) {
-        core?.common.withLock { $0.target.schedules.removeAll { $0.runLoop === aRunLoop && $0.mode == mode } }
+        core?.remove(from: aRunLoop, forMode: mode)
     }
 
     override func property(forKey key: Stream.PropertyKey) -> AnyObject? {
