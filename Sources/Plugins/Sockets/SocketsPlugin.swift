@@ -74,6 +74,41 @@ extension ConnectRequest {
     }
 }
 
+/// The client side shared by tcp:// and unix://: a bootstrap with a ``ChannelBackend`` in the
+/// pipeline, half-close allowed, the request's connect timeout, and cancellation that closes the
+/// sockets of an abandoned attempt.
+enum ClientSocket {
+    static func connect(
+        _ request: ConnectRequest,
+        describing target: String,
+        configure: @escaping @Sendable (any Channel) throws -> Void = { _ in },
+        mapError: (any Error) -> TransportError,
+        _ connect: (ClientBootstrap) async throws -> any Channel
+    ) async throws -> (channel: any Channel, backend: ChannelBackend) {
+        let backend = ChannelBackend(describing: target, supportsHalfClose: true)
+        let pending = PendingChannels()
+        let bootstrap = ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
+            .connectTimeout(request.nioConnectTimeout)
+            .channelOption(.allowRemoteHalfClosure, value: true)
+            .channelInitializer { channel in
+                pending.add(channel)
+                return channel.eventLoop.makeCompletedFuture {
+                    try configure(channel)
+                    try channel.pipeline.syncOperations.addHandler(backend.handler)
+                }
+            }
+        let channel: any Channel
+        do {
+            channel = try await pending.connect { try await connect(bootstrap) }
+        } catch {
+            if error is CancellationError || Task.isCancelled { throw CancellationError() }
+            throw mapError(error)
+        }
+        backend.attach(channel)
+        return (channel, backend)
+    }
+}
+
 /// Channels a bootstrap created for one connect attempt (Happy Eyeballs may make several), so a
 /// cancelled connect can close them at once instead of leaving a half-open socket to the kernel's
 /// SYN retries (about two minutes). NIO's connect futures ignore task cancellation.

@@ -12,29 +12,14 @@ enum TCPSocket {
             throw TransportError(.invalidURL, "tcp:// needs HOST:PORT. Grammar: \(request.scheme.grammar)")
         }
         let target = "tcp://\(host.contains(":") ? "[\(host)]" : host):\(port)"
-        let backend = ChannelBackend(describing: target, supportsHalfClose: true)
         let options = request.options
-        let pending = PendingChannels()
-        let bootstrap = ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
-            .connectTimeout(request.nioConnectTimeout)
-            .channelOption(.allowRemoteHalfClosure, value: true)
-            .channelInitializer { channel in
-                pending.add(channel)
-                return channel.eventLoop.makeCompletedFuture {
-                    try applySocketOptions(options, to: channel)
-                    try channel.pipeline.syncOperations.addHandler(backend.handler)
-                }
-            }
-        let channel: any Channel
-        do {
-            channel = try await pending.connect { try await bootstrap.connect(host: host, port: port).get() }
-        } catch is CancellationError {
-            throw CancellationError()
-        } catch {
-            if Task.isCancelled { throw CancellationError() }
-            throw mapConnectError(error, host: host, port: port, target: target)
+        let (channel, backend) = try await ClientSocket.connect(
+            request, describing: target,
+            configure: { try applySocketOptions(options, to: $0) },
+            mapError: { mapConnectError($0, host: host, port: port, target: target) }
+        ) { bootstrap in
+            try await bootstrap.connect(host: host, port: port).get()
         }
-        backend.attach(channel)
         return Connection(url: request.url, backend: backend, metadata: metadata(of: channel, name: target))
     }
 

@@ -10,23 +10,12 @@ enum UnixSocket {
     static func connect(_ request: ConnectRequest) async throws -> Connection {
         let path = request.url.path
         let target = "unix://\(path)"
-        let backend = ChannelBackend(describing: target, supportsHalfClose: true)
-        let pending = PendingChannels()
-        let bootstrap = ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
-            .connectTimeout(request.nioConnectTimeout)
-            .channelOption(.allowRemoteHalfClosure, value: true)
-            .channelInitializer { channel in
-                pending.add(channel)
-                return channel.eventLoop.makeCompletedFuture { try channel.pipeline.syncOperations.addHandler(backend.handler) }
-            }
-        let channel: any Channel
-        do {
-            channel = try await pending.connect { try await bootstrap.connect(unixDomainSocketPath: path).get() }
-        } catch {
-            if Task.isCancelled { throw CancellationError() }
-            throw mapError(error, path: path, doing: "connecting to")
+        let (_, backend) = try await ClientSocket.connect(
+            request, describing: target,
+            mapError: { mapError($0, path: path, doing: "connecting to") }
+        ) { bootstrap in
+            try await bootstrap.connect(unixDomainSocketPath: path).get()
         }
-        backend.attach(channel)
         return Connection(url: request.url, backend: backend, metadata: ConnectionMetadata(name: target, remoteAddress: path))
     }
 
