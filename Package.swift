@@ -49,8 +49,18 @@ let package = Package(
             swiftSettings: strict
         ),
         .target(
+            name: "TransportKitSerial",
+            dependencies: [
+                "TransportKitCore", "CUdev",
+                .product(name: "NIOCore", package: "swift-nio"),
+                .product(name: "NIOPosix", package: "swift-nio"),
+            ],
+            path: "Sources/Plugins/Serial",
+            swiftSettings: strict
+        ),
+        .target(
             name: "TransportKit",
-            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop"],
+            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial"],
             path: "Sources/TransportKit/BuiltIns",
             swiftSettings: strict
         ),

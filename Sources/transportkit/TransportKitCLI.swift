@@ -6,9 +6,9 @@ import TransportKit
 struct TransportKitCLI: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "transportkit",
-        abstract: "Connect to devices and peers by URL: tcp://, unix://, loop://, …",
+        abstract: "Connect to devices and peers by URL: tcp://, unix://, tty://, pty://, loop://, …",
         discussion: "Run 'transportkit schemes' for every URL form and its options.",
-        subcommands: [Schemes.self, Connect.self, Bridge.self]
+        subcommands: [Schemes.self, List.self, Watch.self, Connect.self, Bridge.self]
     )
 }
 

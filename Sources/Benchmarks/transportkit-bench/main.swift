@@ -53,7 +53,7 @@ func transportKitThroughput() async throws -> Double {
 }
 
 /// 32-byte request/response round trips against an echo peer. `peerInC` uses the C echo thread.
-func transportKitRoundTrips(peerInC: Bool) async throws -> Double {
+func transportKitRoundTrips(peerInC: Bool, onLoop: Bool) async throws -> Double {
     var echoTask: Task<Void, any Error>?
     var listener: Listener?
     let port: Int
@@ -65,18 +65,22 @@ func transportKitRoundTrips(peerInC: Bool) async throws -> Double {
         port = echo.url.port ?? 0
         echoTask = Task {
             guard let connection = try await echo.accept() else { return }
+            try await withTaskExecutorPreference(onLoop ? connection.preferredExecutor : nil) {
             while let frame = try await connection.readFrame(.fixedLength(32)) { try await connection.write(frame) }
+            }
             try await connection.close()
         }
     }
     let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
     let request = [UInt8](repeating: 7, count: 32)
-    let start = ContinuousClock.now
-    for _ in 0..<rounds {
-        try await client.write(request)
-        guard try await client.readFrame(.fixedLength(32)) != nil else { throw TransportError(.disconnected, "echo closed") }
+    let elapsed = try await withTaskExecutorPreference(onLoop ? client.preferredExecutor : nil) {
+        let start = ContinuousClock.now
+        for _ in 0..<rounds {
+            try await client.write(request)
+            guard try await client.readFrame(.fixedLength(32)) != nil else { throw TransportError(.disconnected, "echo closed") }
+        }
+        return ContinuousClock.now - start
     }
-    let elapsed = ContinuousClock.now - start
     try await client.close()
     try await echoTask?.value
     try await listener?.close()
@@ -97,8 +101,10 @@ let mib = Double(totalBytes) / 1_048_576
 let cThroughput = try await best(of: 3) { tk_bench_c_tcp_throughput(totalBytes, chunk) }
 let tkThroughput = try await best(of: 3) { try await transportKitThroughput() }
 let cRTT = try await best(of: 3) { tk_bench_c_tcp_round_trips(Int32(rounds)) } / Double(rounds)
-let tkRTTCPeer = try await best(of: 3) { try await transportKitRoundTrips(peerInC: true) } / Double(rounds)
-let tkRTT = try await best(of: 3) { try await transportKitRoundTrips(peerInC: false) } / Double(rounds)
+let tkRTTCPeer = try await best(of: 3) { try await transportKitRoundTrips(peerInC: true, onLoop: false) } / Double(rounds)
+let tkRTT = try await best(of: 3) { try await transportKitRoundTrips(peerInC: false, onLoop: false) } / Double(rounds)
+let tkRTTCPeerLoop = try await best(of: 3) { try await transportKitRoundTrips(peerInC: true, onLoop: true) } / Double(rounds)
+let tkRTTLoop = try await best(of: 3) { try await transportKitRoundTrips(peerInC: false, onLoop: true) } / Double(rounds)
 
 print("executor: \(nioExecutor ? "NIO event loops (--nio-executor)" : "Swift's default global executor")")
 print("tcp:// loopback, \(Int(mib)) MiB in \(chunk / 1024) KiB writes, best of 3")
@@ -108,3 +114,6 @@ print("32-byte request/response, \(rounds) rounds, best of 3")
 print(String(format: "  round trip  C loop (both ends C)                  %7.1f µs", cRTT * 1e6))
 print(String(format: "  round trip  TransportKit client, C echo peer      %7.1f µs  (%.2fx C)", tkRTTCPeer * 1e6, tkRTTCPeer / cRTT))
 print(String(format: "  round trip  TransportKit at both ends             %7.1f µs  (%.2fx C)", tkRTT * 1e6, tkRTT / cRTT))
+print("  with connection.preferredExecutor (tasks on the connection's event loop)")
+print(String(format: "  round trip  TransportKit client, C echo peer      %7.1f µs  (%.2fx C)", tkRTTCPeerLoop * 1e6, tkRTTCPeerLoop / cRTT))
+print(String(format: "  round trip  TransportKit at both ends             %7.1f µs  (%.2fx C)", tkRTTLoop * 1e6, tkRTTLoop / cRTT))

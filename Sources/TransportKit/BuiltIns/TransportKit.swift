@@ -3,6 +3,7 @@
 
 @_exported import TransportKitCore
 @_exported import TransportKitLoop
+@_exported import TransportKitSerial
 @_exported import TransportKitSockets
 
 extension TransportRegistry {
@@ -33,7 +34,7 @@ extension TransportRegistry {
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin()]
+        [LoopPlugin(), SocketsPlugin(), SerialPlugin()]
     }
 
     /// The registry behind these functions.

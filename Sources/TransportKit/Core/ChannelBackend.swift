@@ -62,6 +62,11 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
+    /// An executor on the channel's event loop; see ``EventLoopTaskExecutor``.
+    public var preferredExecutor: (any TaskExecutor)? {
+        channelBox.withLock { $0 }.map { EventLoopTaskExecutor($0.eventLoop) }
+    }
+
     public func read() async throws -> ByteBuffer? {
         let channel = try self.channel
         switch shared.take() {
@@ -118,6 +123,19 @@ public final class ChannelBackend: ConnectionBackend {
         } onCancel: {
             shared.cancelWriter(id: id)
         }
+    }
+
+    /// Drops bytes received but not read yet (a serial port's input flush) and resumes reading
+    /// from the kernel if it was paused for them.
+    public func discardBufferedInbound() {
+        if shared.discardBuffered(), let channel = channelBox.withLock({ $0 }) {
+            channel.read()
+        }
+    }
+
+    /// Waits until every byte written so far has been handed to the kernel (or failed).
+    public func flushPendingWrites() async {
+        await shared.lastWrite?.flushed()
     }
 
     public func closeWrite() async throws {
@@ -190,6 +208,16 @@ public final class ChannelBackend: ConnectionBackend {
                 }
                 if let end = state.end { return .finished(end) }
                 return .empty
+            }
+        }
+
+        /// Empties the inbound buffer; returns `true` when a held read should be resumed.
+        func discardBuffered() -> Bool {
+            state.withLock { state in
+                state.buffered.removeAll()
+                state.bufferedBytes = 0
+                defer { state.heldRead = false }
+                return state.heldRead
             }
         }
 
@@ -404,6 +432,28 @@ extension TransportError {
         case .disconnected: "; the peer closed the connection or the link dropped, reconnect to go on"
         case .permissionDenied: "; check the permissions of the path or device"
         default: ""
+        }
+    }
+}
+
+/// Runs Swift tasks on one NIO event loop: the loop that does a channel's I/O.
+///
+/// A task that prefers this executor (`withTaskExecutorPreference`) is resumed on the thread that
+/// read its bytes, instead of being handed to the cooperative pool: one thread wake-up less per
+/// read. Worth it for chatty request/response loops; for bulk transfers the default is as fast.
+/// Never block inside such a task: it holds up every channel on that loop.
+public final class EventLoopTaskExecutor: TaskExecutor {
+    public let eventLoop: any EventLoop
+
+    public init(_ eventLoop: any EventLoop) {
+        self.eventLoop = eventLoop
+    }
+
+    public func enqueue(_ job: consuming ExecutorJob) {
+        let job = UnownedJob(job)
+        let executor = self.asUnownedTaskExecutor()
+        eventLoop.execute {
+            job.runSynchronously(on: executor)
         }
     }
 }

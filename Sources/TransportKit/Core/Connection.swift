@@ -22,6 +22,13 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     func close() async throws
     /// `true` when ``closeWrite()`` is supported.
     var supportsHalfClose: Bool { get }
+    /// An executor that runs tasks where this backend does its I/O, if it has one; see
+    /// ``Connection/preferredExecutor``.
+    var preferredExecutor: (any TaskExecutor)? { get }
+}
+
+extension ConnectionBackend {
+    public var preferredExecutor: (any TaskExecutor)? { nil }
 }
 
 /// What a transport knows about the other end, like CornucopiaStreams' `CC_meta`.
@@ -116,6 +123,33 @@ public final class Connection: Sendable {
     public var bytesWritten: Int { counters.written.load(ordering: .relaxed) }
     /// `true` when ``closeWrite()`` is available on this transport.
     public var supportsHalfClose: Bool { backend.supportsHalfClose }
+
+    /// The plugin's backend as its concrete type, or `nil`. Plugins use this to offer controls
+    /// that only their transport has (a serial port's modem lines, for example).
+    public func backend<Backend: ConnectionBackend>(as type: Backend.Type) -> Backend? {
+        backend as? Backend
+    }
+
+    /// Drops bytes this connection holds that the application has not read (from ``unread(_:)``
+    /// or a chunk larger than `maxBytes`). A serial port's input flush calls this.
+    public func discardUnreadInput() {
+        state.withLock { $0.leftover = nil }
+    }
+
+    /// An executor on the thread that does this connection's I/O, when the transport has one
+    /// (tcp://, unix://, tty:// do; loop:// does not). A request/response loop that runs with this
+    /// executor preferred is resumed where the reply was read, saving a thread hop per read:
+    ///
+    /// ```swift
+    /// let connection = try await Transport.connect(to: "tcp://127.0.0.1:35000")
+    /// try await withTaskExecutorPreference(connection.preferredExecutor) {
+    ///     try await connection.write(Array("ATZ\r".utf8))
+    ///     _ = try await connection.readFrame(.delimiter(Array(">".utf8)))
+    /// }
+    /// ```
+    ///
+    /// Never block a thread inside such a task: other connections share that I/O thread.
+    public var preferredExecutor: (any TaskExecutor)? { backend.preferredExecutor }
 
     // MARK: Reading
 

@@ -29,8 +29,10 @@ public protocol TransportPlugin: Sendable {
     /// The devices this plugin can reach now, each with a URL ready to connect.
     func devices(includeAll: Bool) async throws -> [DeviceRecord]
 
-    /// Arrivals and removals of devices, or `nil` when the plugin has none to report.
-    func deviceEvents() -> AsyncThrowingStream<DeviceEvent, any Error>?
+    /// Arrivals and removals of devices, or `nil` when the plugin has none to report. A plugin
+    /// subscribes before it returns, so an event that happens after this call is not missed;
+    /// `includeAll` as in ``devices(includeAll:)``.
+    func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>?
 }
 
 extension TransportPlugin {
@@ -40,7 +42,7 @@ extension TransportPlugin {
 
     public func devices(includeAll: Bool) async throws -> [DeviceRecord] { [] }
 
-    public func deviceEvents() -> AsyncThrowingStream<DeviceEvent, any Error>? { nil }
+    public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? { nil }
 }
 
 /// One validated connect or listen request, as a plugin receives it.

@@ -161,9 +161,9 @@ public final class TransportRegistry: Sendable {
     }
 
     /// Hot-plug events of every plugin that reports them, merged into one stream.
-    public func deviceEvents() -> AsyncThrowingStream<DeviceEvent, any Error> {
+    public func deviceEvents(includeAll: Bool = false) -> AsyncThrowingStream<DeviceEvent, any Error> {
         var seen = Set<ObjectIdentifierBox>()
-        let sources = uniquePlugins(&seen).compactMap { $0.deviceEvents() }
+        let sources = uniquePlugins(&seen).compactMap { $0.deviceEvents(includeAll: includeAll) }
         let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream(bufferingPolicy: .bufferingOldest(4096))
         let task = Task {
             await withThrowingTaskGroup(of: Void.self) { group in

@@ -1,0 +1,161 @@
+// SerialDiscovery.swift: serial ports as DeviceRecords (with identity URLs), identity
+// resolution for tty://usb/VID:PID…, waiting for a device to arrive, and hot-plug events.
+// The kernel interfaces are in UdevEnumerator.swift and UdevMonitor.swift.
+
+import Foundation
+import TransportKitCore
+
+/// `tty://usb/VID:PID?serial=…&interface=…&location=…`: which USB serial adapter to open.
+struct USBSelector: Sendable, CustomStringConvertible {
+    var vendorId: String
+    var productId: String
+    var serialNumber: String?
+    var interface: Int?
+    var location: String?
+
+    init(vendorId: String, productId: String, serialNumber: String? = nil, interface: Int? = nil, location: String? = nil) {
+        self.vendorId = vendorId.lowercased()
+        self.productId = productId.lowercased()
+        self.serialNumber = serialNumber
+        self.interface = interface
+        self.location = location
+    }
+
+    init(_ request: ConnectRequest) throws {
+        let text = request.url.path.trimmingCharacters(in: CharacterSet(charactersIn: "/"))
+        let parts = text.split(separator: ":", omittingEmptySubsequences: false)
+        func hex4(_ part: Substring) -> Bool { part.count == 4 && part.allSatisfy(\.isHexDigit) }
+        guard parts.count == 2, hex4(parts[0]), hex4(parts[1]) else {
+            throw TransportError(.invalidURL, "\(request.url): after tty://usb/ comes VENDOR:PRODUCT as two 4-digit hex IDs, such as tty://usb/0403:6001 (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
+        }
+        self.init(vendorId: String(parts[0]), productId: String(parts[1]), serialNumber: request.options.string("serial"),
+                  interface: request.options.int("interface"), location: request.options.string("location"))
+    }
+
+    func matches(_ device: TTYDeviceInfo) -> Bool {
+        device.vendorId == vendorId && device.productId == productId
+            && (serialNumber == nil || device.serialNumber == serialNumber)
+            && (interface == nil || device.interface == interface)
+            && (location == nil || device.location == location)
+    }
+
+    var description: String {
+        var text = "USB \(vendorId):\(productId)"
+        if let serialNumber { text += " serial \(serialNumber)" }
+        if let interface { text += " interface \(interface)" }
+        if let location { text += " at \(location)" }
+        return text
+    }
+}
+
+enum SerialDiscovery {
+    /// The serial ports of this machine. Without `includeAll`, only ports backed by hardware.
+    static func list(includeAll: Bool) throws -> [DeviceRecord] {
+        try UdevEnumerator.ttyDevices()
+            .filter { includeAll || $0.isReal }
+            .sorted { naturalOrder($0.sysName, $1.sysName) }
+            .map(record)
+    }
+
+    /// The record of the device behind a node or link, if discovery finds it.
+    static func record(forNode path: String) -> DeviceRecord? {
+        let resolved = (path as NSString).resolvingSymlinksInPath
+        return (try? UdevEnumerator.ttyDevices())?.first { $0.devnode == resolved || $0.devnode == path || $0.links.contains(path) }
+            .map(record)
+    }
+
+    /// A device record with a URL that reaches the same device after a replug: the USB identity
+    /// (serial number when the adapter has one, else the bus location; the interface when the
+    /// device has several), else a by-id link, else a by-path link, else the node.
+    static func record(_ info: TTYDeviceInfo) -> DeviceRecord {
+        DeviceRecord(url: identityURL(info), scheme: "tty", devnode: info.devnode, name: info.sysName,
+                     vendorId: info.vendorId, productId: info.productId, serialNumber: info.serialNumber,
+                     manufacturer: info.manufacturer, product: info.product, interface: info.interface,
+                     driver: info.driver, links: info.links, location: info.location, sysPath: info.sysPath,
+                     properties: info.properties)
+    }
+
+    static func identityURL(_ info: TTYDeviceInfo) -> String {
+        if let vendor = info.vendorId, let product = info.productId {
+            var query: [String] = []
+            if let serial = info.serialNumber, !serial.isEmpty {
+                query.append("serial=\(percentEncoded(serial))")
+            } else if let location = info.location {
+                query.append("location=\(percentEncoded(location))")
+            }
+            if let interface = info.interface, (info.usbInterfaceCount ?? 2) > 1 {
+                query.append("interface=\(interface)")
+            }
+            return "tty://usb/\(vendor):\(product)" + (query.isEmpty ? "" : "?" + query.joined(separator: "&"))
+        }
+        if let byID = info.links.first(where: { $0.hasPrefix("/dev/serial/by-id/") }) { return "tty://" + byID }
+        if let byPath = info.links.first(where: { $0.hasPrefix("/dev/serial/by-path/") }) { return "tty://" + byPath }
+        return "tty://" + (info.devnode ?? "/dev/" + info.sysName)
+    }
+
+    private static func percentEncoded(_ text: String) -> String {
+        text.addingPercentEncoding(withAllowedCharacters: .alphanumerics.union(CharacterSet(charactersIn: "-._~"))) ?? text
+    }
+
+    /// ttyS2 before ttyS10.
+    static func naturalOrder(_ a: String, _ b: String) -> Bool {
+        a.compare(b, options: .numeric) == .orderedAscending
+    }
+
+    /// Finds the one device a selector names; with `wait`, waits (until the connect timeout
+    /// cancels the task) for it to arrive.
+    static func resolve(_ selector: USBSelector, wait: Bool) async throws -> DeviceRecord {
+        // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
+        let monitor = wait ? try UdevMonitor(include: { $0.isReal }) : nil
+        let present = try monitor?.knownDevices ?? UdevEnumerator.ttyDevices()
+        if let found = try choose(selector, among: present) { return record(found) }
+        guard let monitor else {
+            throw TransportError(.notFound, "no serial port matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")
+        }
+        while true {
+            let (action, device) = try await monitor.next()
+            if action != .removed, selector.matches(device), let found = try choose(selector, among: monitor.knownDevices) {
+                return record(found)
+            }
+        }
+    }
+
+    /// The single match, nil for none, or an error that lists several.
+    static func choose(_ selector: USBSelector, among devices: [TTYDeviceInfo]) throws -> TTYDeviceInfo? {
+        let matches = devices.filter(selector.matches).sorted { naturalOrder($0.sysName, $1.sysName) }
+        guard matches.count <= 1 else {
+            let list = matches.map { device in
+                "\(device.devnode ?? device.sysName) (serial \(device.serialNumber ?? "none"), interface \(device.interface.map(String.init) ?? "?"), at \(device.location ?? "?"))"
+            }.joined(separator: "; ")
+            throw TransportError(.invalidURL, "ambiguous: \(matches.count) serial ports match \(selector): \(list). Add ?serial=, ?interface= or ?location= to choose one")
+        }
+        return matches.first
+    }
+
+    /// Waits until a device node (or a link to one) exists.
+    static func waitForNode(_ path: String) async throws {
+        let monitor = try UdevMonitor(include: { _ in true })
+        while access(path, F_OK) != 0 {
+            _ = try await monitor.next()
+        }
+    }
+
+    /// Hot-plug events for serial ports, subscribed at once.
+    static func events(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error> {
+        let monitor: UdevMonitor
+        do {
+            monitor = try UdevMonitor(include: { includeAll || $0.isReal })
+        } catch {
+            return AsyncThrowingStream { $0.finish(throwing: error) }
+        }
+        return AsyncThrowingStream {
+            let (action, device) = try await monitor.next()
+            let kind: DeviceEvent.Action = switch action {
+            case .added: .added
+            case .removed: .removed
+            case .changed: .changed
+            }
+            return DeviceEvent(kind, record(device))
+        }
+    }
+}

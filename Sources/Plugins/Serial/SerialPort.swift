@@ -1,0 +1,209 @@
+// SerialPort.swift: a tty device node — open(2) with O_NOCTTY, exclusive use (TIOCEXCL and
+// flock(2)), modem control lines (TIOCMGET/TIOCMBIS/TIOCMBIC), break (TIOCSBRK/TIOCCBRK), flush
+// (tcflush(3)), drain (tcdrain(3)) and low latency (TIOCGSERIAL/TIOCSSERIAL, ASYNC_LOW_LATENCY).
+// Man pages: ioctl_tty(2), tty_ioctl(4), flock(2), termios(3). Line settings are in Termios.swift.
+
+import Foundation
+import Glibc
+import Synchronization
+import TransportKitCore
+
+/// The modem control and status lines of a serial port.
+public struct ModemLines: OptionSet, Sendable, Hashable {
+    public let rawValue: Int32
+    public init(rawValue: Int32) { self.rawValue = rawValue }
+
+    /// Data Terminal Ready (output).
+    public static let dtr = ModemLines(rawValue: TIOCM_DTR)
+    /// Request To Send (output).
+    public static let rts = ModemLines(rawValue: TIOCM_RTS)
+    /// Clear To Send (input).
+    public static let cts = ModemLines(rawValue: TIOCM_CTS)
+    /// Data Set Ready (input).
+    public static let dsr = ModemLines(rawValue: TIOCM_DSR)
+    /// Ring Indicator (input).
+    public static let ri = ModemLines(rawValue: TIOCM_RI)
+    /// Carrier Detect (input).
+    public static let cd = ModemLines(rawValue: TIOCM_CD)
+}
+
+/// Which queued bytes ``SerialPort/flush(_:)`` discards.
+public enum FlushQueue: Sendable {
+    /// Received but not yet read (the kernel's queue and bytes TransportKit holds unread).
+    case input
+    /// Written but not yet sent by the driver.
+    case output
+    case both
+}
+
+/// Run-time control of an open serial port: line settings, modem lines, break, flush and drain.
+/// Get it from a `tty://` or `pty://` connection with `connection.serialPort`.
+///
+/// ```swift
+/// let connection = try await Transport.connect(to: "tty:///dev/ttyUSB0?baud=115200")
+/// if let port = connection.serialPort {
+///     try port.setDTR(false)               // reset an Arduino-style board …
+///     try await Task.sleep(for: .milliseconds(100))
+///     try port.setDTR(true)
+///     print(try port.modemLines().contains(.cts))
+///     try await port.sendBreak()
+/// }
+/// ```
+public struct SerialPort: Sendable {
+    let device: TTYDevice
+    let connection: Connection
+    let channel: ChannelBackend
+
+    /// The device node as opened, such as `/dev/ttyUSB0` or `/dev/pts/3`.
+    public var path: String { device.path }
+
+    // MARK: Line settings
+
+    /// The line settings the driver holds now.
+    public func settings() throws -> SerialSettings {
+        Termios.settings(of: try Termios.get(try device.descriptor(), path: path))
+    }
+
+    /// Changes the line settings at once (bytes in flight may be garbled, as on any UART).
+    public func apply(_ settings: SerialSettings) throws {
+        let fd = try device.descriptor()
+        var tio = try Termios.get(fd, path: path)
+        Termios.configure(&tio, try settings.validated())
+        try Termios.set(fd, tio, path: path)
+    }
+
+    // MARK: Modem lines
+
+    /// The state of every modem line (inputs CTS, DSR, RI, CD and outputs DTR, RTS).
+    /// Throws `.unsupported` on a device without modem lines, such as a pty.
+    public func modemLines() throws -> ModemLines {
+        var bits: Int32 = 0
+        try modemCall("ioctl(TIOCMGET)") { ioctl($0, UInt(TIOCMGET), &bits) }
+        return ModemLines(rawValue: bits)
+    }
+
+    /// Raises or lowers DTR.
+    public func setDTR(_ on: Bool) throws { try setLines(.dtr, on) }
+
+    /// Raises or lowers RTS. With `flowControl=rtscts` the driver also drives RTS itself.
+    public func setRTS(_ on: Bool) throws { try setLines(.rts, on) }
+
+    /// Raises (`on`) or lowers the given output lines.
+    public func setLines(_ lines: ModemLines, _ on: Bool) throws {
+        var bits = lines.rawValue
+        try modemCall(on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)") { ioctl($0, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) }
+    }
+
+    private func modemCall(_ name: String, _ body: (Int32) -> Int32) throws {
+        let fd = try device.descriptor()
+        do {
+            try Posix.call(name, what: path) { body(fd) }
+        } catch let error as TransportError where error.errno == ENOTTY || error.errno == EINVAL {
+            // ENOTTY/EINVAL: the driver has no tiocmget/tiocmset (ptys, some virtual ports).
+            throw TransportError(.unsupported, "\(path) has no modem control lines (DTR, RTS, CTS, DSR, RI, CD); a pty or virtual port cannot do this",
+                                 errno: error.errno, syscall: error.syscall)
+        }
+    }
+
+    // MARK: Break, flush, drain
+
+    /// Holds the line in the break state for `duration`, then releases it. Does not block a thread.
+    public func sendBreak(duration: Duration = .milliseconds(250)) async throws {
+        let fd = try device.descriptor()
+        try Posix.call("ioctl(TIOCSBRK)", what: path) { ioctl(fd, UInt(TIOCSBRK)) }
+        var interrupted: (any Error)?
+        do { try await Task.sleep(for: duration) } catch { interrupted = error }
+        // Fetched again: the port may have been closed meanwhile (closing ends the break), and the
+        // old number may already belong to another file.
+        let current = try device.descriptor()
+        try Posix.call("ioctl(TIOCCBRK)", what: path) { ioctl(current, UInt(TIOCCBRK)) }
+        if let interrupted { throw interrupted }
+    }
+
+    /// Discards queued bytes. Input flushing also drops bytes TransportKit read from the kernel
+    /// that the application has not read yet.
+    public func flush(_ queue: FlushQueue = .both) throws {
+        let fd = try device.descriptor()
+        let selector: Int32 = switch queue {
+        case .input: TCIFLUSH
+        case .output: TCOFLUSH
+        case .both: TCIOFLUSH
+        }
+        try Posix.call("tcflush", what: path) { tcflush(fd, selector) }
+        if queue != .output {
+            channel.discardBufferedInbound()
+            connection.discardUnreadInput()
+        }
+    }
+
+    /// Bytes the driver still has to send (TIOCOUTQ).
+    public func outputQueueBytes() throws -> Int {
+        let fd = try device.descriptor()
+        var count: Int32 = 0
+        try Posix.call("ioctl(TIOCOUTQ)", what: path) { ioctl(fd, UInt(TIOCOUTQ), &count) }
+        return Int(count)
+    }
+
+    /// Waits until every byte written so far has left: first TransportKit's own buffer, then the
+    /// driver's (tcdrain, on a thread of its own because it blocks). On a pty this waits for the
+    /// other side to read.
+    public func drain() async throws {
+        await channel.flushPendingWrites()
+        let fd = try device.descriptor()
+        let path = self.path
+        try await BlockingCall.run(name: "tcdrain \(path)") {
+            try Posix.call("tcdrain", what: path) { tcdrain(fd) }
+        }
+    }
+}
+
+/// A tty descriptor and who owns it: this object, which closes it once (on connection close, or
+/// when released).
+final class TTYDevice: Sendable {
+    let path: String
+    private let fd: Mutex<Int32>
+
+    init(path: String, fd: Int32) {
+        self.path = path
+        self.fd = Mutex(fd)
+    }
+
+    func descriptor() throws -> Int32 {
+        let fd = self.fd.withLock { $0 }
+        guard fd >= 0 else { throw TransportError(.disconnected, "the serial port \(path) is closed") }
+        return fd
+    }
+
+    /// Releases the exclusive lock and closes the descriptor. Idempotent.
+    func close() {
+        let fd = self.fd.withLock { fd in
+            defer { fd = -1 }
+            return fd
+        }
+        guard fd >= 0 else { return }
+        _ = ioctl(fd, UInt(TIOCNXCL))
+        Posix.close(fd)  // also releases the flock(2) lock held through this descriptor
+    }
+
+    deinit { close() }
+}
+
+extension FlushQueue: Equatable {}
+
+/// Runs one blocking call on a dedicated thread, so it never occupies the cooperative pool.
+enum BlockingCall {
+    static func run(name: String, _ body: @escaping @Sendable () throws -> Void) async throws {
+        try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Void, any Error>) in
+            let thread = Thread {
+                do {
+                    try body()
+                    continuation.resume()
+                } catch {
+                    continuation.resume(throwing: error)
+                }
+            }
+            thread.name = name
+            thread.start()
+        }
+    }
+}

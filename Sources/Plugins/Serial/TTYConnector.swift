@@ -1,0 +1,122 @@
+// TTYConnector.swift: tty:// connect — resolve the URL to a device node (path, by-id link or USB
+// identity), open it exclusively, set raw mode and the line settings, the modem lines and low
+// latency, then hand it to the event loop.
+
+import Foundation
+import Glibc
+import TransportKitCore
+
+enum TTYConnector {
+    static func connect(_ request: ConnectRequest) async throws -> Connection {
+        let settings = try request.serialSettings()
+        let (path, record) = try await resolve(request)
+        let fd = try DeviceAccess.openTTY(path, exclusive: request.options.bool("exclusive") ?? true)
+        let device = TTYDevice(path: path, fd: fd)
+        var notes: [String: String] = ["path": path]
+        do {
+            var tio = try Termios.get(fd, path: path)
+            Termios.configure(&tio, settings)
+            try Termios.set(fd, tio, path: path)
+            let port = TTYLines(fd: fd, path: path)
+            if let dtr = request.options.bool("dtr") { try port.set(.dtr, dtr) }
+            if let rts = request.options.bool("rts") { try port.set(.rts, rts) }
+            if request.options.bool("lowLatency") == true {
+                notes["lowLatency"] = LowLatency.enable(fd: fd, path: path)
+            }
+        } catch {
+            device.close()
+            throw error
+        }
+        let channel: ChannelBackend
+        do {
+            channel = try await SerialChannel.attach(fd: fd, describing: "tty://\(path)")
+        } catch {
+            device.close()
+            throw error
+        }
+        if let record {
+            notes["devnode"] = record.devnode
+            notes["vendorId"] = record.vendorId
+            notes["productId"] = record.productId
+            if let interface = record.interface { notes["interface"] = String(interface) }
+            notes["driver"] = record.driver
+        }
+        let metadata = ConnectionMetadata(name: record?.product ?? path, manufacturer: record?.manufacturer,
+                                          model: record?.product, serialNumber: record?.serialNumber,
+                                          remoteAddress: path, extra: notes.compactMapValues { $0 })
+        return Connection(url: request.url, backend: SerialBackend(device: device, channel: channel, describing: "serial port \(path)"),
+                          metadata: metadata)
+    }
+
+    /// The device node to open, and what discovery knows about it (when it knows it).
+    static func resolve(_ request: ConnectRequest) async throws -> (String, DeviceRecord?) {
+        let url = request.url
+        let wait = request.options.bool("wait") ?? false
+        if url.host?.lowercased() == "usb" {
+            let selector = try USBSelector(request)
+            let record = try await SerialDiscovery.resolve(selector, wait: wait)
+            guard let node = record.devnode else {
+                throw TransportError(.notFound, "\(record.sysPath ?? "the device") matches \(selector) but has no device node")
+            }
+            return (node, record)
+        }
+        let path = url.path
+        guard path.hasPrefix("/") else {
+            throw TransportError(.invalidURL, "\(url): the device path must be absolute, such as tty:///dev/ttyUSB0. Grammar: \(request.scheme.grammar)")
+        }
+        if wait, access(path, F_OK) != 0 {
+            try await SerialDiscovery.waitForNode(path)
+        }
+        return (path, SerialDiscovery.record(forNode: path))
+    }
+}
+
+/// Modem lines by descriptor, for use before the connection exists.
+struct TTYLines {
+    let fd: Int32
+    let path: String
+
+    func set(_ lines: ModemLines, _ on: Bool) throws {
+        var bits = lines.rawValue
+        let name = on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)"
+        guard ioctl(fd, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) == 0 else {
+            let code = errno
+            if code == ENOTTY || code == EINVAL {
+                throw TransportError(.unsupported, "\(path) has no modem control lines, so dtr=/rts= cannot be set; remove the option",
+                                     errno: code, syscall: name)
+            }
+            throw TransportError.posix(name, errno: code, what: path)
+        }
+    }
+}
+
+/// Low latency: ASYNC_LOW_LATENCY through TIOCGSERIAL/TIOCSSERIAL (linux/serial.h), and for FTDI
+/// adapters the latency timer in sysfs (16 ms by default) set to 1 ms.
+enum LowLatency {
+    /// `struct serial_struct` is 72 bytes on 64-bit Linux; `flags` is the int at offset 16.
+    static let serialStructSize = 72
+    static let flagsOffset = 16
+    /// ASYNC_LOW_LATENCY (1 << ASYNCB_LOW_LATENCY, 13) from linux/tty_flags.h.
+    static let asyncLowLatency: Int32 = 1 << 13
+
+    /// Returns what was done, for the connection's metadata. Drivers without these knobs (ptys,
+    /// CDC-ACM) are left as they are: low latency is a request, not a requirement.
+    static func enable(fd: Int32, path: String) -> String {
+        var done: [String] = []
+        var raw = [UInt8](repeating: 0, count: 128)
+        let got = raw.withUnsafeMutableBytes { bytes in bytes.baseAddress.map { ioctl(fd, UInt(TIOCGSERIAL), $0) } ?? -1 }
+        if got == 0 {
+            raw.withUnsafeMutableBytes { bytes in
+                let flags = bytes.load(fromByteOffset: flagsOffset, as: Int32.self) | asyncLowLatency
+                bytes.storeBytes(of: flags, toByteOffset: flagsOffset, as: Int32.self)
+            }
+            if raw.withUnsafeMutableBytes({ bytes in bytes.baseAddress.map { ioctl(fd, UInt(TIOCSSERIAL), $0) } ?? -1 }) == 0 { done.append("ASYNC_LOW_LATENCY") }
+        }
+        let name = (path as NSString).resolvingSymlinksInPath.split(separator: "/").last.map(String.init) ?? ""
+        let timer = "/sys/class/tty/\(name)/device/latency_timer"
+        if FileManager.default.fileExists(atPath: timer), (try? "1".write(toFile: timer, atomically: false, encoding: .utf8)) != nil {
+            done.append("latency_timer=1ms")
+        }
+        return done.isEmpty ? "not supported by this driver" : done.joined(separator: ",")
+    }
+}

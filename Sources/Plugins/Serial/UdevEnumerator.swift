@@ -1,0 +1,142 @@
+// UdevEnumerator.swift: listing tty devices through libudev's enumeration (libudev(3),
+// udev_enumerate_new(3), udev_device_new_from_syspath(3)).
+//
+// Without udevd (containers, minimal systems) libudev still enumerates by reading sysfs; the udev
+// database then has nothing, so properties (ID_*) and by-id/by-path links are absent and the
+// record is built from sysfs attributes alone. With udevd, its properties and links are added.
+
+import CUdev
+import Foundation
+import TransportKitCore
+
+/// What one tty device looks like to discovery, read from libudev while its handle is alive.
+struct TTYDeviceInfo: Sendable, Equatable {
+    var sysPath: String
+    var sysName: String
+    var devnode: String?
+    /// `true` when the node is backed by hardware (has a parent device, and is not an 8250 slot
+    /// with no UART behind it).
+    var isReal: Bool
+    var driver: String?
+    var vendorId: String?
+    var productId: String?
+    var serialNumber: String?
+    var manufacturer: String?
+    var product: String?
+    var interface: Int?
+    /// `bNumInterfaces` of the USB device: more than one means the interface number matters.
+    var usbInterfaceCount: Int?
+    var location: String?
+    var links: [String]
+    var properties: [String: String]
+}
+
+/// One libudev context. libudev objects are not thread-safe: a context and everything made from
+/// it are used by one caller at a time (each ``UdevEnumerator`` call makes its own).
+enum UdevEnumerator {
+    /// Every device of the tty subsystem.
+    static func ttyDevices() throws -> [TTYDeviceInfo] {
+        guard let udev = udev_new() else {
+            throw TransportError(.unsupported, "libudev could not start (udev_new failed); is /sys mounted?", syscall: "udev_new")
+        }
+        defer { udev_unref(udev) }
+        guard let enumerate = udev_enumerate_new(udev) else {
+            throw TransportError(.io, "udev_enumerate_new failed", syscall: "udev_enumerate_new")
+        }
+        defer { udev_enumerate_unref(enumerate) }
+        udev_enumerate_add_match_subsystem(enumerate, "tty")
+        let scanned = udev_enumerate_scan_devices(enumerate)
+        if scanned < 0 {
+            throw TransportError(.io, "listing tty devices failed: \(ErrnoName.describe(-scanned))", errno: -scanned, syscall: "udev_enumerate_scan_devices")
+        }
+        var result: [TTYDeviceInfo] = []
+        var entry = udev_enumerate_get_list_entry(enumerate)
+        while let current = entry {
+            if let name = udev_list_entry_get_name(current),
+               let device = udev_device_new_from_syspath(udev, name) {
+                result.append(info(device))
+                udev_device_unref(device)
+            }
+            entry = udev_list_entry_get_next(current)
+        }
+        return result
+    }
+
+    /// Reads everything discovery needs from a tty device handle.
+    static func info(_ device: OpaquePointer) -> TTYDeviceInfo {
+        let properties = listEntries(udev_device_get_properties_list_entry(device))
+        let sysName = string(udev_device_get_sysname(device)) ?? ""
+        var info = TTYDeviceInfo(
+            sysPath: string(udev_device_get_syspath(device)) ?? "",
+            sysName: sysName,
+            devnode: string(udev_device_get_devnode(device)) ?? properties["DEVNAME"].map { $0.hasPrefix("/") ? $0 : "/dev/" + $0 },
+            isReal: false,
+            links: Array(listEntries(udev_device_get_devlinks_list_entry(device)).keys).sorted(),
+            properties: properties
+        )
+        // The tty's "device" link: absent for virtual terminals, the console and ptmx.
+        let parent = udev_device_get_parent(device)
+        info.isReal = parent != nil
+        if let parent {
+            info.driver = driver(from: parent)
+            if let type = string(udev_device_get_sysattr_value(device, "type")), type == "0" {
+                // A serial-core slot (8250) the kernel reserved with no UART behind it (PORT_UNKNOWN).
+                info.isReal = false
+            }
+        }
+        if let interface = udev_device_get_parent_with_subsystem_devtype(device, "usb", "usb_interface") {
+            info.interface = string(udev_device_get_sysattr_value(interface, "bInterfaceNumber")).flatMap { Int($0, radix: 16) }
+            info.driver = info.driver ?? string(udev_device_get_driver(interface))
+        }
+        if let usb = udev_device_get_parent_with_subsystem_devtype(device, "usb", "usb_device") {
+            info.vendorId = string(udev_device_get_sysattr_value(usb, "idVendor"))?.lowercased()
+            info.productId = string(udev_device_get_sysattr_value(usb, "idProduct"))?.lowercased()
+            info.serialNumber = string(udev_device_get_sysattr_value(usb, "serial"))
+            info.manufacturer = string(udev_device_get_sysattr_value(usb, "manufacturer"))
+            info.product = string(udev_device_get_sysattr_value(usb, "product"))
+            info.usbInterfaceCount = string(udev_device_get_sysattr_value(usb, "bNumInterfaces"))
+                .flatMap { Int($0.trimmingCharacters(in: .whitespaces)) }
+            info.location = string(udev_device_get_sysname(usb))
+        }
+        // udev's database, when udevd runs, knows more (and names from the USB ID database).
+        info.vendorId = info.vendorId ?? properties["ID_VENDOR_ID"]?.lowercased()
+        info.productId = info.productId ?? properties["ID_MODEL_ID"]?.lowercased()
+        info.serialNumber = info.serialNumber ?? properties["ID_SERIAL_SHORT"]
+        info.manufacturer = info.manufacturer ?? properties["ID_VENDOR_FROM_DATABASE"] ?? properties["ID_VENDOR"]
+        info.product = info.product ?? properties["ID_MODEL_FROM_DATABASE"] ?? properties["ID_MODEL"]
+        info.interface = info.interface ?? properties["ID_USB_INTERFACE_NUM"].flatMap { Int($0, radix: 16) }
+        info.driver = info.driver ?? properties["ID_USB_DRIVER"]
+        return info
+    }
+
+    /// The driver of the tty's device or of its first ancestor that has one (usb-serial port,
+    /// USB interface, platform UART).
+    private static func driver(from device: OpaquePointer) -> String? {
+        var current: OpaquePointer? = device
+        var depth = 0
+        while let node = current, depth < 3 {
+            // "port" and "ctrl" are the serial-base bus (Linux 6.5+) between a UART and its tty;
+            // the UART's own driver (serial8250, …) is the one a person knows.
+            if let driver = string(udev_device_get_driver(node)), driver != "port", driver != "ctrl" { return driver }
+            current = udev_device_get_parent(node)
+            depth += 1
+        }
+        return nil
+    }
+
+    static func listEntries(_ first: OpaquePointer?) -> [String: String] {
+        var result: [String: String] = [:]
+        var entry = first
+        while let current = entry {
+            if let name = string(udev_list_entry_get_name(current)) {
+                result[name] = string(udev_list_entry_get_value(current)) ?? ""
+            }
+            entry = udev_list_entry_get_next(current)
+        }
+        return result
+    }
+
+    static func string(_ pointer: UnsafePointer<CChar>?) -> String? {
+        pointer.map { String(cString: $0) }
+    }
+}

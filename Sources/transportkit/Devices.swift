@@ -1,0 +1,105 @@
+import ArgumentParser
+import Foundation
+import TransportKit
+
+struct List: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "List the devices TransportKit can reach, each with a URL that connects to it.",
+        discussion: "Serial ports come from udev (or sysfs when udevd is not running)."
+    )
+
+    @Flag(help: "Print a JSON array of device objects (camelCase keys).")
+    var json = false
+
+    @Flag(help: "Include ports that are not backed by hardware (console, ptmx, unused 8250 slots).")
+    var all = false
+
+    func run() async throws {
+        do {
+            let devices = try await Transport.registry.devices(includeAll: all)
+            if json {
+                print(try DeviceJSON.encode(devices, pretty: true))
+            } else if devices.isEmpty {
+                FileHandle.standardError.write(Data("no devices found\(all ? "" : " (--all also shows virtual and unused ports)")\n".utf8))
+            } else {
+                print(DeviceTable.render(devices))
+            }
+        } catch {
+            throw fail(error)
+        }
+    }
+}
+
+struct Watch: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Print one line per device arrival, removal or change, as it happens.",
+        discussion: """
+            With --json each line is an object: {"event":"added","device":{…}}. Once subscribed, \
+            "watching" is printed on standard error, so a script knows no event after it is missed.
+            """
+    )
+
+    @Flag(help: "Print one JSON object per line.")
+    var json = false
+
+    @Flag(help: "Include ports that are not backed by hardware.")
+    var all = false
+
+    func run() async throws {
+        do {
+            let events = Transport.registry.deviceEvents(includeAll: all)
+            FileHandle.standardError.write(Data("watching\n".utf8))
+            for try await event in events {
+                let line = json ? try DeviceJSON.encode(event) : DeviceTable.line(event)
+                FileHandle.standardOutput.write(Data((line + "\n").utf8))
+            }
+        } catch {
+            throw fail(error)
+        }
+    }
+}
+
+enum DeviceJSON {
+    static func encode<T: Encodable>(_ value: T, pretty: Bool = false) throws -> String {
+        let encoder = JSONEncoder()
+        encoder.outputFormatting = pretty ? [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes] : [.sortedKeys, .withoutEscapingSlashes]
+        return String(decoding: try encoder.encode(value), as: UTF8.self)
+    }
+
+    static func encode(_ event: DeviceEvent) throws -> String {
+        struct Line: Encodable {
+            let event: String
+            let device: DeviceRecord
+        }
+        return try encode(Line(event: event.action.rawValue, device: event.device))
+    }
+}
+
+enum DeviceTable {
+    static func render(_ devices: [DeviceRecord]) -> String {
+        let header = ["DEVICE", "ID", "SERIAL", "DRIVER", "PRODUCT", "URL"]
+        let rows = devices.map { device in
+            [device.devnode ?? device.name ?? "?", id(device), device.serialNumber ?? "-", device.driver ?? "-",
+             device.product ?? "-", device.url]
+        }
+        let widths = header.indices.map { column in ([header] + rows).map { $0[column].count }.max() ?? 0 }
+        return ([header] + rows).map { row in
+            row.enumerated().map { index, cell in
+                index == row.count - 1 ? cell : cell.padding(toLength: widths[index], withPad: " ", startingAt: 0)
+            }.joined(separator: "  ")
+        }.joined(separator: "\n")
+    }
+
+    static func line(_ event: DeviceEvent) -> String {
+        let device = event.device
+        var text = "\(event.action.rawValue.padding(toLength: 7, withPad: " ", startingAt: 0)) \(device.devnode ?? device.name ?? "?")"
+        if device.vendorId != nil { text += "  \(id(device))" }
+        if let product = device.product { text += "  \(product)" }
+        return text + "  \(device.url)"
+    }
+
+    private static func id(_ device: DeviceRecord) -> String {
+        guard let vendor = device.vendorId, let product = device.productId else { return "-" }
+        return "\(vendor):\(product)"
+    }
+}
