@@ -84,7 +84,7 @@ let package = Package(
 
         .testTarget(
             name: "TransportKitTests",
-            dependencies: ["TransportKit"],
+            dependencies: ["TransportKit", "TransportKitSerial"],
             swiftSettings: strict
         ),
         .testTarget(

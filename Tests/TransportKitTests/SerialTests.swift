@@ -1,0 +1,348 @@
+import Foundation
+import Glibc
+import Testing
+@testable import TransportKit
+@testable import TransportKitSerial
+
+/// A pseudo-terminal pair made with plain openpty(3): the test holds the master and plays the
+/// device; the code under test opens `path` (the slave) as tty://.
+final class TestPTY: Sendable {
+    let master: Int32
+    let path: String
+    private let slave: Int32
+
+    init() throws {
+        var master: Int32 = -1
+        var slave: Int32 = -1
+        guard openpty(&master, &slave, nil, nil, nil) == 0 else {
+            throw TransportError.posix("openpty", errno: errno, what: "test pty")
+        }
+        _ = fcntl(master, F_SETFD, FD_CLOEXEC)
+        _ = fcntl(slave, F_SETFD, FD_CLOEXEC)
+        var raw = termios()
+        tcgetattr(master, &raw)
+        cfmakeraw(&raw)
+        tcsetattr(master, TCSANOW, &raw)
+        self.master = master
+        self.slave = slave
+        self.path = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/\(slave)")) ?? ""
+        // Only the code under test keeps the slave open; the test's own copy goes now, so closing
+        // the master later really hangs the line up.
+        _ = Glibc.close(slave)
+    }
+
+    /// The slave's termios as the kernel holds it, read through the master (TCGETS2 on a pty
+    /// master reports its slave's settings).
+    func termios2() throws -> KernelTermios2 { try Termios.get(master, path: "test master") }
+
+    func write(_ text: String) { Support.writeAll(master, Array(text.utf8)) }
+
+    /// Reads what is there within `seconds`, without blocking a cooperative thread.
+    func read(count: Int, seconds: Double = 2) async -> [UInt8] {
+        let fd = master
+        return await Support.offPool {
+            var result: [UInt8] = []
+            var buffer = [UInt8](repeating: 0, count: 4096)
+            let deadline = Date().addingTimeInterval(seconds)
+            while result.count < count, Date() < deadline {
+                var poller = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
+                guard poll(&poller, 1, 50) > 0 else { continue }
+                let got = buffer.withUnsafeMutableBytes { Glibc.read(fd, $0.baseAddress, $0.count) }
+                if got <= 0 { break }
+                result += buffer[..<got]
+            }
+            return result
+        }
+    }
+
+    func closeMaster() { _ = Glibc.close(master) }
+}
+
+/// Descriptors of this process open on `path` (leak checks that other tests running in parallel
+/// cannot disturb: every test uses its own pty).
+func descriptors(on path: String) -> Int {
+    let entries = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []
+    return entries.filter { (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/" + $0)) == path }.count
+}
+
+@Suite("tty:// over real pseudo-terminals")
+struct TTYTests {
+    @Test("bytes pass both ways, raw and untouched")
+    func bytesBothWays() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connection = try await Transport.connect(to: "tty://\(pty.path)?baud=115200")
+        pty.write("AT\r\n\u{0}\u{3}\u{7f}")
+        let inbound = try await connection.readFrame(.fixedLength(7))
+        #expect(inbound == Array("AT\r\n\u{0}\u{3}\u{7f}".utf8))
+        try await connection.write("OK\n\u{4}")
+        #expect(await pty.read(count: 4) == Array("OK\n\u{4}".utf8))
+        #expect(connection.metadata.remoteAddress == pty.path)
+        try await connection.close()
+    }
+
+    // A pty's driver forces CS8 and clears PARENB whatever is asked (drivers/tty/pty.c,
+    // pty_set_termios), so data bits and "parity on" are checked in the lab on a real CDC-ACM port;
+    // here every bit a pty keeps is checked: rate, BOTHER, PARODD, CMSPAR, CSTOPB, CRTSCTS, IXON/IXOFF.
+    @Test("every line option reaches the kernel's termios", arguments: [
+        ("baud=115200", 115_200, SerialSettings.Parity.none, 1, SerialSettings.FlowControl.none),
+        ("baud=250000&dataBits=7&parity=even", 250_000, .even, 1, .none),
+        ("baud=31250&dataBits=5&parity=odd&stopBits=2", 31_250, .odd, 2, .none),
+        ("baud=9600&dataBits=6&parity=mark&flowControl=rtscts", 9_600, .mark, 1, .rtscts),
+        ("baud=1000000&parity=space&flowControl=xonxoff", 1_000_000, .space, 1, .xonxoff),
+    ])
+    func lineOptions(query: String, baud: Int, parity: SerialSettings.Parity, stopBits: Int,
+                     flow: SerialSettings.FlowControl) async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connection = try await Transport.connect(to: "tty://\(pty.path)?\(query)")
+        let tio = try pty.termios2()
+        #expect(tio.c_ospeed == UInt32(baud) && tio.c_ispeed == UInt32(baud))
+        // A rate without a B-constant must travel as BOTHER, a standard one as its constant.
+        let code = tio.c_cflag & UInt32(CBAUD)
+        #expect(code == (Termios.standardRates[baud] ?? Termios.BOTHER))
+        let odd = tio.c_cflag & UInt32(PARODD) != 0
+        let stick = tio.c_cflag & UInt32(CMSPAR) != 0
+        #expect(odd == (parity == .odd || parity == .mark))
+        #expect(stick == (parity == .mark || parity == .space))
+        #expect((tio.c_cflag & UInt32(CSTOPB) != 0) == (stopBits == 2))
+        #expect((tio.c_cflag & UInt32(CRTSCTS) != 0) == (flow == .rtscts))
+        #expect((tio.c_iflag & UInt32(IXON | IXOFF) == UInt32(IXON | IXOFF)) == (flow == .xonxoff))
+        #expect((tio.c_iflag & UInt32(INPCK) != 0) == (parity != .none))
+        // Raw mode: no echo, no canonical input, no output processing, reads return per byte.
+        #expect(tio.c_lflag & UInt32(ICANON | ECHO | ISIG) == 0)
+        #expect(tio.c_oflag & UInt32(OPOST) == 0)
+        #expect(tio.c_iflag & UInt32(ICRNL) == 0)
+        try await connection.close()
+    }
+
+    @Test("data bits and parity encode as the kernel defines them (checked without a driver)")
+    func encoding() {
+        for bits in 5...8 {
+            for parity in SerialSettings.Parity.allCases {
+                var tio = KernelTermios2()
+                let settings = SerialSettings(baudRate: 4800, dataBits: bits, parity: parity, stopBits: 2)
+                Termios.configure(&tio, settings)
+                #expect(Termios.settings(of: tio) == settings)
+            }
+        }
+        var tio = KernelTermios2()
+        Termios.configure(&tio, SerialSettings(dataBits: 7, parity: .even))
+        #expect(tio.c_cflag & UInt32(CSIZE) == UInt32(CS7))
+        #expect(tio.c_cflag & UInt32(PARENB) != 0 && tio.c_cflag & UInt32(PARODD) == 0)
+    }
+
+    @Test("CornucopiaStreams' tty://adapter:19200/path sets 19200 bit/s; two rates are refused")
+    func portIsBitRate() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connection = try await Transport.connect(to: "tty://adapter:19200\(pty.path)")
+        #expect(try connection.serialPort?.settings().baudRate == 19200)
+        try await connection.close()
+        let error = await expectTransportError(.invalidURL) {
+            try await Transport.connect(to: "tty://adapter:19200\(pty.path)?baud=9600")
+        }
+        #expect(error?.message.contains("two bit rates") == true)
+    }
+
+    @Test("settings change on an open connection")
+    func applyAtRunTime() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connection = try await Transport.connect(to: "tty://\(pty.path)")
+        let port = try #require(connection.serialPort)
+        #expect(try port.settings() == SerialSettings())
+        // dataBits/parity stay 8/none: a pty forces them (see lineOptions).
+        let changed = SerialSettings(baudRate: 57_600, dataBits: 8, parity: .none, stopBits: 2, flowControl: .rtscts)
+        try port.apply(changed)
+        #expect(Termios.settings(of: try pty.termios2()) == changed)
+        #expect(try port.settings() == changed)
+        try port.apply(SerialSettings(baudRate: 123_456))
+        #expect(try pty.termios2().c_ospeed == 123_456)
+        #expect(throws: TransportError.self) { try port.apply(SerialSettings(dataBits: 9)) }
+        try await connection.close()
+    }
+
+    @Test("exclusive by default: a second opener is told the port is busy and by whom; released on close")
+    func exclusive() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let first = try await Transport.connect(to: "tty://\(pty.path)")
+        let error = await expectTransportError(.busy) { try await Transport.connect(to: "tty://\(pty.path)") }
+        #expect(error?.message.contains("process \(getpid())") == true, "names the holder: \(error?.message ?? "")")
+        #expect(error?.syscall == "flock")
+        try await first.close()
+        let second = try await Transport.connect(to: "tty://\(pty.path)")
+        try await second.close()
+    }
+
+    @Test("exclusive=false lets two openers share the port")
+    func shared() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let first = try await Transport.connect(to: "tty://\(pty.path)?exclusive=false")
+        let second = try await Transport.connect(to: "tty://\(pty.path)?exclusive=false")
+        try await first.write("a")
+        try await second.write("b")
+        #expect(await pty.read(count: 2).sorted() == Array("ab".utf8))
+        try await first.close()
+        try await second.close()
+    }
+
+    @Test("a pty has no modem lines: asking for them is a clear .unsupported error")
+    func modemLinesOnPTY() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connection = try await Transport.connect(to: "tty://\(pty.path)")
+        let port = try #require(connection.serialPort)
+        let error = await expectTransportError(.unsupported) { try port.modemLines() }
+        #expect(error?.message.contains("modem control lines") == true)
+        await expectTransportError(.unsupported) { try port.setDTR(true) }
+        await expectTransportError(.unsupported) { try port.setRTS(false) }
+        try await connection.close()
+        // Asked for on open: refused before the connection exists, descriptor released.
+        await expectTransportError(.unsupported) { try await Transport.connect(to: "tty://\(pty.path)?dtr=true") }
+        #expect(descriptors(on: pty.path) == 0)
+    }
+
+    @Test("break holds the line for the duration and leaves the port usable")
+    func sendBreak() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connection = try await Transport.connect(to: "tty://\(pty.path)")
+        let port = try #require(connection.serialPort)
+        let start = ContinuousClock.now
+        try await port.sendBreak(duration: .milliseconds(60))
+        #expect(ContinuousClock.now - start >= .milliseconds(60))
+        try await connection.write("x")
+        #expect(await pty.read(count: 1) == Array("x".utf8))
+        try await connection.close()
+    }
+
+    @Test("input flush drops bytes received but not read, also those already taken from the kernel")
+    func flushInput() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connection = try await Transport.connect(to: "tty://\(pty.path)")
+        let port = try #require(connection.serialPort)
+        pty.write("stale bytes")
+        try await Task.sleep(for: .milliseconds(200))
+        try port.flush(.input)
+        pty.write("fresh")
+        let frame = try await connection.readFrame(.fixedLength(5))
+        #expect(frame.map { String(decoding: $0, as: UTF8.self) } == "fresh")
+        try port.flush(.output)
+        #expect(try port.outputQueueBytes() == 0)
+        try await connection.close()
+    }
+
+    @Test("drain returns once the other side has taken every byte")
+    func drain() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connection = try await Transport.connect(to: "tty://\(pty.path)")
+        let port = try #require(connection.serialPort)
+        let payload = [UInt8](repeating: 0x55, count: 2048)
+        let reader = Task { await pty.read(count: payload.count) }
+        try await connection.write(payload)
+        try await port.drain()
+        #expect(try port.outputQueueBytes() == 0)
+        let received = await reader.value
+        #expect(received.count == payload.count)
+        try await connection.close()
+    }
+
+    @Test("hang-up while open: bytes first, then .disconnected within a second, no descriptor leaked")
+    func hangUp() async throws {
+        let pty = try TestPTY()
+        let connection = try await Transport.connect(to: "tty://\(pty.path)")
+        pty.write("last words")
+        try await Task.sleep(for: .milliseconds(100))
+        pty.closeMaster()
+        let start = ContinuousClock.now
+        let frame = try await connection.readFrame(.fixedLength(10))
+        #expect(frame.map { String(decoding: $0, as: UTF8.self) } == "last words")
+        let error = await expectTransportError(.disconnected) { try await connection.read() }
+        #expect(ContinuousClock.now - start < .seconds(1))
+        #expect(error?.message.contains("went away") == true)
+        // The pty is gone with its master, so the connection's descriptors now show the node as deleted.
+        let gone = pty.path + " (deleted)"
+        #expect(descriptors(on: gone) > 0)
+        try await connection.close()
+        #expect(await Support.eventually { descriptors(on: gone) == 0 })
+    }
+
+    @Test("missing device, a file that is not a tty, and a relative path give specific errors")
+    func badPaths() async throws {
+        let missing = await expectTransportError(.notFound) { try await Transport.connect(to: "tty:///dev/ttyDOESNOTEXIST9") }
+        #expect(missing?.message.contains("transportkit list") == true)
+        #expect(missing?.syscall == "open")
+        let file = Support.temporaryPath("not-a-tty")
+        FileManager.default.createFile(atPath: file, contents: Data())
+        defer { unlink(file) }
+        let notTTY = await expectTransportError(.unsupported) { try await Transport.connect(to: "tty://\(file)") }
+        #expect(notTTY?.syscall == "tcgetattr")
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "tty://?baud=9600") }
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "tty:///dev/ttyS0?parity=sometimes") }
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "tty:///dev/ttyS0?dataBits=9") }
+    }
+
+    @Test("the permission message names owner, group, mode and the fixes")
+    func permissionMessage() throws {
+        let message = DeviceAccess.permissionMessage(path: "/dev/ptmx")
+        #expect(message.contains("owned by root:"))
+        #expect(message.contains("mode crw"))
+        #expect(message.contains("usermod -aG"))
+        #expect(message.contains("udev rule"))
+    }
+
+    @Test("open/close cycles leak no descriptor")
+    func noLeaks() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        for _ in 0..<20 {
+            let connection = try await Transport.connect(to: "tty://\(pty.path)?lowLatency=true")
+            try await connection.write("z")
+            try await connection.close()
+        }
+        #expect(await Support.eventually { descriptors(on: pty.path) == 0 })
+    }
+}
+
+@Suite("pty:// plays a serial device")
+struct PTYSchemeTests {
+    @Test("the peer path is in the metadata and behaves like a serial port for tty://")
+    func peerIsASerialPort() async throws {
+        let device = try await Transport.connect(to: "pty://?baud=38400")
+        let peer = try #require(device.metadata.extra["peer"])
+        #expect(peer.hasPrefix("/dev/pts/"))
+        // A program (here: TransportKit itself) opens the peer like any serial port.
+        let client = try await Transport.connect(to: "tty://\(peer)?baud=38400")
+        try await client.write("ATI\r")
+        #expect(try await device.readFrame(.delimiter("\r")).map { String(decoding: $0, as: UTF8.self) } == "ATI")
+        try await device.write("ELM327 v1.5\r\r>")
+        let reply = try await client.readFrame(.delimiter(">"))
+        #expect(reply.map { String(decoding: $0, as: UTF8.self) } == "ELM327 v1.5\r\r")
+        // The peer can close and come back: the device side stays up.
+        try await client.close()
+        let again = try await Transport.connect(to: "tty://\(peer)")
+        try await again.write("+")
+        #expect(try await device.readFrame(.fixedLength(1)).map { String(decoding: $0, as: UTF8.self) } == "+")
+        try await again.close()
+        try await device.close()
+        #expect(await Support.eventually { access(peer, F_OK) != 0 }, "the pty is released with the connection")
+    }
+
+    @Test("link= makes a symlink that lives as long as the connection")
+    func link() async throws {
+        let link = Support.temporaryPath("ttyFAKE")
+        let device = try await Transport.connect(to: "pty://?link=\(link)")
+        #expect((try? FileManager.default.destinationOfSymbolicLink(atPath: link)) == device.metadata.extra["peer"])
+        let client = try await Transport.connect(to: "tty://\(link)")
+        try await client.write("via link")
+        #expect(try await device.readFrame(.fixedLength(8)).map { String(decoding: $0, as: UTF8.self) } == "via link")
+        try await client.close()
+        try await device.close()
+        #expect(access(link, F_OK) != 0)
+    }
+}
