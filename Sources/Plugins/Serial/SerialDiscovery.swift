@@ -132,11 +132,17 @@ enum SerialDiscovery {
         return matches.first
     }
 
-    /// Waits until a device node (or a link to one) exists.
+    /// Waits until a device node (or a link to one) exists: woken by tty uevents, and re-checked
+    /// every 250 ms for paths no uevent announces (a pty's link, a node made by hand).
     static func waitForNode(_ path: String) async throws {
         let monitor = try UdevMonitor(include: { _ in true })
         while access(path, F_OK) != 0 {
-            _ = try await monitor.next()
+            try await withThrowingTaskGroup(of: Void.self) { group in
+                group.addTask { _ = try await monitor.next() }
+                group.addTask { try await Task.sleep(for: .milliseconds(250)) }
+                try await group.next()
+                group.cancelAll()
+            }
         }
     }
 

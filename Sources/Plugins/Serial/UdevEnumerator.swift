@@ -71,7 +71,7 @@ enum UdevEnumerator {
             sysName: sysName,
             devnode: string(udev_device_get_devnode(device)) ?? properties["DEVNAME"].map { $0.hasPrefix("/") ? $0 : "/dev/" + $0 },
             isReal: false,
-            links: Array(listEntries(udev_device_get_devlinks_list_entry(device)).keys).sorted(),
+            links: links(device, properties: properties),
             properties: properties
         )
         // The tty's "device" link: absent for virtual terminals, the console and ptmx.
@@ -122,6 +122,14 @@ enum UdevEnumerator {
             depth += 1
         }
         return nil
+    }
+
+    /// The node's symlinks from the udev database, or from the DEVLINKS property when the database
+    /// has no entry but the event carried it.
+    private static func links(_ device: OpaquePointer, properties: [String: String]) -> [String] {
+        let fromDatabase = listEntries(udev_device_get_devlinks_list_entry(device)).keys
+        if !fromDatabase.isEmpty { return fromDatabase.sorted() }
+        return (properties["DEVLINKS"] ?? "").split(separator: " ").map(String.init).sorted()
     }
 
     static func listEntries(_ first: OpaquePointer?) -> [String: String] {

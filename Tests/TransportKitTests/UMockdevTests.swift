@@ -1,0 +1,193 @@
+import Foundation
+import Glibc
+import Testing
+@testable import TransportKit
+@testable import TransportKitSerial
+
+/// Discovery and hot-plug against fake devices. These suites need `umockdev-wrapper`
+/// (Scripts/test runs them that way: `umockdev-wrapper swift test --filter UMockdev`); in a plain
+/// run they are skipped and say so.
+@Suite("udev discovery with umockdev", .serialized, .enabled(if: UMockdevTestbed.available, "needs umockdev-wrapper (Scripts/test runs this suite under it)"))
+struct UMockdevDiscoveryTests {
+    @Test("FTDI, CP210x, CH340 and a two-interface CDC-ACM board are listed with their identity")
+    func realisticAdapters() throws {
+        let testbed = try UMockdevTestbed()
+        try testbed.add(FakeSerial.ftdi().record)
+        try testbed.add(FakeSerial.cp210x().record)
+        try testbed.add(FakeSerial.ch340().record)
+        try testbed.add(FakeSerial.cdcACM().record)
+        let devices = try SerialDiscovery.list(includeAll: false)
+        #expect(devices.map(\.devnode) == ["/dev/ttyACM0", "/dev/ttyUSB0", "/dev/ttyUSB1", "/dev/ttyUSB2"])
+
+        let ftdi = try #require(devices.first { $0.devnode == "/dev/ttyUSB0" })
+        #expect(ftdi.vendorId == "0403" && ftdi.productId == "6001")
+        #expect(ftdi.serialNumber == "A50285BI")
+        #expect(ftdi.manufacturer == "FTDI" && ftdi.product == "FT232R USB UART")
+        #expect(ftdi.driver == "ftdi_sio")
+        #expect(ftdi.interface == 0)
+        #expect(ftdi.location == "1-1")
+        #expect(ftdi.links == ["/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"])
+        #expect(ftdi.sysPath?.hasSuffix("/tty/ttyUSB0") == true)
+        #expect(ftdi.url == "tty://usb/0403:6001?serial=A50285BI")
+
+        let cp210x = try #require(devices.first { $0.devnode == "/dev/ttyUSB1" })
+        #expect(cp210x.driver == "cp210x" && cp210x.vendorId == "10c4" && cp210x.productId == "ea60")
+
+        // No serial number: identity by bus location.
+        let ch340 = try #require(devices.first { $0.devnode == "/dev/ttyUSB2" })
+        #expect(ch340.serialNumber == nil)
+        #expect(ch340.url == "tty://usb/1a86:7523?location=1-3")
+
+        // Two interfaces: the interface number is part of the identity.
+        let acm = try #require(devices.first { $0.devnode == "/dev/ttyACM0" })
+        #expect(acm.driver == "cdc_acm" && acm.interface == 0)
+        #expect(acm.url == "tty://usb/2341:0043?serial=75735323&interface=0")
+    }
+
+    @Test("identity resolution: one match, several matches (listed), none")
+    func resolution() async throws {
+        let testbed = try UMockdevTestbed()
+        try testbed.add(FakeSerial.ftdi(port: "1", serial: "AAAA", tty: "ttyUSB0").record)
+        try testbed.add(FakeSerial.ftdi(port: "2", serial: "BBBB", tty: "ttyUSB1").record)
+        let devices = try UdevEnumerator.ttyDevices()
+
+        let one = try SerialDiscovery.choose(USBSelector(vendorId: "0403", productId: "6001", serialNumber: "BBBB"), among: devices)
+        #expect(one?.devnode == "/dev/ttyUSB1")
+        let byLocation = try SerialDiscovery.choose(USBSelector(vendorId: "0403", productId: "6001", location: "1-1"), among: devices)
+        #expect(byLocation?.devnode == "/dev/ttyUSB0")
+
+        do {
+            _ = try SerialDiscovery.choose(USBSelector(vendorId: "0403", productId: "6001"), among: devices)
+            Issue.record("two adapters match; expected an error listing them")
+        } catch let error as TransportError {
+            #expect(error.kind == .invalidURL)
+            #expect(error.message.contains("/dev/ttyUSB0") && error.message.contains("/dev/ttyUSB1"))
+            #expect(error.message.contains("serial AAAA") && error.message.contains("serial BBBB"))
+            #expect(error.message.contains("?serial="))
+        }
+        #expect(try SerialDiscovery.choose(USBSelector(vendorId: "0403", productId: "6015"), among: devices) == nil)
+
+        // Through the registry: the URL form and its errors.
+        let none = await expectTransportError(.notFound) { try await Transport.connect(to: "tty://usb/0403:6015") }
+        #expect(none?.message.contains("wait=true") == true)
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "tty://usb/0403:6001") }
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "tty://usb/FTDI") }
+    }
+
+    @Test("devices without hardware are left out unless --all")
+    func virtualPortsHidden() throws {
+        let testbed = try UMockdevTestbed()
+        try testbed.add("""
+            P: /sys/devices/virtual/tty/ptmx
+            N: ptmx
+            E: DEVNAME=/dev/ptmx
+            E: SUBSYSTEM=tty
+
+            """)
+        try testbed.add("""
+            P: /sys/devices/platform/serial8250/tty/ttyS3
+            N: ttyS3
+            E: DEVNAME=/dev/ttyS3
+            E: SUBSYSTEM=tty
+            A: type=0
+
+            P: /sys/devices/platform/serial8250
+            E: DRIVER=serial8250
+            E: SUBSYSTEM=platform
+            L: driver=../../../bus/platform/drivers/serial8250
+
+            """)
+        try testbed.add(FakeSerial.ftdi().record)
+        #expect(try SerialDiscovery.list(includeAll: false).map(\.devnode) == ["/dev/ttyUSB0"])
+        let all = try SerialDiscovery.list(includeAll: true).compactMap(\.devnode)
+        #expect(Set(all) == ["/dev/ptmx", "/dev/ttyS3", "/dev/ttyUSB0"])
+    }
+
+    @Test("hot-plug: add and remove arrive once each, with the same record; duplicates dropped")
+    func hotPlug() async throws {
+        let testbed = try UMockdevTestbed()
+        let present = FakeSerial.cp210x()
+        try testbed.add(present.record)
+        let monitor = try UdevMonitor(include: { $0.isReal })
+        // An "add" for a device that was already enumerated is a duplicate.
+        testbed.uevent(present.ttySysPath, "add")
+        let arriving = FakeSerial.ftdi()
+        try testbed.add(arriving.record)
+        testbed.uevent(arriving.ttySysPath, "add")
+        let (firstAction, firstDevice) = try await next(monitor)
+        #expect(firstAction == .added)
+        #expect(firstDevice.devnode == "/dev/ttyUSB0" && firstDevice.serialNumber == "A50285BI")
+
+        testbed.uevent(arriving.ttySysPath, "remove")
+        testbed.remove(arriving.ttySysPath)
+        // A second "remove" for the same device is a duplicate too.
+        testbed.uevent(arriving.ttySysPath, "remove")
+        let (secondAction, secondDevice) = try await next(monitor)
+        #expect(secondAction == .removed)
+        // The removal carries what was known while the device was there.
+        #expect(secondDevice.vendorId == "0403" && secondDevice.serialNumber == "A50285BI")
+
+        testbed.uevent(present.ttySysPath, "change")
+        let (thirdAction, thirdDevice) = try await next(monitor)
+        #expect(thirdAction == .changed && thirdDevice.devnode == "/dev/ttyUSB1")
+    }
+
+    @Test("the registry's event stream and tty://…?wait=true see an arrival")
+    func waitForArrival() async throws {
+        let testbed = try UMockdevTestbed()
+        let events = Transport.registry.deviceEvents()
+        let adapter = FakeSerial.ch340()
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        // The fake node /dev/ttyUSB2 cannot be opened (umockdev has no tty emulation here), so the
+        // wait is observed through resolution: the waiting connect fails *after* the arrival with
+        // an open error for the node it found, not with "no serial port matches".
+        let connect = Task { try await Transport.connect(to: "tty://usb/1a86:7523?wait=true&timeout=10") }
+        try await Task.sleep(for: .milliseconds(300))
+        try testbed.add(adapter.record)
+        testbed.uevent(adapter.ttySysPath, "add")
+        var iterator = events.makeAsyncIterator()
+        let event = try await iterator.next()
+        #expect(event?.action == .added && event?.device.devnode == "/dev/ttyUSB2")
+        #expect(event?.device.url == "tty://usb/1a86:7523?location=1-3")
+        do {
+            let connection = try await connect.value
+            try await connection.close()
+        } catch let error as TransportError {
+            #expect(!error.message.contains("no serial port matches"), "\(error)")
+            #expect(error.message.contains("/dev/ttyUSB2"), "\(error)")
+        }
+    }
+
+    @Test("1,000 fake serial ports are listed, each once")
+    func thousandDevices() throws {
+        let testbed = try UMockdevTestbed()
+        var text = ""
+        for index in 0..<1000 {
+            text += FakeSerial.ftdi(bus: 1 + index / 100, port: String(index % 100 + 1), serial: String(format: "S%05d", index),
+                                    tty: "ttyUSB\(index)").record + "\n"
+        }
+        try testbed.add(text)
+        let start = ContinuousClock.now
+        let devices = try SerialDiscovery.list(includeAll: false)
+        let elapsed = ContinuousClock.now - start
+        #expect(devices.count == 1000)
+        #expect(Set(devices.compactMap(\.serialNumber)).count == 1000)
+        #expect(devices.first?.devnode == "/dev/ttyUSB0" && devices.last?.devnode == "/dev/ttyUSB999")
+        print("listed 1000 fake serial ports in \(elapsed)")  // figure only; BENCHMARKS.md has the benchmark
+    }
+
+    private func next(_ monitor: UdevMonitor) async throws -> (UdevMonitor.Action, TTYDeviceInfo) {
+        try await withThrowingTaskGroup(of: (UdevMonitor.Action, TTYDeviceInfo)?.self) { group in
+            group.addTask { try await monitor.next() }
+            group.addTask {
+                try await Task.sleep(for: .seconds(5))
+                return nil
+            }
+            let first = try await group.next() ?? nil
+            group.cancelAll()
+            guard let first else { throw TransportError(.timedOut, "no uevent within 5 s") }
+            return first
+        }
+    }
+}
