@@ -346,3 +346,71 @@ struct PTYSchemeTests {
         #expect(access(link, F_OK) != 0)
     }
 }
+
+/// The monitor against the real kernel's uevents (no udevd here: the "kernel" netlink group).
+/// As root, writing "change" to a device's uevent file makes the kernel announce it.
+@Suite("uevent monitor on the real kernel", .serialized,
+       .enabled(if: access("/sys/class/tty/ptmx/uevent", W_OK) == 0, "needs root to trigger uevents"))
+struct KernelUeventTests {
+    static func trigger(_ count: Int = 1) {
+        for _ in 0..<count {
+            try? "change".write(toFile: "/sys/class/tty/ptmx/uevent", atomically: false, encoding: .utf8)
+        }
+    }
+
+    @Test("an overflowing socket (ENOBUFS) is re-enumerated and the monitor keeps going")
+    func overflowResyncs() async throws {
+        // A receive buffer the kernel rounds up to its minimum: a burst overflows it.
+        let monitor = try UdevMonitor(include: { _ in true }, receiveBufferSize: 1)
+        #expect(monitor.group == "kernel" || monitor.group == "udev")
+        Self.trigger(300)
+        let waiter = Task { try await monitor.next() }
+        #expect(await Support.eventually(5) { monitor.resyncCount >= 1 }, "ENOBUFS was reported and answered with a resync")
+        // Only after the resync drained the socket: this event must come through.
+        Self.trigger()
+        let result = try await withThrowingTaskGroup(of: (UdevMonitor.Action, TTYDeviceInfo)?.self) { group in
+            group.addTask { try await waiter.value }
+            group.addTask {
+                try await Task.sleep(for: .seconds(5))
+                waiter.cancel()
+                return nil
+            }
+            let first = try await group.next() ?? nil
+            group.cancelAll()
+            return first
+        }
+        #expect(result?.0 == .changed)
+        #expect(result?.1.devnode == "/dev/ptmx")
+    }
+
+    @Test("a waiting monitor is cancelled promptly")
+    func cancellation() async throws {
+        let monitor = try UdevMonitor(include: { _ in true })
+        let waiter = Task { try await monitor.next() }
+        try await Task.sleep(for: .milliseconds(100))
+        waiter.cancel()
+        let start = ContinuousClock.now
+        await #expect(throws: CancellationError.self) { try await waiter.value }
+        #expect(ContinuousClock.now - start < .seconds(1))
+    }
+
+    @Test("tty://PATH?wait=true waits for the node; without it the error says how to wait")
+    func waitForPath() async throws {
+        let link = Support.temporaryPath("ttyLATER")
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let connect = Task { try await Transport.connect(to: "tty://\(link)?wait=true&timeout=5") }
+        try await Task.sleep(for: .milliseconds(300))
+        #expect(symlink(pty.path, link) == 0)
+        defer { unlink(link) }
+        let connection = try await connect.value
+        try await connection.write("late")
+        #expect(await pty.read(count: 4) == Array("late".utf8))
+        try await connection.close()
+
+        let timedOut = await expectTransportError(.timedOut) {
+            try await Transport.connect(to: "tty://\(link)-never?wait=true&timeout=0.5")
+        }
+        #expect(timedOut?.message.contains("timeout") == true)
+    }
+}

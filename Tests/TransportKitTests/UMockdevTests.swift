@@ -191,3 +191,42 @@ struct UMockdevDiscoveryTests {
         }
     }
 }
+
+// In the same (serialized) suite: one umockdev testbed per process at a time.
+extension UMockdevDiscoveryTests {
+    @Test("list --json shows a fake FTDI adapter with every identity field")
+    func listJSON() async throws {
+        let testbed = try UMockdevTestbed()
+        try testbed.add(FakeSerial.ftdi().record)
+        let binary = URL(fileURLWithPath: ProcessInfo.processInfo.arguments[0]).deletingLastPathComponent()
+            .appendingPathComponent("transportkit").path
+        let output: Data = await Support.offPool {
+            let process = Process()
+            process.executableURL = URL(fileURLWithPath: binary)
+            process.arguments = ["list", "--json"]
+            // The child gets LD_PRELOAD and this testbed's UMOCKDEV_DIR, so it sees the same devices.
+            // Read with getenv: ProcessInfo caches the environment from before the testbed existed.
+            var environment = ProcessInfo.processInfo.environment
+            environment["UMOCKDEV_DIR"] = getenv("UMOCKDEV_DIR").map { String(cString: $0) }
+            process.environment = environment
+            let pipe = Pipe()
+            process.standardOutput = pipe
+            guard (try? process.run()) != nil else { return Data() }
+            let data = pipe.fileHandleForReading.readDataToEndOfFile()
+            process.waitUntilExit()
+            return data
+        }
+        let objects = try #require(try JSONSerialization.jsonObject(with: output) as? [[String: Any]])
+        #expect(objects.count == 1)
+        let device = try #require(objects.first)
+        #expect(device["url"] as? String == "tty://usb/0403:6001?serial=A50285BI")
+        #expect(device["devnode"] as? String == "/dev/ttyUSB0")
+        #expect(device["vendorId"] as? String == "0403" && device["productId"] as? String == "6001")
+        #expect(device["serialNumber"] as? String == "A50285BI")
+        #expect(device["manufacturer"] as? String == "FTDI" && device["product"] as? String == "FT232R USB UART")
+        #expect(device["interface"] as? Int == 0 && device["driver"] as? String == "ftdi_sio")
+        #expect(device["links"] as? [String] == ["/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"])
+        #expect(device["location"] as? String == "1-1")
+        #expect((device["sysPath"] as? String)?.hasSuffix("/tty/ttyUSB0") == true)
+    }
+}
