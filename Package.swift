@@ -71,7 +71,7 @@ let package = Package(
             swiftSettings: strict
         ),
 
-        .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops"),
+        .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops", linkerSettings: [.linkedLibrary("udev")]),
         .executableTarget(
             name: "transportkit-bench",
             dependencies: [

@@ -309,6 +309,15 @@ struct TTYTests {
     }
 }
 
+@Suite("serial listing on this machine")
+struct ListingTests {
+    @Test("the sysfs listing reads what libudev's own enumeration reads (this machine's ttys)",
+          .enabled(if: !UMockdevTestbed.available, "runs in the plain suite"))
+    func sysfsMatchesLibudev() throws {
+        try expectSameListing()
+    }
+}
+
 @Suite("pty:// plays a serial device")
 struct PTYSchemeTests {
     @Test("the peer path is in the metadata and behaves like a serial port for tty://")

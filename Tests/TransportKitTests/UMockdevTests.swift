@@ -44,6 +44,15 @@ struct UMockdevDiscoveryTests {
         #expect(acm.url == "tty://usb/2341:0043?serial=75735323&interface=0")
     }
 
+    @Test("the sysfs listing reads what libudev's own enumeration reads")
+    func sysfsMatchesLibudev() throws {
+        let testbed = try UMockdevTestbed()
+        try testbed.add(FakeSerial.ftdi().record)
+        try testbed.add(FakeSerial.cdcACM().record)
+        try testbed.add(FakeSerial.ch340().record)
+        try expectSameListing()
+    }
+
     @Test("identity resolution: one match, several matches (listed), none")
     func resolution() async throws {
         let testbed = try UMockdevTestbed()
@@ -228,5 +237,20 @@ extension UMockdevDiscoveryTests {
         #expect(device["links"] as? [String] == ["/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"])
         #expect(device["location"] as? String == "1-1")
         #expect((device["sysPath"] as? String)?.hasSuffix("/tty/ttyUSB0") == true)
+    }
+}
+
+/// Compares the fast sysfs listing with libudev's enumeration, field by field.
+func expectSameListing(sourceLocation: SourceLocation = #_sourceLocation) throws {
+    let fromSysfs = try Sysfs.ttyDevices().sorted { $0.sysPath < $1.sysPath }
+    let fromLibudev = try UdevEnumerator.ttyDevices().sorted { $0.sysPath < $1.sysPath }
+    #expect(fromSysfs.map(\.sysPath) == fromLibudev.map(\.sysPath), sourceLocation: sourceLocation)
+    for (mine, reference) in zip(fromSysfs, fromLibudev) {
+        // libudev may add properties of its own (USEC_INITIALIZED, tags): every property the sysfs
+        // listing has must be libudev's, with libudev's value; everything else must be equal.
+        var expected = reference
+        expected.properties = reference.properties.filter { mine.properties[$0.key] != nil }
+        #expect(mine == expected, "\(mine.sysPath)", sourceLocation: sourceLocation)
+        #expect(mine.properties.count >= 3, "DEVPATH, SUBSYSTEM and more", sourceLocation: sourceLocation)
     }
 }

@@ -1,6 +1,7 @@
 // transportkit-bench: loopback tcp:// throughput and 32-byte round trips through TransportKit,
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
 // Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--nio-executor]
+//      transportkit-bench serial | serial-list (see SerialBench.swift)
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
 import CBenchLoops
@@ -21,6 +22,15 @@ func argument(_ name: String, default value: Int) -> Int {
 // opt-in), so a resumed reader continues on the thread that read the bytes.
 let nioExecutor = CommandLine.arguments.contains("--nio-executor")
     && NIOSingletons.unsafeTryInstallSingletonPosixEventLoopGroupAsConcurrencyGlobalExecutor()
+
+if CommandLine.arguments.dropFirst().first == "serial" {
+    try await SerialBench.run()
+    exit(0)
+}
+if CommandLine.arguments.dropFirst().first == "serial-list" {
+    try await SerialBench.list()
+    exit(0)
+}
 
 let totalBytes = argument("--bytes", default: 1 << 30)
 let rounds = argument("--rounds", default: 20_000)

@@ -1,9 +1,45 @@
 // SerialDiscovery.swift: serial ports as DeviceRecords (with identity URLs), identity
 // resolution for tty://usb/VID:PID…, waiting for a device to arrive, and hot-plug events.
-// The kernel interfaces are in UdevEnumerator.swift and UdevMonitor.swift.
+// The kernel interfaces are in Sysfs.swift (listing), UdevEnumerator.swift and UdevMonitor.swift
+// (events).
 
 import Foundation
 import TransportKitCore
+
+/// What one tty device looks like to discovery, read from libudev while its handle is alive.
+struct TTYDeviceInfo: Sendable, Equatable {
+    var sysPath: String
+    var sysName: String
+    var devnode: String?
+    /// `true` when the node is backed by hardware (has a parent device, and is not an 8250 slot
+    /// with no UART behind it).
+    var isReal: Bool
+    var driver: String?
+    var vendorId: String?
+    var productId: String?
+    var serialNumber: String?
+    var manufacturer: String?
+    var product: String?
+    var interface: Int?
+    /// `bNumInterfaces` of the USB device: more than one means the interface number matters.
+    var usbInterfaceCount: Int?
+    var location: String?
+    var links: [String]
+    var properties: [String: String]
+
+    /// Fills what sysfs did not say from udev's properties, when udevd left any (and names from
+    /// the USB ID database).
+    static func complete(_ info: inout TTYDeviceInfo) {
+        let properties = info.properties
+        info.vendorId = info.vendorId ?? properties["ID_VENDOR_ID"]?.lowercased()
+        info.productId = info.productId ?? properties["ID_MODEL_ID"]?.lowercased()
+        info.serialNumber = info.serialNumber ?? properties["ID_SERIAL_SHORT"]
+        info.manufacturer = info.manufacturer ?? properties["ID_VENDOR_FROM_DATABASE"] ?? properties["ID_VENDOR"]
+        info.product = info.product ?? properties["ID_MODEL_FROM_DATABASE"] ?? properties["ID_MODEL"]
+        info.interface = info.interface ?? properties["ID_USB_INTERFACE_NUM"].flatMap { Int($0, radix: 16) }
+        info.driver = info.driver ?? properties["ID_USB_DRIVER"]
+    }
+}
 
 /// `tty://usb/VID:PID?serial=…&interface=…&location=…`: which USB serial adapter to open.
 struct USBSelector: Sendable, CustomStringConvertible {
@@ -51,7 +87,7 @@ struct USBSelector: Sendable, CustomStringConvertible {
 enum SerialDiscovery {
     /// The serial ports of this machine. Without `includeAll`, only ports backed by hardware.
     static func list(includeAll: Bool) throws -> [DeviceRecord] {
-        try UdevEnumerator.ttyDevices()
+        try Sysfs.ttyDevices()
             .filter { includeAll || $0.isReal }
             .sorted { naturalOrder($0.sysName, $1.sysName) }
             .map(record)
@@ -60,7 +96,7 @@ enum SerialDiscovery {
     /// The record of the device behind a node or link, if discovery finds it.
     static func record(forNode path: String) -> DeviceRecord? {
         let resolved = (path as NSString).resolvingSymlinksInPath
-        return (try? UdevEnumerator.ttyDevices())?.first { $0.devnode == resolved || $0.devnode == path || $0.links.contains(path) }
+        return (try? Sysfs.ttyDevices())?.first { $0.devnode == resolved || $0.devnode == path || $0.links.contains(path) }
             .map(record)
     }
 
@@ -97,9 +133,14 @@ enum SerialDiscovery {
         text.addingPercentEncoding(withAllowedCharacters: .alphanumerics.union(CharacterSet(charactersIn: "-._~"))) ?? text
     }
 
-    /// ttyS2 before ttyS10.
+    /// ttyS2 before ttyS10: by the name without its trailing number, then by that number.
     static func naturalOrder(_ a: String, _ b: String) -> Bool {
-        a.compare(b, options: .numeric) == .orderedAscending
+        func split(_ name: String) -> (Substring, Int) {
+            let stem = name.reversed().drop(while: \.isNumber).count
+            return (name.prefix(stem), Int(name.dropFirst(stem)) ?? -1)
+        }
+        let (left, right) = (split(a), split(b))
+        return left.0 != right.0 ? left.0 < right.0 : left.1 < right.1
     }
 
     /// Finds the one device a selector names; with `wait`, waits (until the connect timeout
@@ -107,7 +148,7 @@ enum SerialDiscovery {
     static func resolve(_ selector: USBSelector, wait: Bool) async throws -> DeviceRecord {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
         let monitor = wait ? try UdevMonitor(include: { $0.isReal }) : nil
-        let present = try monitor?.knownDevices ?? UdevEnumerator.ttyDevices()
+        let present = try monitor?.knownDevices ?? Sysfs.ttyDevices()
         if let found = try choose(selector, among: present) { return record(found) }
         guard let monitor else {
             throw TransportError(.notFound, "no serial port matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")

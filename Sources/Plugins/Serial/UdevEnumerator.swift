@@ -1,35 +1,11 @@
-// UdevEnumerator.swift: listing tty devices through libudev's enumeration (libudev(3),
-// udev_enumerate_new(3), udev_device_new_from_syspath(3)).
-//
-// Without udevd (containers, minimal systems) libudev still enumerates by reading sysfs; the udev
-// database then has nothing, so properties (ID_*) and by-id/by-path links are absent and the
-// record is built from sysfs attributes alone. With udevd, its properties and links are added.
+// UdevEnumerator.swift: tty devices as libudev sees them (libudev(3), udev_enumerate_new(3),
+// udev_device_new_from_syspath(3)). `info(_:)` reads the device of every hot-plug event;
+// `ttyDevices()` is libudev's own enumeration, kept as the reference the sysfs listing
+// (Sysfs.swift, which is much faster) is checked against in the tests.
 
 import CUdev
 import Foundation
 import TransportKitCore
-
-/// What one tty device looks like to discovery, read from libudev while its handle is alive.
-struct TTYDeviceInfo: Sendable, Equatable {
-    var sysPath: String
-    var sysName: String
-    var devnode: String?
-    /// `true` when the node is backed by hardware (has a parent device, and is not an 8250 slot
-    /// with no UART behind it).
-    var isReal: Bool
-    var driver: String?
-    var vendorId: String?
-    var productId: String?
-    var serialNumber: String?
-    var manufacturer: String?
-    var product: String?
-    var interface: Int?
-    /// `bNumInterfaces` of the USB device: more than one means the interface number matters.
-    var usbInterfaceCount: Int?
-    var location: String?
-    var links: [String]
-    var properties: [String: String]
-}
 
 /// One libudev context. libudev objects are not thread-safe: a context and everything made from
 /// it are used by one caller at a time (each ``UdevEnumerator`` call makes its own).
@@ -98,14 +74,7 @@ enum UdevEnumerator {
                 .flatMap { Int($0.trimmingCharacters(in: .whitespaces)) }
             info.location = string(udev_device_get_sysname(usb))
         }
-        // udev's database, when udevd runs, knows more (and names from the USB ID database).
-        info.vendorId = info.vendorId ?? properties["ID_VENDOR_ID"]?.lowercased()
-        info.productId = info.productId ?? properties["ID_MODEL_ID"]?.lowercased()
-        info.serialNumber = info.serialNumber ?? properties["ID_SERIAL_SHORT"]
-        info.manufacturer = info.manufacturer ?? properties["ID_VENDOR_FROM_DATABASE"] ?? properties["ID_VENDOR"]
-        info.product = info.product ?? properties["ID_MODEL_FROM_DATABASE"] ?? properties["ID_MODEL"]
-        info.interface = info.interface ?? properties["ID_USB_INTERFACE_NUM"].flatMap { Int($0, radix: 16) }
-        info.driver = info.driver ?? properties["ID_USB_DRIVER"]
+        TTYDeviceInfo.complete(&info)
         return info
     }
 

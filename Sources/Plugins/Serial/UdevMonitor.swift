@@ -75,7 +75,7 @@ final class UdevMonitor: Sendable {
         self.state = Mutex(State(udev: udev, monitor: monitor))
         // Enumerate only now that the socket listens: a device arriving in between shows up in
         // both, and the "add" is then dropped as a duplicate.
-        let present = try UdevEnumerator.ttyDevices().filter(include)
+        let present = try Sysfs.ttyDevices().filter(include)
         state.withLock { state in
             for device in present { state.known[device.sysPath] = device }
         }
@@ -166,7 +166,7 @@ final class UdevMonitor: Sendable {
 
     /// After ENOBUFS: enumerate again and queue the difference as events.
     private func resync() throws {
-        let present = try UdevEnumerator.ttyDevices().filter(include)
+        let present = try Sysfs.ttyDevices().filter(include)
         state.withLock { state in
             state.resyncs += 1
             // Drain what is left in the socket: it predates the enumeration just made.
