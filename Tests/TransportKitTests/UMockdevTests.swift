@@ -141,6 +141,27 @@ struct UMockdevDiscoveryTests {
         #expect(thirdAction == .changed && thirdDevice.devnode == "/dev/ttyUSB1")
     }
 
+    @Test("a resync (what ENOBUFS triggers) reports exactly what changed while events were lost")
+    func resyncReportsTheDifference() async throws {
+        let testbed = try UMockdevTestbed()
+        let leaving = FakeSerial.cp210x()
+        try testbed.add(leaving.record)
+        try testbed.add(FakeSerial.ch340().record)
+        let monitor = try UdevMonitor(include: { $0.isReal })
+        // Changes whose uevents are "lost": no event is sent for them.
+        testbed.remove(leaving.ttySysPath)
+        try testbed.add(FakeSerial.ftdi().record)
+        try monitor.resync()
+        #expect(monitor.resyncCount == 1)
+        var seen: [String] = []
+        for _ in 0..<2 {
+            let (action, device) = try await next(monitor)
+            seen.append("\(action.rawValue) \(device.devnode ?? "?")")
+        }
+        #expect(seen.sorted() == ["added /dev/ttyUSB0", "removed /dev/ttyUSB1"])
+        #expect(Set(monitor.knownDevices.compactMap(\.devnode)) == ["/dev/ttyUSB0", "/dev/ttyUSB2"])
+    }
+
     @Test("the registry's event stream and tty://…?wait=true see an arrival")
     func waitForArrival() async throws {
         let testbed = try UMockdevTestbed()

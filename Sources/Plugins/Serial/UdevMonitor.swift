@@ -165,7 +165,7 @@ final class UdevMonitor: Sendable {
     }
 
     /// After ENOBUFS: enumerate again and queue the difference as events.
-    private func resync() throws {
+    func resync() throws {
         let present = try Sysfs.ttyDevices().filter(include)
         state.withLock { state in
             state.resyncs += 1
