@@ -129,8 +129,14 @@ enum SerialDiscovery {
         return "tty://" + (info.devnode ?? "/dev/" + info.sysName)
     }
 
+    private static let unreserved = CharacterSet.alphanumerics.union(CharacterSet(charactersIn: "-._~"))
+
     private static func percentEncoded(_ text: String) -> String {
-        text.addingPercentEncoding(withAllowedCharacters: .alphanumerics.union(CharacterSet(charactersIn: "-._~"))) ?? text
+        // Serial numbers are nearly always plain ASCII letters and digits: skip Foundation then.
+        if text.utf8.allSatisfy({ ($0 >= 0x30 && $0 <= 0x39) || ($0 | 0x20 >= 0x61 && $0 | 0x20 <= 0x7a) || $0 == 0x2d || $0 == 0x2e || $0 == 0x5f || $0 == 0x7e }) {
+            return text
+        }
+        return text.addingPercentEncoding(withAllowedCharacters: unreserved) ?? text
     }
 
     /// ttyS2 before ttyS10: by the name without its trailing number, then by that number.
