@@ -77,9 +77,7 @@ public struct SerialPort: Sendable {
     /// The state of every modem line (inputs CTS, DSR, RI, CD and outputs DTR, RTS).
     /// Throws `.unsupported` on a device without modem lines, such as a pty.
     public func modemLines() throws -> ModemLines {
-        var bits: Int32 = 0
-        try modemCall("ioctl(TIOCMGET)") { ioctl($0, UInt(TIOCMGET), &bits) }
-        return ModemLines(rawValue: bits)
+        try TTYLines(fd: device.descriptor(), path: path).get()
     }
 
     /// Raises or lowers DTR.
@@ -90,19 +88,7 @@ public struct SerialPort: Sendable {
 
     /// Raises (`on`) or lowers the given output lines.
     public func setLines(_ lines: ModemLines, _ on: Bool) throws {
-        var bits = lines.rawValue
-        try modemCall(on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)") { ioctl($0, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) }
-    }
-
-    private func modemCall(_ name: String, _ body: (Int32) -> Int32) throws {
-        let fd = try device.descriptor()
-        do {
-            try Posix.call(name, what: path) { body(fd) }
-        } catch let error as TransportError where error.errno == ENOTTY || error.errno == EINVAL {
-            // ENOTTY/EINVAL: the driver has no tiocmget/tiocmset (ptys, some virtual ports).
-            throw TransportError(.unsupported, "\(path) has no modem control lines (DTR, RTS, CTS, DSR, RI, CD); a pty or virtual port cannot do this",
-                                 errno: error.errno, syscall: error.syscall)
-        }
+        try TTYLines(fd: device.descriptor(), path: path).set(lines, on)
     }
 
     // MARK: Break, flush, drain

@@ -71,21 +71,29 @@ enum TTYConnector {
     }
 }
 
-/// Modem lines by descriptor, for use before the connection exists.
+/// Modem lines by descriptor (TIOCMGET, TIOCMBIS, TIOCMBIC), used on open and by SerialPort.
 struct TTYLines {
     let fd: Int32
     let path: String
 
+    func get() throws -> ModemLines {
+        var bits: Int32 = 0
+        try call("ioctl(TIOCMGET)") { ioctl(fd, UInt(TIOCMGET), &bits) }
+        return ModemLines(rawValue: bits)
+    }
+
     func set(_ lines: ModemLines, _ on: Bool) throws {
         var bits = lines.rawValue
-        let name = on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)"
-        guard ioctl(fd, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) == 0 else {
-            let code = errno
-            if code == ENOTTY || code == EINVAL {
-                throw TransportError(.unsupported, "\(path) has no modem control lines, so dtr=/rts= cannot be set; remove the option",
-                                     errno: code, syscall: name)
-            }
-            throw TransportError.posix(name, errno: code, what: path)
+        try call(on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)") { ioctl(fd, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) }
+    }
+
+    private func call(_ name: String, _ body: () -> Int32) throws {
+        do {
+            try Posix.call(name, what: path, body)
+        } catch let error as TransportError where error.errno == ENOTTY || error.errno == EINVAL {
+            // ENOTTY/EINVAL: the driver has no tiocmget/tiocmset (ptys, some virtual ports).
+            throw TransportError(.unsupported, "\(path) has no modem control lines (DTR, RTS, CTS, DSR, RI, CD): a pty or virtual port cannot do this; drop dtr=/rts= for it",
+                                 errno: error.errno, syscall: error.syscall)
         }
     }
 }
