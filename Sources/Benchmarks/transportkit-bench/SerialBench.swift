@@ -125,21 +125,21 @@ enum SerialBench {
         print(String(format: "  plain libudev enumeration (C)        %7.1f ms  (%d ports)", c * 1e3, cCount))
         print(String(format: "  Transport.registry.devices()         %7.1f ms  (%d ports, %.1fx C)", tk * 1e3, listed, tk / c))
         if let python {
-            print(String(format: "  pyserial list_ports.comports()       %7.1f ms  (%d ports, best of 3)", python.seconds * 1e3, python.count))
+            print(String(format: "  pyserial list_ports.comports()       %7.1f ms  (%d ports, %d with USB IDs, best of 3)", python.seconds * 1e3, python.count, python.withIDs))
         } else {
             print("  pyserial list_ports.comports()       not run (python3-serial is not installed)")
         }
     }
 
     /// Runs pyserial's listing in a child that shares the testbed; best of 3, timed inside Python.
-    private static func pyserial() -> (seconds: Double, count: Int)? {
+    private static func pyserial() -> (seconds: Double, count: Int, withIDs: Int)? {
         let script = """
             import time, serial.tools.list_ports as lp
             best = None
             for _ in range(3):
                 t = time.perf_counter(); ports = lp.comports(); e = time.perf_counter() - t
                 best = e if best is None else min(best, e)
-            print(len(ports), best)
+            print(len(ports), sum(1 for p in ports if p.vid is not None), best)
             """
         let process = Process()
         process.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
@@ -154,8 +154,9 @@ enum SerialBench {
         let output = String(decoding: pipe.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
         process.waitUntilExit()
         let fields = output.split(whereSeparator: \.isWhitespace)
-        guard process.terminationStatus == 0, fields.count == 2, let count = Int(fields[0]), let seconds = Double(fields[1]) else { return nil }
-        return (seconds, count)
+        guard process.terminationStatus == 0, fields.count == 3, let count = Int(fields[0]), let withIDs = Int(fields[1]),
+              let seconds = Double(fields[2]) else { return nil }
+        return (seconds, count, withIDs)
     }
 }
 
