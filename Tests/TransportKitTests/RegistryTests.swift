@@ -171,3 +171,55 @@ struct OptionTests {
         #expect(error?.message.contains("Grammar: ") == true)
     }
 }
+
+/// A plugin that reports fixed devices and events, to test how the registry merges them.
+private struct FakeDevicePlugin: TransportPlugin {
+    let scheme: String
+    var schemes: [SchemeDescriptor] {
+        [SchemeDescriptor(scheme: scheme, summary: "test", grammar: "\(scheme)://", host: .forbidden, port: .forbidden, path: .forbidden)]
+    }
+
+    func connect(_ request: ConnectRequest) async throws -> Connection {
+        throw TransportError(.unsupported, "test plugin")
+    }
+
+    func devices(includeAll: Bool) async throws -> [DeviceRecord] {
+        [DeviceRecord(url: "\(scheme)://one", scheme: scheme)] + (includeAll ? [DeviceRecord(url: "\(scheme)://hidden", scheme: scheme)] : [])
+    }
+
+    func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        let scheme = self.scheme
+        return AsyncThrowingStream { continuation in
+            continuation.yield(DeviceEvent(.added, DeviceRecord(url: "\(scheme)://one", scheme: scheme)))
+            continuation.yield(DeviceEvent(.removed, DeviceRecord(url: "\(scheme)://one", scheme: scheme)))
+            continuation.finish()
+        }
+    }
+}
+
+@Suite("registry device listing and events")
+struct RegistryDeviceTests {
+    @Test("devices and events of every plugin are merged; includeAll is passed on")
+    func merged() async throws {
+        let registry = try TransportRegistry(plugins: [FakeDevicePlugin(scheme: "fa"), FakeDevicePlugin(scheme: "fb"), LoopPlugin()])
+        #expect(try await registry.devices().map(\.url).sorted() == ["fa://one", "fb://one"])
+        #expect(try await registry.devices(includeAll: true).count == 4)
+        var events: [String] = []
+        for try await event in registry.deviceEvents() { events.append("\(event.action.rawValue) \(event.device.url)") }
+        #expect(events.sorted() == ["added fa://one", "added fb://one", "removed fa://one", "removed fb://one"])
+        // Order within one plugin is kept.
+        #expect(events.filter { $0.hasSuffix("fa://one") } == ["added fa://one", "removed fa://one"])
+    }
+
+    @Test("a single source is handed out as it is, and no source gives an empty stream")
+    func singleAndNone() async throws {
+        let one = try TransportRegistry(plugins: [FakeDevicePlugin(scheme: "fc")])
+        var count = 0
+        for try await _ in one.deviceEvents() { count += 1 }
+        #expect(count == 2)
+        let none = try TransportRegistry(plugins: [LoopPlugin()])
+        var any = false
+        for try await _ in none.deviceEvents() { any = true }
+        #expect(!any)
+    }
+}

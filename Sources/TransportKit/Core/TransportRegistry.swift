@@ -164,6 +164,8 @@ public final class TransportRegistry: Sendable {
     public func deviceEvents(includeAll: Bool = false) -> AsyncThrowingStream<DeviceEvent, any Error> {
         var seen = Set<ObjectIdentifierBox>()
         let sources = uniquePlugins(&seen).compactMap { $0.deviceEvents(includeAll: includeAll) }
+        // One source (the usual case): hand it out as it is, pull-driven, with no extra hop.
+        if sources.count == 1, let only = sources.first { return only }
         let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream(bufferingPolicy: .bufferingOldest(4096))
         let task = Task {
             await withThrowingTaskGroup(of: Void.self) { group in
