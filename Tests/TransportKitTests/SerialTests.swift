@@ -377,12 +377,16 @@ struct KernelUeventTests {
         Self.trigger(300)
         let waiter = Task { try await monitor.next() }
         #expect(await Support.eventually(5) { monitor.resyncCount >= 1 }, "ENOBUFS was reported and answered with a resync")
-        // Only after the resync drained the socket: this event must come through.
-        Self.trigger()
+        // After the resync the monitor must deliver events again. Other tests (and processes) can
+        // trigger uevents too, and with this tiny buffer a few at once overflow it again, so keep
+        // triggering until one arrives.
         let result = try await withThrowingTaskGroup(of: (UdevMonitor.Action, TTYDeviceInfo)?.self) { group in
             group.addTask { try await waiter.value }
             group.addTask {
-                try await Task.sleep(for: .seconds(5))
+                for _ in 0..<25 {
+                    Self.trigger()
+                    try await Task.sleep(for: .milliseconds(200))
+                }
                 waiter.cancel()
                 return nil
             }

@@ -59,22 +59,29 @@ enum Sysfs {
             devnode: properties["DEVNAME"],
             isReal: false, links: links.sorted(), properties: properties
         )
-        // The tty's parent device: absent for virtual terminals, the console and ptmx.
-        let parent = parentDevice(of: sysPath)
+        // The tty's parent device: absent for virtual terminals, the console and ptmx. Below a USB
+        // interface it is the directory above ".../tty/NAME" (a usb-serial port or the interface),
+        // found without probing; and there is no serial-core `type` attribute to read.
+        let components = sysPath.split(separator: "/")
+        let underUSB = components.contains(where: isUSBInterfaceName)
+        let parent = underUSB && components.count > 2 && components[components.count - 2] == "tty"
+            ? "/" + components.dropLast(2).joined(separator: "/")
+            : parentDevice(of: sysPath)
         info.isReal = parent != nil
         if let parent {
             info.driver = driver(from: parent)
-            if readFile(sysPath + "/type")?.trimmingCharacters(in: .whitespacesAndNewlines) == "0" {
+            if !underUSB, readFile(sysPath + "/type")?.trimmingCharacters(in: .whitespacesAndNewlines) == "0" {
                 // A serial-core slot (8250) the kernel reserved with no UART behind it (PORT_UNKNOWN).
                 info.isReal = false
             }
         }
         // USB ancestors, found by the kernel's names for them (drivers/usb/core/usb.c, message.c):
         // a device is "BUS-PORT[.PORT…]" (1-1.4), an interface "BUS-PORT…:CONFIG.INTERFACE" (1-1.4:1.0).
-        let components = sysPath.split(separator: "/")
         if let index = components.lastIndex(where: isUSBInterfaceName) {
             let directory = "/" + components[...index].joined(separator: "/")
-            info.interface = attribute(directory, "bInterfaceNumber").flatMap { Int($0, radix: 16) }
+            // The name ends in ".bInterfaceNumber" (decimal; usb_set_configuration names interfaces
+            // "%d-%s:%d.%d"): no file to read.
+            info.interface = components[index].split(separator: ".").last.flatMap { Int($0) }
             info.driver = info.driver ?? driverName(directory)
         }
         if let index = components.lastIndex(where: isUSBDeviceName) {
