@@ -27,6 +27,14 @@ struct TTYDeviceInfo: Sendable, Equatable {
     var links: [String]
     var properties: [String: String]
 
+    /// Same node and same identity (what the URL and resolution use); properties may differ
+    /// between a sysfs read and libudev's view of the same device.
+    func sameIdentity(as other: TTYDeviceInfo) -> Bool {
+        devnode == other.devnode && vendorId == other.vendorId && productId == other.productId
+            && serialNumber == other.serialNumber && interface == other.interface && location == other.location
+            && isReal == other.isReal
+    }
+
     /// Fills what sysfs did not say from udev's properties, when udevd left any (and names from
     /// the USB ID database).
     static func complete(_ info: inout TTYDeviceInfo) {

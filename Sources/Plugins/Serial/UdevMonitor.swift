@@ -148,7 +148,14 @@ final class UdevMonitor: Sendable {
                               include: (TTYDeviceInfo) -> Bool) -> (Action, TTYDeviceInfo)? {
         switch action {
         case "add":
-            guard include(info), known[info.sysPath] == nil else { return nil }
+            guard include(info) else { return nil }
+            if let previous = known[info.sysPath] {
+                // Listed already (it arrived while we enumerated): a duplicate, unless the listing
+                // caught it half-made (sysfs attributes appear one by one) and now it says more.
+                guard !previous.sameIdentity(as: info) else { return nil }
+                known[info.sysPath] = info
+                return (.changed, info)
+            }
             known[info.sysPath] = info
             return (.added, info)
         case "remove":
