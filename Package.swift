@@ -84,7 +84,8 @@ let package = Package(
 
         .testTarget(
             name: "TransportKitTests",
-            dependencies: ["TransportKit", "TransportKitSerial"],
+            // CUdev: the libudev reference enumeration the sysfs listing is checked against.
+            dependencies: ["TransportKit", "TransportKitSerial", "CUdev"],
             swiftSettings: strict
         ),
         .testTarget(

@@ -58,7 +58,7 @@ struct UMockdevDiscoveryTests {
         let testbed = try UMockdevTestbed()
         try testbed.add(FakeSerial.ftdi(port: "1", serial: "AAAA", tty: "ttyUSB0").record)
         try testbed.add(FakeSerial.ftdi(port: "2", serial: "BBBB", tty: "ttyUSB1").record)
-        let devices = try UdevEnumerator.ttyDevices()
+        let devices = try Sysfs.ttyDevices()
 
         let one = try SerialDiscovery.choose(USBSelector(vendorId: "0403", productId: "6001", serialNumber: "BBBB"), among: devices)
         #expect(one?.devnode == "/dev/ttyUSB1")
@@ -160,6 +160,24 @@ struct UMockdevDiscoveryTests {
         }
         #expect(seen.sorted() == ["added /dev/ttyUSB0", "removed /dev/ttyUSB1"])
         #expect(Set(monitor.knownDevices.compactMap(\.devnode)) == ["/dev/ttyUSB0", "/dev/ttyUSB2"])
+    }
+
+    @Test("a resync after events reports nothing for devices that did not change")
+    func resyncAfterEventsIsQuiet() async throws {
+        let testbed = try UMockdevTestbed()
+        let monitor = try UdevMonitor(include: { $0.isReal })
+        let arriving = FakeSerial.ftdi()
+        try testbed.add(arriving.record)
+        testbed.uevent(arriving.ttySysPath, "add")
+        #expect(try await next(monitor).0 == .added)
+        // The record an event produced must equal what a listing reads, or every device that
+        // arrived by event would be reported "changed" after an overflow.
+        try monitor.resync()
+        let other = FakeSerial.ch340()
+        try testbed.add(other.record)
+        testbed.uevent(other.ttySysPath, "add")
+        let (action, device) = try await next(monitor)
+        #expect(action == .added && device.devnode == "/dev/ttyUSB2")
     }
 
     @Test("the registry's event stream and tty://…?wait=true see an arrival")
@@ -264,7 +282,7 @@ extension UMockdevDiscoveryTests {
 /// Compares the fast sysfs listing with libudev's enumeration, field by field.
 func expectSameListing(sourceLocation: SourceLocation = #_sourceLocation) throws {
     let fromSysfs = try Sysfs.ttyDevices().sorted { $0.sysPath < $1.sysPath }
-    let fromLibudev = try UdevEnumerator.ttyDevices().sorted { $0.sysPath < $1.sysPath }
+    let fromLibudev = try LibudevReference.ttyDevices().sorted { $0.sysPath < $1.sysPath }
     #expect(fromSysfs.map(\.sysPath) == fromLibudev.map(\.sysPath), sourceLocation: sourceLocation)
     for (mine, reference) in zip(fromSysfs, fromLibudev) {
         // libudev may add properties of its own (USEC_INITIALIZED, tags): every property the sysfs

@@ -1,12 +1,11 @@
 // SerialDiscovery.swift: serial ports as DeviceRecords (with identity URLs), identity
 // resolution for tty://usb/VID:PID…, waiting for a device to arrive, and hot-plug events.
-// The kernel interfaces are in Sysfs.swift (listing), UdevEnumerator.swift and UdevMonitor.swift
-// (events).
+// The kernel interfaces are in Sysfs.swift (device records) and UdevMonitor.swift (events).
 
 import Foundation
 import TransportKitCore
 
-/// What one tty device looks like to discovery, read from libudev while its handle is alive.
+/// What one tty device looks like to discovery (read by Sysfs.swift for listings and events).
 struct TTYDeviceInfo: Sendable, Equatable {
     var sysPath: String
     var sysName: String
@@ -26,14 +25,6 @@ struct TTYDeviceInfo: Sendable, Equatable {
     var location: String?
     var links: [String]
     var properties: [String: String]
-
-    /// Same node and same identity (what the URL and resolution use); properties may differ
-    /// between a sysfs read and libudev's view of the same device.
-    func sameIdentity(as other: TTYDeviceInfo) -> Bool {
-        devnode == other.devnode && vendorId == other.vendorId && productId == other.productId
-            && serialNumber == other.serialNumber && interface == other.interface && location == other.location
-            && isReal == other.isReal
-    }
 
     /// Fills what sysfs did not say from udev's properties, when udevd left any (and names from
     /// the USB ID database).

@@ -1,5 +1,5 @@
 // tty:// and pty:// — serial ports through termios, driven by SwiftNIO's event loop (no threads
-// polling), and serial-port discovery and hot-plug through libudev.
+// polling), and serial-port discovery (sysfs) and hot-plug (libudev's uevent monitor).
 //
 // Grammar:
 //   tty://[LABEL[:BAUD]]/DEVICE-PATH[?OPTIONS]

@@ -4,8 +4,9 @@
 //
 // Why not libudev's enumeration: it builds a full device object per entry (uevent, database, tags,
 // parents); measured on 1,000 fake ports it took ~750 ms where reading the few files a serial
-// listing needs takes a small fraction of that (BENCHMARKS.md). libudev remains the source of
-// hot-plug events (UdevMonitor.swift) and the cross-check in the tests.
+// listing needs takes a small fraction of that (BENCHMARKS.md). libudev receives the
+// hot-plug events (UdevMonitor.swift), whose devices are then read here too, and its enumeration
+// is the reference the tests check this listing against.
 
 import Foundation
 import Glibc
@@ -70,7 +71,7 @@ enum Sysfs {
         info.isReal = parent != nil
         if let parent {
             info.driver = driver(from: parent)
-            if !underUSB, readFile(sysPath + "/type")?.trimmingCharacters(in: .whitespacesAndNewlines) == "0" {
+            if !underUSB, attribute(sysPath, "type") == "0" {
                 // A serial-core slot (8250) the kernel reserved with no UART behind it (PORT_UNKNOWN).
                 info.isReal = false
             }

@@ -132,10 +132,11 @@ final class UdevMonitor: Sendable {
                         throw TransportError(.io, "receiving uevents failed: \(ErrnoName.describe(code))", errno: code, syscall: "udev_monitor_receive_device")
                     }
                 }
-                let action = UdevEnumerator.string(udev_device_get_action(device)) ?? ""
-                let info = UdevEnumerator.info(device)
+                let action = udev_device_get_action(device).map { String(cString: $0) } ?? ""
+                let sysPath = udev_device_get_syspath(device).map { String(cString: $0) } ?? ""
+                let sysName = udev_device_get_sysname(device).map { String(cString: $0) } ?? ""
                 udev_device_unref(device)
-                if let event = Self.admit(action: action, info, known: &state.known, include: include) {
+                if let event = Self.admit(action: action, sysPath: sysPath, sysName: sysName, known: &state.known, include: include) {
                     return .event(event.0, event.1)
                 }
             }
@@ -144,28 +145,24 @@ final class UdevMonitor: Sendable {
 
     /// Applies one uevent to the known set; returns the event to report, or nil for a duplicate,
     /// an action that does not change the device list (bind, unbind, move), or a filtered device.
-    private static func admit(action: String, _ info: TTYDeviceInfo, known: inout [String: TTYDeviceInfo],
+    /// Records are read from sysfs as the listing reads them (Sysfs.swift), so an event and a
+    /// listing of the same device compare equal.
+    private static func admit(action: String, sysPath: String, sysName: String, known: inout [String: TTYDeviceInfo],
                               include: (TTYDeviceInfo) -> Bool) -> (Action, TTYDeviceInfo)? {
         switch action {
-        case "add":
-            guard include(info) else { return nil }
-            if let previous = known[info.sysPath] {
-                // Listed already (it arrived while we enumerated): a duplicate, unless the listing
-                // caught it half-made (sysfs attributes appear one by one) and now it says more.
-                guard !previous.sameIdentity(as: info) else { return nil }
-                known[info.sysPath] = info
-                return (.changed, info)
-            }
-            known[info.sysPath] = info
-            return (.added, info)
+        case "add", "change":
+            // Gone again already: its "remove" follows and finds nothing to remove.
+            guard let info = Sysfs.device(named: sysName), include(info) else { return nil }
+            let previous = known.updateValue(info, forKey: info.sysPath)
+            if action == "change" { return (.changed, info) }
+            // Listed already (it arrived while we enumerated): a duplicate, unless the listing
+            // caught it half-made (sysfs attributes appear one by one) and now it says more.
+            guard let previous else { return (.added, info) }
+            return previous == info ? nil : (.changed, info)
         case "remove":
             // The cached record: the device is gone from sysfs, so only what was known survives.
-            guard let previous = known.removeValue(forKey: info.sysPath) else { return nil }
+            guard let previous = known.removeValue(forKey: sysPath) else { return nil }
             return (.removed, previous)
-        case "change":
-            guard include(info) else { return nil }
-            known[info.sysPath] = info
-            return (.changed, info)
         default:
             return nil
         }

@@ -1,15 +1,14 @@
-// UdevEnumerator.swift: tty devices as libudev sees them (libudev(3), udev_enumerate_new(3),
-// udev_device_new_from_syspath(3)). `info(_:)` reads the device of every hot-plug event;
-// `ttyDevices()` is libudev's own enumeration, kept as the reference the sysfs listing
-// (Sysfs.swift, which is much faster) is checked against in the tests.
+// LibudevReference.swift: tty devices as libudev's own enumeration sees them (libudev(3),
+// udev_enumerate_new(3), udev_device_new_from_syspath(3)). The plugin reads sysfs itself
+// (Sysfs.swift, several times faster); this is the reference that listing is checked against.
 
 import CUdev
 import Foundation
 import TransportKitCore
+@testable import TransportKitSerial
 
-/// One libudev context. libudev objects are not thread-safe: a context and everything made from
-/// it are used by one caller at a time (each ``UdevEnumerator`` call makes its own).
-enum UdevEnumerator {
+/// One libudev context per call: libudev objects are not thread-safe.
+enum LibudevReference {
     /// Every device of the tty subsystem.
     static func ttyDevices() throws -> [TTYDeviceInfo] {
         guard let udev = udev_new() else {
