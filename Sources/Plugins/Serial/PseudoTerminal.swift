@@ -15,30 +15,29 @@ enum PseudoTerminal {
         // openpty(3) has no close-on-exec flag; set it before anything can fork.
         _ = fcntl(master, F_SETFD, FD_CLOEXEC)
         _ = fcntl(peer, F_SETFD, FD_CLOEXEC)
-        let peerPath = peerName(peer)
-        let device = TTYDevice(path: "pty master of \(peerPath)", fd: master)
-        var link: String?
-        do {
-            var tio = try Termios.get(peer, path: peerPath)
-            Termios.configure(&tio, settings)
-            try Termios.set(peer, tio, path: peerPath)
-            if let path = request.options.string("link") {
-                try Posix.call("symlink", what: path, hint: "remove the file that is there, or choose another link path") { symlink(peerPath, path) }
-                link = path
-            }
-        } catch {
-            device.close()
-            Posix.close(peer)
-            throw error
-        }
         // The peer descriptor lives as long as the connection, so programs can open and close the
         // node repeatedly: a pty whose peer side has no open descriptor makes the master read EIO,
         // which would end the connection the first time a program closed it.
-        let heldPeer = peer
-        let cleanupLink = link
+        let peerFD = peer
+        let peerPath = peerName(peerFD)
+        let device = TTYDevice(path: "pty master of \(peerPath)", fd: master)
+        let link: String?
+        do {
+            var tio = try Termios.get(peerFD, path: peerPath)
+            Termios.configure(&tio, settings)
+            try Termios.set(peerFD, tio, path: peerPath)
+            link = try request.options.string("link").map { path in
+                try Posix.call("symlink", what: path, hint: "remove the file that is there, or choose another link path") { symlink(peerPath, path) }
+                return path
+            }
+        } catch {
+            device.close()
+            Posix.close(peerFD)
+            throw error
+        }
         let cleanup: @Sendable () -> Void = {
-            Posix.close(heldPeer)
-            if let cleanupLink { unlink(cleanupLink) }
+            Posix.close(peerFD)
+            if let link { unlink(link) }
         }
         let channel: ChannelBackend
         do {

@@ -1,7 +1,8 @@
-// SerialPort.swift: a tty device node — open(2) with O_NOCTTY, exclusive use (TIOCEXCL and
-// flock(2)), modem control lines (TIOCMGET/TIOCMBIS/TIOCMBIC), break (TIOCSBRK/TIOCCBRK), flush
-// (tcflush(3)), drain (tcdrain(3)) and low latency (TIOCGSERIAL/TIOCSSERIAL, ASYNC_LOW_LATENCY).
-// Man pages: ioctl_tty(2), tty_ioctl(4), flock(2), termios(3). Line settings are in Termios.swift.
+// SerialPort.swift: run-time control of an open tty — break (TIOCSBRK/TIOCCBRK), flush
+// (tcflush(3)), output queue (TIOCOUTQ), drain (tcdrain(3)) — and the descriptor's owner,
+// TTYDevice (TIOCNXCL, close). Man pages: ioctl_tty(2), termios(3). Line settings are in
+// Termios.swift, modem lines (TIOCM*) and low latency in TTYConnector.swift, opening and exclusive
+// use (O_NOCTTY, flock, TIOCEXCL) in DeviceAccess.swift.
 
 import Foundation
 import Glibc
@@ -28,7 +29,7 @@ public struct ModemLines: OptionSet, Sendable, Hashable {
 }
 
 /// Which queued bytes ``SerialPort/flush(_:)`` discards.
-public enum FlushQueue: Sendable {
+public enum FlushQueue: Sendable, Equatable {
     /// Received but not yet read (the kernel's queue and bytes TransportKit holds unread).
     case input
     /// Written but not yet sent by the driver.
@@ -173,8 +174,6 @@ final class TTYDevice: Sendable {
 
     deinit { close() }
 }
-
-extension FlushQueue: Equatable {}
 
 /// Runs one blocking call on a dedicated thread, so it never occupies the cooperative pool.
 enum BlockingCall {

@@ -13,6 +13,7 @@ enum TTYConnector {
         let fd = try DeviceAccess.openTTY(path, exclusive: request.options.bool("exclusive") ?? true)
         let device = TTYDevice(path: path, fd: fd)
         var notes: [String: String] = ["path": path]
+        let channel: ChannelBackend
         do {
             var tio = try Termios.get(fd, path: path)
             Termios.configure(&tio, settings)
@@ -23,12 +24,6 @@ enum TTYConnector {
             if request.options.bool("lowLatency") == true {
                 notes["lowLatency"] = LowLatency.enable(fd: fd, path: path)
             }
-        } catch {
-            device.close()
-            throw error
-        }
-        let channel: ChannelBackend
-        do {
             channel = try await SerialChannel.attach(fd: fd, describing: "tty://\(path)")
         } catch {
             device.close()
@@ -101,8 +96,8 @@ struct TTYLines {
 /// Low latency: ASYNC_LOW_LATENCY through TIOCGSERIAL/TIOCSSERIAL (linux/serial.h), and for FTDI
 /// adapters the latency timer in sysfs (16 ms by default) set to 1 ms.
 enum LowLatency {
-    /// `struct serial_struct` is 72 bytes on 64-bit Linux; `flags` is the int at offset 16.
-    static let serialStructSize = 72
+    /// `flags` is the int at offset 16 of `struct serial_struct` (72 bytes on 64-bit Linux; the
+    /// buffer below is 128 so a larger struct on another architecture cannot overflow it).
     static let flagsOffset = 16
     /// ASYNC_LOW_LATENCY (1 << ASYNCB_LOW_LATENCY, 13) from linux/tty_flags.h.
     static let asyncLowLatency: Int32 = 1 << 13
