@@ -136,65 +136,40 @@ enum FakeSerial {
         return lines.joined(separator: "\n") + "\n\n"
     }
 
-    /// An FTDI FT232R: tty → usb-serial port (driver ftdi_sio) → interface 0 → device.
-    static func ftdi(bus: Int = 1, port: String = "1", serial: String = "A50285BI", tty: String = "ttyUSB0") -> (record: String, ttySysPath: String) {
+    /// A USB-serial converter (the usb-serial bus): tty → usb-serial port → interface 0 → device.
+    private static func usbSerial(bus: Int, port: String, tty: String, driver: String, devnum: Int, vid: String, pid: String,
+                                  serial: String?, manufacturer: String, product: String, links: [String] = [],
+                                  portAttributes: [String] = []) -> (record: String, ttySysPath: String) {
         let device = "/sys/devices/pci0000:00/0000:00:14.0/usb\(bus)/\(bus)-\(port)"
         let interface = device + "/\(bus)-\(port):1.0"
-        let usbSerial = interface + "/\(tty)"
-        let ttyPath = usbSerial + "/tty/\(tty)"
-        let record = ttyBlock(ttyPath, name: tty, links: ["/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_\(serial)-if00-port0"])
-            + """
-            P: \(usbSerial)
-            E: DRIVER=ftdi_sio
-            E: SUBSYSTEM=usb-serial
-            A: latency_timer=16
-            L: driver=../../../../../../../bus/usb-serial/drivers/ftdi_sio
-
-            """
-            + interfaceBlock(interface, number: 0, driver: "ftdi_sio")
-            + usbDeviceBlock(device, busnum: bus, devnum: 2, vid: "0403", pid: "6001", serial: serial, manufacturer: "FTDI",
-                        product: "FT232R USB UART", interfaces: 1)
+        let usbSerialPort = interface + "/\(tty)"
+        let ttyPath = usbSerialPort + "/tty/\(tty)"
+        let portBlock = (["P: \(usbSerialPort)", "E: DRIVER=\(driver)", "E: SUBSYSTEM=usb-serial"] + portAttributes
+            + ["L: driver=../../../../../../../bus/usb-serial/drivers/\(driver)"]).joined(separator: "\n") + "\n\n"
+        let record = ttyBlock(ttyPath, name: tty, links: links) + portBlock
+            + interfaceBlock(interface, number: 0, driver: driver)
+            + usbDeviceBlock(device, busnum: bus, devnum: devnum, vid: vid, pid: pid, serial: serial, manufacturer: manufacturer,
+                             product: product, interfaces: 1)
         return (record, ttyPath)
     }
 
-    /// A CP2102 (driver cp210x), same shape as FTDI.
-    static func cp210x(bus: Int = 1, port: String = "2", serial: String = "0001", tty: String = "ttyUSB1") -> (record: String, ttySysPath: String) {
-        let device = "/sys/devices/pci0000:00/0000:00:14.0/usb\(bus)/\(bus)-\(port)"
-        let interface = device + "/\(bus)-\(port):1.0"
-        let usbSerial = interface + "/\(tty)"
-        let ttyPath = usbSerial + "/tty/\(tty)"
-        let record = ttyBlock(ttyPath, name: tty)
-            + """
-            P: \(usbSerial)
-            E: DRIVER=cp210x
-            E: SUBSYSTEM=usb-serial
-            L: driver=../../../../../../../bus/usb-serial/drivers/cp210x
+    /// An FTDI FT232R (driver ftdi_sio, with its latency timer and a by-id link).
+    static func ftdi(bus: Int = 1, port: String = "1", serial: String = "A50285BI", tty: String = "ttyUSB0") -> (record: String, ttySysPath: String) {
+        usbSerial(bus: bus, port: port, tty: tty, driver: "ftdi_sio", devnum: 2, vid: "0403", pid: "6001", serial: serial,
+                  manufacturer: "FTDI", product: "FT232R USB UART",
+                  links: ["/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_\(serial)-if00-port0"], portAttributes: ["A: latency_timer=16"])
+    }
 
-            """
-            + interfaceBlock(interface, number: 0, driver: "cp210x")
-            + usbDeviceBlock(device, busnum: bus, devnum: 3, vid: "10c4", pid: "ea60", serial: serial, manufacturer: "Silicon Labs",
-                        product: "CP2102 USB to UART Bridge Controller", interfaces: 1)
-        return (record, ttyPath)
+    /// A CP2102 (driver cp210x).
+    static func cp210x(bus: Int = 1, port: String = "2", serial: String = "0001", tty: String = "ttyUSB1") -> (record: String, ttySysPath: String) {
+        usbSerial(bus: bus, port: port, tty: tty, driver: "cp210x", devnum: 3, vid: "10c4", pid: "ea60", serial: serial,
+                  manufacturer: "Silicon Labs", product: "CP2102 USB to UART Bridge Controller")
     }
 
     /// A CH340 (driver ch341): no serial number, so identity falls back to the bus location.
     static func ch340(bus: Int = 1, port: String = "3", tty: String = "ttyUSB2") -> (record: String, ttySysPath: String) {
-        let device = "/sys/devices/pci0000:00/0000:00:14.0/usb\(bus)/\(bus)-\(port)"
-        let interface = device + "/\(bus)-\(port):1.0"
-        let usbSerial = interface + "/\(tty)"
-        let ttyPath = usbSerial + "/tty/\(tty)"
-        let record = ttyBlock(ttyPath, name: tty)
-            + """
-            P: \(usbSerial)
-            E: DRIVER=ch341
-            E: SUBSYSTEM=usb-serial
-            L: driver=../../../../../../../bus/usb-serial/drivers/ch341
-
-            """
-            + interfaceBlock(interface, number: 0, driver: "ch341")
-            + usbDeviceBlock(device, busnum: bus, devnum: 4, vid: "1a86", pid: "7523", serial: nil, manufacturer: "QinHeng Electronics",
-                        product: "USB Serial", interfaces: 1)
-        return (record, ttyPath)
+        usbSerial(bus: bus, port: port, tty: tty, driver: "ch341", devnum: 4, vid: "1a86", pid: "7523", serial: nil,
+                  manufacturer: "QinHeng Electronics", product: "USB Serial")
     }
 
     /// A CDC-ACM board (an Arduino-like microcontroller): two interfaces (control 0 with the
