@@ -94,6 +94,13 @@ let package = Package(
             swiftSettings: strict
         ),
         .testTarget(
+            // Runs inside the qemu lab (Scripts/lab) against real USB and Bluetooth drivers; every
+            // suite is disabled elsewhere. CBlueZ: the Bluetooth smoke test's raw sockets.
+            name: "LabTests",
+            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ"],
+            swiftSettings: strict
+        ),
+        .testTarget(
             name: "CShimTests",
             dependencies: ["CBlueZ", "CUdev", "CLibUSB"],
             swiftSettings: strict

@@ -3,6 +3,7 @@
 #ifndef TK_CBLUEZ_SHIM_H
 #define TK_CBLUEZ_SHIM_H
 
+#include <string.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <bluetooth/bluetooth.h>
@@ -27,5 +28,42 @@ static inline unsigned long tk_bt_ioctl_hcidevup(void) { return HCIDEVUP; }
 static inline unsigned long tk_bt_ioctl_hcidevdown(void) { return HCIDEVDOWN; }
 static inline unsigned long tk_bt_ioctl_hcigetdevlist(void) { return HCIGETDEVLIST; }
 static inline unsigned long tk_bt_ioctl_hcigetdevinfo(void) { return HCIGETDEVINFO; }
+
+/// Socket addresses for RFCOMM and L2CAP. `struct sockaddr_rc` and `struct sockaddr_l2` hold the
+/// packed `bdaddr_t`, so their C layout is filled here rather than guessed from Swift.
+static inline struct sockaddr_rc tk_bt_rfcomm_address(bdaddr_t address, uint8_t channel) {
+    struct sockaddr_rc a;
+    memset(&a, 0, sizeof a);
+    a.rc_family = AF_BLUETOOTH;
+    a.rc_bdaddr = address;
+    a.rc_channel = channel;
+    return a;
+}
+/// `addressType` is BDADDR_BREDR, BDADDR_LE_PUBLIC or BDADDR_LE_RANDOM; `psm` in host order.
+static inline struct sockaddr_l2 tk_bt_l2cap_address(bdaddr_t address, uint8_t addressType, uint16_t psm) {
+    struct sockaddr_l2 a;
+    memset(&a, 0, sizeof a);
+    a.l2_family = AF_BLUETOOTH;
+    a.l2_bdaddr = address;
+    a.l2_bdaddr_type = addressType;
+    a.l2_psm = htobs(psm);
+    return a;
+}
+static inline int tk_bt_rfcomm_bind(int fd, bdaddr_t address, uint8_t channel) {
+    struct sockaddr_rc a = tk_bt_rfcomm_address(address, channel);
+    return bind(fd, (struct sockaddr *)&a, sizeof a);
+}
+static inline int tk_bt_rfcomm_connect(int fd, bdaddr_t address, uint8_t channel) {
+    struct sockaddr_rc a = tk_bt_rfcomm_address(address, channel);
+    return connect(fd, (struct sockaddr *)&a, sizeof a);
+}
+static inline int tk_bt_l2cap_bind(int fd, bdaddr_t address, uint8_t addressType, uint16_t psm) {
+    struct sockaddr_l2 a = tk_bt_l2cap_address(address, addressType, psm);
+    return bind(fd, (struct sockaddr *)&a, sizeof a);
+}
+static inline int tk_bt_l2cap_connect(int fd, bdaddr_t address, uint8_t addressType, uint16_t psm) {
+    struct sockaddr_l2 a = tk_bt_l2cap_address(address, addressType, psm);
+    return connect(fd, (struct sockaddr *)&a, sizeof a);
+}
 
 #endif

@@ -1,0 +1,213 @@
+import Foundation
+import Glibc
+import Synchronization
+import Testing
+import TransportKit
+
+/// The qemu lab (Scripts/lab): these suites need its real USB and Bluetooth drivers and run only
+/// there. The guest's init sets TRANSPORTKIT_LAB; the lab's runner fails when they were skipped.
+enum Lab {
+    static let isActive = getenv("TRANSPORTKIT_LAB") != nil
+
+    /// The project folder, from this file's path (the guest sees the host's file system).
+    static let projectRoot = URL(fileURLWithPath: #filePath)
+        .deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent().path
+    static var labctl: String { projectRoot + "/Scripts/lab.d/labctl" }
+    /// The `transportkit` binary built next to the test bundle.
+    static var cli: String {
+        URL(fileURLWithPath: CommandLine.arguments[0]).deletingLastPathComponent().appendingPathComponent("transportkit").path
+    }
+
+    struct ProgramFailed: Error, CustomStringConvertible {
+        var command: [String]
+        var status: Int32
+        var stderr: String
+        var description: String { "\(command.joined(separator: " ")) exited with \(status): \(stderr)" }
+    }
+
+    struct Output: Sendable {
+        var status: Int32
+        var stdout: String
+        var stderr: String
+    }
+
+    /// Runs a program to completion. posix_spawn and waitpid on a thread of its own, never on the
+    /// cooperative pool; not Foundation's Process, whose waitUntilExit spun forever in the guest
+    /// when the test bundle runs outside `swift test` (dispatch_main holds SIGCHLD there).
+    static func run(_ executable: String, _ arguments: [String]) async throws -> Output {
+        try await withCheckedThrowingContinuation { continuation in
+            Thread { continuation.resume(with: Result { try runBlocking(executable, arguments) }) }.start()
+        }
+    }
+
+    private static func runBlocking(_ executable: String, _ arguments: [String]) throws -> Output {
+        var outPipe: [Int32] = [-1, -1]
+        var errPipe: [Int32] = [-1, -1]
+        // pipe2 is not imported (a GNU extension); the lab suites run one test at a time, so no
+        // other spawn can inherit these before FD_CLOEXEC is set.
+        guard pipe(&outPipe) == 0 else { throw TransportError(.io, "pipe", errno: errno, syscall: "pipe") }
+        guard pipe(&errPipe) == 0 else {
+            close(outPipe[0]); close(outPipe[1])
+            throw TransportError(.io, "pipe", errno: errno, syscall: "pipe")
+        }
+        for fd in outPipe + errPipe { _ = fcntl(fd, F_SETFD, FD_CLOEXEC) }
+        var actions = posix_spawn_file_actions_t()
+        posix_spawn_file_actions_init(&actions)
+        defer { posix_spawn_file_actions_destroy(&actions) }
+        posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0)
+        posix_spawn_file_actions_adddup2(&actions, outPipe[1], 1)
+        posix_spawn_file_actions_adddup2(&actions, errPipe[1], 2)
+        let argv = ([executable] + arguments).map { strdup($0) } + [nil]
+        defer { argv.forEach { free($0) } }
+        var pid: pid_t = 0
+        let spawned = posix_spawn(&pid, executable, &actions, nil, argv, environ)
+        close(outPipe[1])
+        close(errPipe[1])
+        guard spawned == 0 else {
+            close(outPipe[0]); close(errPipe[0])
+            throw TransportError(.io, "posix_spawn \(executable)", errno: spawned, syscall: "posix_spawn")
+        }
+        let stderr = DataBox()
+        let stderrDone = DispatchSemaphore(value: 0)
+        let errRead = errPipe[0]
+        Thread {
+            stderr.set(readToEnd(errRead))
+            stderrDone.signal()
+        }.start()
+        let stdout = readToEnd(outPipe[0])
+        stderrDone.wait()
+        close(outPipe[0])
+        close(errPipe[0])
+        var status: Int32 = 0
+        while waitpid(pid, &status, 0) < 0 && errno == EINTR {}
+        let exitStatus = (status & 0x7f) == 0 ? (status >> 8) & 0xff : 128 + (status & 0x7f)
+        return Output(status: exitStatus, stdout: String(decoding: stdout, as: UTF8.self),
+                      stderr: String(decoding: stderr.get(), as: UTF8.self))
+    }
+
+    private static func readToEnd(_ fd: Int32) -> [UInt8] {
+        var bytes: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 4096)
+        while true {
+            let count = buffer.withUnsafeMutableBytes { Glibc.read(fd, $0.baseAddress, $0.count) }
+            if count < 0 && errno == EINTR { continue }
+            guard count > 0 else { return bytes }
+            bytes += buffer[..<count]
+        }
+    }
+
+    private final class DataBox: Sendable {
+        private let data = Mutex<[UInt8]>([])
+        func set(_ value: [UInt8]) { data.withLock { $0 = value } }
+        func get() -> [UInt8] { data.withLock { $0 } }
+    }
+
+    /// Runs `Scripts/lab.d/labctl` and returns its standard output; throws when it fails.
+    @discardableResult
+    static func ctl(_ arguments: String...) async throws -> String {
+        let result = try await run(labctl, arguments)
+        guard result.status == 0 else { throw ProgramFailed(command: ["labctl"] + arguments, status: result.status, stderr: result.stderr) }
+        return result.stdout
+    }
+
+    /// Descriptors open in this process.
+    static func openDescriptors() -> [String] {
+        ((try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []).compactMap {
+            try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/" + $0)
+        }.sorted()
+    }
+
+    /// Polls `condition` every 20 ms for up to `seconds`.
+    static func eventually(_ seconds: Double, _ condition: () -> Bool) async -> Bool {
+        let deadline = ContinuousClock.now + .milliseconds(Int(seconds * 1000))
+        while ContinuousClock.now < deadline {
+            if condition() { return true }
+            try? await Task.sleep(for: .milliseconds(20))
+        }
+        return condition()
+    }
+
+    /// Reads exactly `count` bytes, or fewer when the connection ends or `timeout` passes.
+    static func read(_ connection: Connection, count: Int, timeout: Duration = .seconds(10)) async throws -> [UInt8] {
+        var bytes: [UInt8] = []
+        let deadline = ContinuousClock.now + timeout
+        while bytes.count < count {
+            let left = deadline - ContinuousClock.now
+            guard left > .zero, let chunk = try await connection.read(maxBytes: count - bytes.count, timeout: left) else { break }
+            bytes += chunk
+        }
+        return bytes
+    }
+}
+
+/// The lab's USB CDC-ACM gadget (configfs function "acm" on the dummy_hcd controller): the host side
+/// is a real /dev/ttyACM* driven by cdc_acm, the gadget side is /dev/ttyGS*.
+enum Gadget {
+    static let vendorID = "0525"
+    static let productID = "a4a7"
+    static let serial = "TKLAB0001"
+    static let byID = "/dev/serial/by-id/usb-TransportKit_Lab_Serial_TKLAB0001-if00"
+    static let selector = "tty://usb/0525:a4a7?serial=TKLAB0001"
+    private static let udc = "/sys/kernel/config/usb_gadget/tkacm/UDC"
+
+    /// Plugs the gadget in and waits for both tty nodes; returns (host node, gadget node).
+    static func plug() async throws -> (host: String, gadget: String) {
+        let words = try await Lab.ctl("usb-serial", "plug", serial).split(whereSeparator: \.isWhitespace).map(String.init)
+        guard words.count == 2 else { throw Lab.ProgramFailed(command: ["labctl", "usb-serial", "plug"], status: 0, stderr: "unexpected output \(words)") }
+        return (words[0], words[1])
+    }
+
+    /// Unplugs it and waits until the host side is gone.
+    static func unplug() async throws { try await Lab.ctl("usb-serial", "unplug") }
+
+    /// Binds the configured gadget to the controller or unbinds it, as labctl does, without a
+    /// child process: one write to configfs (for the replug cycles).
+    static func setBound(_ bound: Bool) throws {
+        let fd = open(udc, O_WRONLY | O_CLOEXEC)
+        guard fd >= 0 else { throw TransportError(.io, "open \(udc)", errno: errno, syscall: "open") }
+        defer { close(fd) }
+        let text = Array((bound ? "dummy_udc.0\n" : "\n").utf8)
+        let written = text.withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
+        guard written == text.count else { throw TransportError(.io, "write \(udc)", errno: errno, syscall: "write") }
+    }
+
+    /// Whether an event is about the gadget's host-side tty.
+    static func isOurs(_ event: DeviceEvent) -> Bool {
+        event.device.serialNumber == serial && event.device.vendorId == vendorID && event.device.productId == productID
+    }
+}
+
+/// Collects hot-plug events from the registry in a task of its own.
+final class EventCollector: Sendable {
+    private let state = Mutex<(events: [DeviceEvent], error: String?)>(([], nil))
+    private let task: Mutex<Task<Void, Never>?> = Mutex(nil)
+
+    /// Subscribes at once (before returning), so nothing that happens afterwards is missed.
+    init(includeAll: Bool = false) {
+        let stream = Transport.registry.deviceEvents(includeAll: includeAll)
+        let consumer = Task { [self] in
+            do {
+                for try await event in stream { state.withLock { $0.events.append(event) } }
+            } catch {
+                state.withLock { $0.error = "\(error)" }
+            }
+        }
+        task.withLock { $0 = consumer }
+    }
+
+    var events: [DeviceEvent] { state.withLock { $0.events } }
+    var failure: String? { state.withLock { $0.error } }
+
+    /// Waits up to `seconds` for an event at index `from` or later that matches; returns its index.
+    func waitFor(from: Int, seconds: Double, _ matching: (DeviceEvent) -> Bool) async -> Int? {
+        var found: Int?
+        _ = await Lab.eventually(seconds) {
+            let events = self.events
+            found = events.indices.first { $0 >= from && matching(events[$0]) }
+            return found != nil
+        }
+        return found
+    }
+
+    func stop() { task.withLock { $0?.cancel() } }
+}

@@ -1,0 +1,199 @@
+import Foundation
+import Glibc
+import Testing
+import TransportKit
+import TransportKitSerial
+
+/// A real USB CDC-ACM device: the kernel's cdc_acm driver on the host side of an emulated USB
+/// controller (dummy_hcd), a configfs ACM gadget on the other. Unplugging is unbinding the gadget
+/// from the controller, which the host side sees exactly as a cable pulled out.
+@Suite("lab: USB CDC-ACM serial", .serialized, .enabled(if: Lab.isActive, "needs the qemu lab's USB and Bluetooth drivers: run Scripts/lab"))
+struct USBSerialLabTests {
+    @Test("transportkit list --json shows the adapter with its IDs, serial number and by-id link")
+    func listShowsTheAdapter() async throws {
+        let (host, _) = try await Gadget.plug()
+        let result = try await Lab.run(Lab.cli, ["list", "--json"])
+        #expect(result.status == 0, "\(result.stderr)")
+        let objects = try #require(try JSONSerialization.jsonObject(with: Data(result.stdout.utf8)) as? [[String: Any]])
+        let device = try #require(objects.first { $0["devnode"] as? String == host }, "\(host) is not in \(result.stdout)")
+        #expect(device["vendorId"] as? String == Gadget.vendorID)
+        #expect(device["productId"] as? String == Gadget.productID)
+        #expect(device["serialNumber"] as? String == Gadget.serial)
+        #expect(device["manufacturer"] as? String == "TransportKit")
+        #expect(device["product"] as? String == "Lab Serial")
+        #expect(device["driver"] as? String == "cdc_acm")
+        #expect(device["interface"] as? Int == 0)
+        #expect((device["links"] as? [String])?.contains(Gadget.byID) == true, "\(device["links"] ?? "none")")
+        #expect(device["url"] as? String == "\(Gadget.selector)&interface=0")
+    }
+
+    /// Line settings cdc_acm passes to the device (SET_LINE_CODING); each is read back from the
+    /// host tty after opening, and bytes must pass both ways unchanged.
+    static let lineSettings: [(query: String, settings: SerialSettings)] = [
+        ("baud=9600", SerialSettings(baudRate: 9600)),
+        ("baud=115200&parity=even&stopBits=2", SerialSettings(baudRate: 115_200, parity: .even, stopBits: 2)),
+        ("baud=250000&dataBits=7&parity=odd", SerialSettings(baudRate: 250_000, dataBits: 7, parity: .odd)),
+        ("baud=921600&parity=mark", SerialSettings(baudRate: 921_600, parity: .mark)),
+    ]
+
+    @Test("connect by USB selector and by-id path; bytes pass both ways at several line settings")
+    func connectByIdentity() async throws {
+        let (host, gadgetNode) = try await Gadget.plug()
+        for (index, (query, expected)) in Self.lineSettings.enumerated() {
+            let url = index.isMultiple(of: 2) ? "\(Gadget.selector)&\(query)" : "tty://\(Gadget.byID)?\(query)"
+            let connection = try await Transport.connect(to: url)
+            let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
+            let opened = connection.metadata.remoteAddress.map { URL(fileURLWithPath: $0).resolvingSymlinksInPath().path }
+            #expect(opened == host, "\(url) opened \(connection.metadata.remoteAddress ?? "nothing")")
+            let port = try #require(connection.serialPort)
+            #expect(try port.settings() == expected, "\(url)")
+
+            // Seven data bits: payload below 0x80, as a device at 7 bits would send.
+            let limit = expected.dataBits == 8 ? 256 : 128
+            let toHost = (0..<3000).map { UInt8(($0 * 7 + index) % limit) }
+            try await gadget.write(toHost)
+            #expect(try await Lab.read(connection, count: toHost.count) == toHost, "gadget → host at \(query)")
+            let toGadget = (0..<3000).map { UInt8(($0 * 13 + index) % limit) }
+            try await connection.write(toGadget)
+            #expect(try await Lab.read(gadget, count: toGadget.count) == toGadget, "host → gadget at \(query)")
+
+            try await connection.close()
+            try await gadget.close()
+        }
+    }
+
+    @Test("unplug mid-transfer: every byte received is delivered, then .disconnected within a second; events and wait=true after replug")
+    func unplugMidTransfer() async throws {
+        let (host, gadgetNode) = try await Gadget.plug()
+        let events = EventCollector()
+        defer { events.stop() }
+        let descriptorsBefore = Lab.openDescriptors()
+
+        let connection = try await Transport.connect(to: Gadget.selector)
+        let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
+
+        // The gadget streams a counting pattern until the unplug ends its side too.
+        let writer = Task {
+            var sent = 0
+            while !Task.isCancelled {
+                let chunk = (sent..<(sent + 512)).map(Self.pattern)
+                do { try await gadget.write(chunk) } catch { break }
+                sent += chunk.count
+            }
+            return sent
+        }
+        // The host reads everything until the connection ends, noting when it ended and how.
+        let reader = Task { () -> ([UInt8], TransportError?, ContinuousClock.Instant) in
+            var received: [UInt8] = []
+            do {
+                while let chunk = try await connection.read() { received += chunk }
+                return (received, nil, .now)
+            } catch {
+                return (received, error as? TransportError, .now)
+            }
+        }
+        #expect(await Lab.eventually(20) { connection.bytesRead >= 64 * 1024 }, "the transfer is under way before the unplug")
+        let unplugged = ContinuousClock.now
+        try Gadget.setBound(false)
+
+        let (received, error, ended) = await reader.value
+        let delay = ended - unplugged
+        print("lab: unplug to .disconnected took \(delay) after \(received.count) bytes")
+        #expect(error?.kind == .disconnected, "\(String(describing: error))")
+        #expect(delay < .seconds(1), "the connection ended \(delay) after the unplug")
+        #expect(received.count >= 64 * 1024)
+        let firstBad = received.indices.first { received[$0] != Self.pattern($0) }
+        #expect(firstBad == nil, "byte \(firstBad ?? -1) differs: bytes were lost or reordered before the unplug")
+        writer.cancel()
+        _ = await writer.value
+        try await connection.close()
+        try await gadget.close()
+
+        // The hot-plug stream reports the removal, exactly once so far.
+        #expect(await events.waitFor(from: 0, seconds: 10) { $0.action == .removed && Gadget.isOurs($0) && $0.device.devnode == host } != nil,
+                "no removal event: \(events.events)")
+
+        // A connect that waits, started before the device is back, finds it after the replug.
+        let waiting = Task { try await Transport.connect(to: "\(Gadget.selector)&wait=true&timeout=30") }
+        try await Task.sleep(for: .milliseconds(300))
+        try Gadget.setBound(true)
+        let again = try await waiting.value
+        #expect(again.metadata.remoteAddress?.hasPrefix("/dev/ttyACM") == true)
+        #expect(await events.waitFor(from: 0, seconds: 10) { $0.action == .added && Gadget.isOurs($0) } != nil,
+                "no arrival event: \(events.events)")
+        try await again.close()
+        #expect(events.events.filter(Gadget.isOurs).map(\.action) == [.removed, .added], "\(events.events)")
+
+        // No descriptor left behind by the connections that ended with the unplug.
+        #expect(await Lab.eventually(3) { Lab.openDescriptors() == descriptorsBefore },
+                "descriptors before: \(descriptorsBefore), after: \(Lab.openDescriptors())")
+    }
+
+    @Sendable static func pattern(_ index: Int) -> UInt8 { UInt8(truncatingIfNeeded: index % 251) }
+
+    @Test("bytes the host received before the unplug are all delivered after it, then .disconnected")
+    func bufferedBytesSurviveTheUnplug() async throws {
+        let (_, gadgetNode) = try await Gadget.plug()
+        let descriptorsBefore = Lab.openDescriptors()
+        let connection = try await Transport.connect(to: "tty://\(Gadget.byID)")
+        let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
+        let payload = (0..<20_000).map { UInt8(truncatingIfNeeded: $0 * 31) }
+        try await gadget.write(payload)
+        // Drained on the gadget: the bytes crossed the bus and cdc_acm acknowledged them.
+        try await #require(gadget.serialPort).drain()
+        // The host side has had them for a while (TransportKit reads ahead of the application).
+        try await Task.sleep(for: .milliseconds(500))
+        #expect(connection.bytesRead == 0)
+        try Gadget.setBound(false)
+        // The application reads only now, after the unplug.
+        var received: [UInt8] = []
+        var ending: TransportError?
+        do {
+            while let chunk = try await connection.read() { received += chunk }
+        } catch {
+            ending = error as? TransportError
+        }
+        #expect(received == payload, "\(received.count) of \(payload.count) bytes delivered")
+        #expect(ending?.kind == .disconnected, "\(String(describing: ending))")
+        try await connection.close()
+        try await gadget.close()
+        try Gadget.setBound(true)
+        #expect(await Lab.eventually(3) { Lab.openDescriptors() == descriptorsBefore },
+                "descriptors before: \(descriptorsBefore), after: \(Lab.openDescriptors())")
+    }
+
+    @Test("100 unplug/replug cycles with a watcher: every removal and arrival reported exactly once")
+    func hundredReplugCycles() async throws {
+        let (host, _) = try await Gadget.plug()
+        _ = host
+        let events = EventCollector()
+        defer { events.stop() }
+        let cycles = 100
+        let started = ContinuousClock.now
+        var next = 0
+        for cycle in 1...cycles {
+            try Gadget.setBound(false)
+            let removal = try #require(await events.waitFor(from: next, seconds: 15) { Gadget.isOurs($0) },
+                                       "cycle \(cycle): no event after the unplug")
+            #expect(events.events[removal].action == .removed, "cycle \(cycle): \(events.events[removal])")
+            try Gadget.setBound(true)
+            let arrival = try #require(await events.waitFor(from: removal + 1, seconds: 15) { Gadget.isOurs($0) },
+                                       "cycle \(cycle): no event after the replug")
+            #expect(events.events[arrival].action == .added, "cycle \(cycle): \(events.events[arrival])")
+            next = arrival + 1
+        }
+        let elapsed = ContinuousClock.now - started
+        // Anything late (a duplicate) would arrive within this grace period.
+        try await Task.sleep(for: .seconds(2))
+        let ours = events.events.filter(Gadget.isOurs)
+        print("lab: \(cycles) replug cycles in \(elapsed), \(ours.count) events")
+        #expect(ours.filter { $0.action == .removed }.count == cycles)
+        #expect(ours.filter { $0.action == .added }.count == cycles)
+        #expect(ours.count == 2 * cycles, "unexpected events: \(ours.filter { $0.action == .changed })")
+        #expect(events.failure == nil)
+        // The device works after the cycles.
+        let connection = try await Transport.connect(to: "\(Gadget.selector)&wait=true&timeout=20")
+        #expect(connection.metadata.remoteAddress?.hasPrefix("/dev/ttyACM") == true)
+        try await connection.close()
+    }
+}
