@@ -180,6 +180,9 @@ enum Sysfs {
                 let count = read(fd, base + length, buffer.count - length)
                 if count <= 0 { break }
                 length += count
+                // A short read of a sysfs attribute or a regular file is its end: no second
+                // read(2) to see 0 (a listing reads tens of thousands of files).
+                if length < buffer.count && count < buffer.count - (length - count) { break }
             }
             return String(decoding: UnsafeRawBufferPointer(start: base, count: length), as: UTF8.self)
         }
