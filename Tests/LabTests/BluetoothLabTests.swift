@@ -76,7 +76,7 @@ struct BluetoothLabTests {
     struct Exchange: Sendable {
         var serverReceived: [UInt8]
         var clientReceived: [UInt8]
-        var connectMilliseconds: Double
+        var connectTime: Duration
         var failure: String?
     }
 
@@ -91,7 +91,7 @@ struct BluetoothLabTests {
     }
 
     private static func exchangeBlocking(_ kind: SocketKind, _ c: Controllers, toServer: [UInt8], toClient: [UInt8]) -> Exchange {
-        var result = Exchange(serverReceived: [], clientReceived: [], connectMilliseconds: 0, failure: nil)
+        var result = Exchange(serverReceived: [], clientReceived: [], connectTime: .zero, failure: nil)
         func fail(_ what: String) -> Exchange {
             result.failure = "\(what): \(String(cString: strerror(errno))) (errno \(errno))"
             return result
@@ -108,8 +108,7 @@ struct BluetoothLabTests {
         let started = ContinuousClock.now
         let connected = kind.connect(client, to: c.peripheral)
         guard connected == 0 else { return fail("connect") }
-        let elapsed = ContinuousClock.now - started
-        result.connectMilliseconds = Double(elapsed.components.attoseconds) / 1e15 + Double(elapsed.components.seconds) * 1000
+        result.connectTime = ContinuousClock.now - started
         let server = accept(listener, nil, nil)
         guard server >= 0 else { return fail("accept") }
         _ = fcntl(server, F_SETFD, FD_CLOEXEC)
@@ -161,7 +160,7 @@ struct BluetoothLabTests {
         #expect(result.failure == nil, "\(result.failure ?? "")")
         #expect(result.serverReceived == toServer)
         #expect(result.clientReceived == toClient)
-        print("lab: \(channel.rawValue): connect took \(result.connectMilliseconds) ms")
+        print("lab: \(channel.rawValue): connect took \(result.connectTime)")
     }
 
     @Test("LE L2CAP to a PSM nobody listens on is refused, not hung")

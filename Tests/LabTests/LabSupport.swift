@@ -127,16 +127,16 @@ enum Lab {
         return condition()
     }
 
-    /// Reads exactly `count` bytes, or fewer when the connection ends or `timeout` passes.
-    static func read(_ connection: Connection, count: Int, timeout: Duration = .seconds(10)) async throws -> [UInt8] {
+    /// Reads until the connection ends: every byte delivered, and the error it ended with (nil
+    /// for a clean end of stream).
+    static func readToEnd(_ connection: Connection) async -> (bytes: [UInt8], ending: TransportError?) {
         var bytes: [UInt8] = []
-        let deadline = ContinuousClock.now + timeout
-        while bytes.count < count {
-            let left = deadline - ContinuousClock.now
-            guard left > .zero, let chunk = try await connection.read(maxBytes: count - bytes.count, timeout: left) else { break }
-            bytes += chunk
+        do {
+            while let chunk = try await connection.read() { bytes += chunk }
+            return (bytes, nil)
+        } catch {
+            return (bytes, error as? TransportError)
         }
-        return bytes
     }
 }
 

@@ -52,10 +52,10 @@ struct USBSerialLabTests {
             let limit = expected.dataBits == 8 ? 256 : 128
             let toHost = (0..<3000).map { UInt8(($0 * 7 + index) % limit) }
             try await gadget.write(toHost)
-            #expect(try await Lab.read(connection, count: toHost.count) == toHost, "gadget → host at \(query)")
+            #expect(try await connection.readFrame(.fixedLength(toHost.count), timeout: .seconds(10)) == toHost, "gadget → host at \(query)")
             let toGadget = (0..<3000).map { UInt8(($0 * 13 + index) % limit) }
             try await connection.write(toGadget)
-            #expect(try await Lab.read(gadget, count: toGadget.count) == toGadget, "host → gadget at \(query)")
+            #expect(try await gadget.readFrame(.fixedLength(toGadget.count), timeout: .seconds(10)) == toGadget, "host → gadget at \(query)")
 
             try await connection.close()
             try await gadget.close()
@@ -84,13 +84,8 @@ struct USBSerialLabTests {
         }
         // The host reads everything until the connection ends, noting when it ended and how.
         let reader = Task { () -> ([UInt8], TransportError?, ContinuousClock.Instant) in
-            var received: [UInt8] = []
-            do {
-                while let chunk = try await connection.read() { received += chunk }
-                return (received, nil, .now)
-            } catch {
-                return (received, error as? TransportError, .now)
-            }
+            let (received, ending) = await Lab.readToEnd(connection)
+            return (received, ending, .now)
         }
         #expect(await Lab.eventually(20) { connection.bytesRead >= 64 * 1024 }, "the transfer is under way before the unplug")
         let unplugged = ContinuousClock.now
@@ -146,13 +141,7 @@ struct USBSerialLabTests {
         #expect(connection.bytesRead == 0)
         try Gadget.setBound(false)
         // The application reads only now, after the unplug.
-        var received: [UInt8] = []
-        var ending: TransportError?
-        do {
-            while let chunk = try await connection.read() { received += chunk }
-        } catch {
-            ending = error as? TransportError
-        }
+        let (received, ending) = await Lab.readToEnd(connection)
         #expect(received == payload, "\(received.count) of \(payload.count) bytes delivered")
         #expect(ending?.kind == .disconnected, "\(String(describing: ending))")
         try await connection.close()
@@ -164,8 +153,7 @@ struct USBSerialLabTests {
 
     @Test("100 unplug/replug cycles with a watcher: every removal and arrival reported exactly once")
     func hundredReplugCycles() async throws {
-        let (host, _) = try await Gadget.plug()
-        _ = host
+        _ = try await Gadget.plug()
         let events = EventCollector()
         defer { events.stop() }
         let cycles = 100
