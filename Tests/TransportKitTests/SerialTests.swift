@@ -278,7 +278,7 @@ struct TTYTests {
         #expect(missing?.message.contains("transportkit list") == true)
         #expect(missing?.syscall == "open")
         let file = Support.temporaryPath("not-a-tty")
-        FileManager.default.createFile(atPath: file, contents: Data())
+        _ = FileManager.default.createFile(atPath: file, contents: Data())
         defer { unlink(file) }
         let notTTY = await expectTransportError(.unsupported) { try await Transport.connect(to: "tty://\(file)") }
         #expect(notTTY?.syscall == "tcgetattr")

@@ -1,6 +1,6 @@
 // transportkit-bench: loopback tcp:// throughput and 32-byte round trips through TransportKit,
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
-// Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--nio-executor]
+// Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--passes N] [--nio-executor] [--case rtt|rtt-loop|nio|c]
 //      transportkit-bench serial | serial-list (see SerialBench.swift)
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
@@ -97,6 +97,51 @@ func transportKitRoundTrips(peerInC: Bool, onLoop: Bool) async throws -> Double 
     return elapsed.seconds
 }
 
+/// Raw SwiftNIO ping-pong (handlers only, no tasks): the floor for an NIO-based design.
+func rawNIORoundTrips() async throws -> Double {
+    final class Echo: ChannelInboundHandler, Sendable {
+        typealias InboundIn = ByteBuffer
+        func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+            context.writeAndFlush(data, promise: nil)
+        }
+    }
+    final class Pinger: ChannelInboundHandler, @unchecked Sendable {
+        // Touched only on the channel's event loop.
+        typealias InboundIn = ByteBuffer
+        var left: Int
+        var got = 0
+        let done: EventLoopPromise<Void>
+        init(rounds: Int, done: EventLoopPromise<Void>) { self.left = rounds; self.done = done }
+        func channelActive(context: ChannelHandlerContext) {
+            context.writeAndFlush(NIOAny(ByteBuffer(repeating: 7, count: 32)), promise: nil)
+        }
+        func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+            got += Self.unwrapInboundIn(data).readableBytes
+            if got < 32 { return }
+            got = 0
+            left -= 1
+            if left == 0 { done.succeed(()); return }
+            context.writeAndFlush(NIOAny(ByteBuffer(repeating: 7, count: 32)), promise: nil)
+        }
+    }
+    let group = MultiThreadedEventLoopGroup.singleton
+    let server = try await ServerBootstrap(group: group)
+        .childChannelOption(.socketOption(.tcp_nodelay), value: 1)
+        .childChannelInitializer { $0.pipeline.addHandler(Echo()) }
+        .bind(host: "127.0.0.1", port: 0).get()
+    let done = group.next().makePromise(of: Void.self)
+    let start = ContinuousClock.now
+    let client = try await ClientBootstrap(group: group)
+        .channelOption(.socketOption(.tcp_nodelay), value: 1)
+        .channelInitializer { $0.pipeline.addHandler(Pinger(rounds: rounds, done: done)) }
+        .connect(host: "127.0.0.1", port: server.localAddress?.port ?? 0).get()
+    try await done.futureResult.get()
+    let elapsed = ContinuousClock.now - start
+    try await client.close()
+    try await server.close()
+    return elapsed.seconds
+}
+
 extension Duration {
     var seconds: Double { Double(components.seconds) + Double(components.attoseconds) / 1e18 }
 }
@@ -107,23 +152,57 @@ func best(of runs: Int, _ body: () async throws -> Double) async throws -> Doubl
     return result
 }
 
+// --case rtt|rtt-loop|nio|c: run one round-trip variant alone (for perf/strace), print µs per round.
+if let index = CommandLine.arguments.firstIndex(of: "--case"), index + 1 < CommandLine.arguments.count {
+    let seconds: Double
+    switch CommandLine.arguments[index + 1] {
+    case "rtt": seconds = try await transportKitRoundTrips(peerInC: false, onLoop: false)
+    case "rtt-loop": seconds = try await transportKitRoundTrips(peerInC: false, onLoop: true)
+    case "nio": seconds = try await rawNIORoundTrips()
+    default: seconds = tk_bench_c_tcp_round_trips(Int32(rounds))
+    }
+    print(String(format: "%.1f µs", seconds / Double(rounds) * 1e6))
+    exit(0)
+}
+
 let mib = Double(totalBytes) / 1_048_576
 let cThroughput = try await best(of: 3) { tk_bench_c_tcp_throughput(totalBytes, chunk) }
 let tkThroughput = try await best(of: 3) { try await transportKitThroughput() }
-let cRTT = try await best(of: 3) { tk_bench_c_tcp_round_trips(Int32(rounds)) } / Double(rounds)
-let tkRTTCPeer = try await best(of: 3) { try await transportKitRoundTrips(peerInC: true, onLoop: false) } / Double(rounds)
-let tkRTT = try await best(of: 3) { try await transportKitRoundTrips(peerInC: false, onLoop: false) } / Double(rounds)
-let tkRTTCPeerLoop = try await best(of: 3) { try await transportKitRoundTrips(peerInC: true, onLoop: true) } / Double(rounds)
-let tkRTTLoop = try await best(of: 3) { try await transportKitRoundTrips(peerInC: false, onLoop: true) } / Double(rounds)
+
+// Round trips: the variants take turns, `passes` times, so that the VM's drifting speed hits all of
+// them alike; each figure is the median of its passes, each ratio the median of per-pass ratios.
+let passes = argument("--passes", default: 7)
+let variants: [(label: String, run: () async throws -> Double)] = [
+    ("TransportKit client, C echo peer", { try await transportKitRoundTrips(peerInC: true, onLoop: false) }),
+    ("TransportKit at both ends", { try await transportKitRoundTrips(peerInC: false, onLoop: false) }),
+    ("TransportKit client, C echo peer", { try await transportKitRoundTrips(peerInC: true, onLoop: true) }),
+    ("TransportKit at both ends", { try await transportKitRoundTrips(peerInC: false, onLoop: true) }),
+    ("SwiftNIO handlers at both ends", { try await rawNIORoundTrips() }),
+]
+var cTimes: [Double] = []
+var times = Array(repeating: [Double](), count: variants.count)
+for _ in 0..<passes {
+    cTimes.append(tk_bench_c_tcp_round_trips(Int32(rounds)) / Double(rounds))
+    for (index, variant) in variants.enumerated() {
+        times[index].append(try await variant.run() / Double(rounds))
+    }
+}
+
+func median(_ values: [Double]) -> Double {
+    let sorted = values.sorted()
+    return sorted.count % 2 == 1 ? sorted[sorted.count / 2] : (sorted[sorted.count / 2 - 1] + sorted[sorted.count / 2]) / 2
+}
 
 print("executor: \(nioExecutor ? "NIO event loops (--nio-executor)" : "Swift's default global executor")")
 print("tcp:// loopback, \(Int(mib)) MiB in \(chunk / 1024) KiB writes, best of 3")
 print(String(format: "  throughput  C loop        %8.0f MiB/s", mib / cThroughput))
 print(String(format: "  throughput  TransportKit  %8.0f MiB/s  (%.0f%% of C)", mib / tkThroughput, 100 * cThroughput / tkThroughput))
-print("32-byte request/response, \(rounds) rounds, best of 3")
-print(String(format: "  round trip  C loop (both ends C)                  %7.1f µs", cRTT * 1e6))
-print(String(format: "  round trip  TransportKit client, C echo peer      %7.1f µs  (%.2fx C)", tkRTTCPeer * 1e6, tkRTTCPeer / cRTT))
-print(String(format: "  round trip  TransportKit at both ends             %7.1f µs  (%.2fx C)", tkRTT * 1e6, tkRTT / cRTT))
-print("  with connection.preferredExecutor (tasks on the connection's event loop)")
-print(String(format: "  round trip  TransportKit client, C echo peer      %7.1f µs  (%.2fx C)", tkRTTCPeerLoop * 1e6, tkRTTCPeerLoop / cRTT))
-print(String(format: "  round trip  TransportKit at both ends             %7.1f µs  (%.2fx C)", tkRTTLoop * 1e6, tkRTTLoop / cRTT))
+print("32-byte request/response, \(rounds) rounds, \(passes) interleaved passes: median (ratio to C: median, range)")
+print(String(format: "  round trip  C loop (both ends C)                  %7.1f µs", median(cTimes) * 1e6))
+for (index, variant) in variants.enumerated() {
+    if index == 2 { print("  with connection.preferredExecutor (tasks on the connection's event loop)") }
+    if index == 4 { print("  reference: plain SwiftNIO channel handlers, no tasks (the floor under TransportKit's engine)") }
+    let ratios = zip(times[index], cTimes).map { $0 / $1 }
+    print("  round trip  " + variant.label.padding(toLength: 37, withPad: " ", startingAt: 0)
+        + String(format: " %7.1f µs  (%.2fx C, %.2f–%.2f)", median(times[index]) * 1e6, median(ratios), ratios.min() ?? 0, ratios.max() ?? 0))
+}

@@ -80,7 +80,9 @@ public final class ChannelBackend: ConnectionBackend {
         }
         let shared = self.shared
         return try await withTaskCancellationHandler {
-            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<ByteBuffer?, any Error>) in
+            // Unsafe rather than checked (the checked one allocates per read): every path that
+            // resumes the reader first takes it out of `State` under the lock, so it resumes once.
+            try await withUnsafeThrowingContinuation { (continuation: UnsafeContinuation<ByteBuffer?, any Error>) in
                 if shared.park(continuation) {
                     channel.read()
                 }
@@ -174,7 +176,7 @@ public final class ChannelBackend: ConnectionBackend {
         struct State {
             var buffered = CircularBuffer<ByteBuffer>()
             var bufferedBytes = 0
-            var reader: CheckedContinuation<ByteBuffer?, any Error>?
+            var reader: UnsafeContinuation<ByteBuffer?, any Error>?
             var end: Result<ByteBuffer?, TransportError>?
             /// NIO asked to read while the buffer was full; call `channel.read()` once drained.
             var heldRead = false
@@ -223,7 +225,7 @@ public final class ChannelBackend: ConnectionBackend {
 
         /// Parks the reader, or resumes it at once if bytes or the end arrived meanwhile.
         /// Returns `true` when the caller should ask NIO to read (a read was held).
-        func park(_ continuation: CheckedContinuation<ByteBuffer?, any Error>) -> Bool {
+        func park(_ continuation: UnsafeContinuation<ByteBuffer?, any Error>) -> Bool {
             let (ready, resumeReading): (Result<ByteBuffer?, any Error>?, Bool) = state.withLock { state in
                 if let buffer = state.buffered.popFirst() {
                     state.bufferedBytes -= buffer.readableBytes
@@ -252,7 +254,7 @@ public final class ChannelBackend: ConnectionBackend {
         // Event-loop side.
 
         func deliver(_ buffer: ByteBuffer) {
-            let reader: CheckedContinuation<ByteBuffer?, any Error>? = state.withLock { state in
+            let reader: UnsafeContinuation<ByteBuffer?, any Error>? = state.withLock { state in
                 if let reader = state.reader {
                     state.reader = nil
                     return reader
@@ -276,7 +278,7 @@ public final class ChannelBackend: ConnectionBackend {
         }
 
         func finish(_ end: Result<ByteBuffer?, TransportError>) {
-            let (reader, writers): (CheckedContinuation<ByteBuffer?, any Error>?, [CheckedContinuation<Void, any Error>]) =
+            let (reader, writers): (UnsafeContinuation<ByteBuffer?, any Error>?, [CheckedContinuation<Void, any Error>]) =
                 state.withLock { state in
                     if state.end == nil { state.end = end }
                     let reader = state.buffered.isEmpty ? state.reader : nil

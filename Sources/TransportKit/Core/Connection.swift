@@ -166,17 +166,20 @@ public final class Connection: Sendable {
     /// Like ``read(maxBytes:timeout:)`` without copying out of the transport's buffer.
     public func readBuffer(maxBytes: Int = 65536, timeout: Duration? = nil) async throws -> ByteBuffer? {
         precondition(maxBytes > 0, "maxBytes must be positive")
-        try state.withLock { state in
+        // One lock: check the state, mark this task as the reader and take bytes put back earlier.
+        let leftover = try state.withLock { state -> ByteBuffer? in
             if state.closed { throw TransportError(.io, "read on a closed connection to \(url)") }
             if state.reading {
                 throw TransportError(.io, "two tasks read \(url) at once; read from one task, or share the bytes with an AsyncChannel")
             }
             state.reading = true
+            defer { state.leftover = nil }
+            return state.leftover
         }
         defer { state.withLock { $0.reading = false } }
 
         var chunk: ByteBuffer
-        if let leftover = state.withLock({ state -> ByteBuffer? in defer { state.leftover = nil }; return state.leftover }) {
+        if let leftover {
             chunk = leftover
         } else if let timeout {
             guard let next = try await readWithTimeout(timeout) else { return nil }
@@ -268,6 +271,11 @@ public final class Connection: Sendable {
     }
 
     // MARK: Writing
+
+    /// Writes `bytes`, suspending while the transport's buffer is full.
+    public func write(_ bytes: [UInt8]) async throws {
+        try await write(ByteBuffer(bytes: bytes))
+    }
 
     /// Writes `bytes`, suspending while the transport's buffer is full.
     public func write(_ bytes: some Sequence<UInt8>) async throws {

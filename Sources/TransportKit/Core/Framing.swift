@@ -80,15 +80,15 @@ extension Connection {
             return try await readUntil(delimiter, maxLength: maxLength, deadline: deadline)
         case .fixedLength(let length):
             precondition(length >= 0, "the length must not be negative")
-            return try await readExactly(length, deadline: deadline, what: "a \(length)-byte frame")
+            return try await readExactly(length, deadline: deadline)
         case .lengthPrefixed(let prefix):
-            guard let field = try await readExactly(prefix.width, deadline: deadline, what: "a length field") else { return nil }
+            guard let field = try await readExactly(prefix.width, deadline: deadline, lengthField: true) else { return nil }
             let length = prefix.decode(field)
             guard length <= maxLength else {
                 unread(ByteBuffer(bytes: field))
                 throw TransportError(.io, "a length-prefixed frame from \(url) announces \(length) bytes, more than maxLength \(maxLength)")
             }
-            guard let payload = try await readExactly(length, deadline: deadline, what: "a \(length)-byte frame") else {
+            guard let payload = try await readExactly(length, deadline: deadline) else {
                 throw TransportError(.disconnected, "\(url) ended after a length field, before its \(length)-byte frame")
             }
             return payload
@@ -191,12 +191,19 @@ extension Connection {
         }
     }
 
-    private func readExactly(_ length: Int, deadline: ContinuousClock.Instant?, what: String) async throws -> [UInt8]? {
+    private func readExactly(_ length: Int, deadline: ContinuousClock.Instant?, lengthField: Bool = false) async throws -> [UInt8]? {
         var gathered = ByteBuffer()
         while gathered.readableBytes < length {
             guard var chunk = try await nextChunk(&gathered, deadline: deadline) else {
                 if gathered.readableBytes == 0 { return nil }
+                let what = lengthField ? "a length field" : "a \(length)-byte frame"
                 throw TransportError(.disconnected, "\(url) ended after \(gathered.readableBytes) bytes of \(what)")
+            }
+            if gathered.readableBytes == 0 && chunk.readableBytes >= length {
+                // The whole frame in one chunk (the usual case): no copy into `gathered`.
+                guard let frame = chunk.readBytes(length: length) else { break }
+                unread(chunk)
+                return frame
             }
             gathered.writeBuffer(&chunk)
         }
