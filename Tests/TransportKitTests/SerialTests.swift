@@ -318,6 +318,13 @@ struct ListingTests {
     func sysfsMatchesLibudev() throws {
         try expectSameListing()
     }
+
+    @Test("ports sort by name, then by their number: ttyS2 before ttyS10")
+    func naturalOrder() {
+        let names = ["ttyUSB10", "ttyS10", "ttyUSB2", "ttyS2", "ttyACM0", "console", "ttyS0", "rfcomm1"]
+        let sorted = names.sorted { SerialDiscovery.naturalKey($0) < SerialDiscovery.naturalKey($1) }
+        #expect(sorted == ["console", "rfcomm1", "ttyACM0", "ttyS0", "ttyS2", "ttyS10", "ttyUSB2", "ttyUSB10"])
+    }
 }
 
 @Suite("pty:// plays a serial device")

@@ -86,10 +86,13 @@ struct USBSelector: Sendable, CustomStringConvertible {
 enum SerialDiscovery {
     /// The serial ports of this machine. Without `includeAll`, only ports backed by hardware.
     static func list(includeAll: Bool) throws -> [DeviceRecord] {
-        try Sysfs.ttyDevices()
-            .filter { includeAll || $0.isReal }
-            .sorted { naturalOrder($0.sysName, $1.sysName) }
-            .map(record)
+        sortedNaturally(try Sysfs.ttyDevices().filter { includeAll || $0.isReal }).map(record)
+    }
+
+    /// Devices in the natural order of their names (``naturalKey(_:)``), each key computed once.
+    static func sortedNaturally(_ devices: [TTYDeviceInfo]) -> [TTYDeviceInfo] {
+        let keys = devices.map { naturalKey($0.sysName) }
+        return devices.indices.sorted { keys[$0] < keys[$1] }.map { devices[$0] }
     }
 
     /// The record of the device behind a node or link, if discovery finds it.
@@ -138,14 +141,23 @@ enum SerialDiscovery {
         return text.addingPercentEncoding(withAllowedCharacters: unreserved) ?? text
     }
 
-    /// ttyS2 before ttyS10: by the name without its trailing number, then by that number.
-    static func naturalOrder(_ a: String, _ b: String) -> Bool {
-        func split(_ name: String) -> (Substring, Int) {
-            let stem = name.reversed().drop(while: \.isNumber).count
-            return (name.prefix(stem), Int(name.dropFirst(stem)) ?? -1)
+    /// The sort key that puts ttyS2 before ttyS10: the name without its trailing digits, then
+    /// their value (-1 for none).
+    struct NaturalKey: Comparable {
+        var stem: Substring
+        var number: Int
+        static func < (a: NaturalKey, b: NaturalKey) -> Bool {
+            a.stem != b.stem ? a.stem < b.stem : a.number < b.number
         }
-        let (left, right) = (split(a), split(b))
-        return left.0 != right.0 ? left.0 < right.0 : left.1 < right.1
+    }
+
+    static func naturalKey(_ name: String) -> NaturalKey {
+        let utf8 = name.utf8
+        var stemEnd = utf8.endIndex
+        while stemEnd > utf8.startIndex, case let byte = utf8[utf8.index(before: stemEnd)], byte >= 0x30 && byte <= 0x39 {
+            stemEnd = utf8.index(before: stemEnd)
+        }
+        return NaturalKey(stem: name[..<stemEnd], number: Int(name[stemEnd...]) ?? -1)
     }
 
     /// Finds the one device a selector names; with `wait`, waits (until the connect timeout
@@ -168,7 +180,7 @@ enum SerialDiscovery {
 
     /// The single match, nil for none, or an error that lists several.
     static func choose(_ selector: USBSelector, among devices: [TTYDeviceInfo]) throws -> TTYDeviceInfo? {
-        let matches = devices.filter(selector.matches).sorted { naturalOrder($0.sysName, $1.sysName) }
+        let matches = sortedNaturally(devices.filter(selector.matches))
         guard matches.count <= 1 else {
             let list = matches.map { device in
                 "\(device.devnode ?? device.sysName) (serial \(device.serialNumber ?? "none"), interface \(device.interface.map(String.init) ?? "?"), at \(device.location ?? "?"))"

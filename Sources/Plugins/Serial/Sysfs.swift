@@ -63,10 +63,13 @@ enum Sysfs {
         // The tty's parent device: absent for virtual terminals, the console and ptmx. Below a USB
         // interface it is the directory above ".../tty/NAME" (a usb-serial port or the interface),
         // found without probing; and there is no serial-core `type` attribute to read.
+        // Components are slices of sysPath, so a directory is the prefix up to one's end.
         let components = sysPath.split(separator: "/")
-        let underUSB = components.contains(where: isUSBInterfaceName)
+        func directory(through index: Int) -> String { String(sysPath[..<components[index].endIndex]) }
+        let interfaceIndex = components.lastIndex(where: isUSBInterfaceName)
+        let underUSB = interfaceIndex != nil
         let parent = underUSB && components.count > 2 && components[components.count - 2] == "tty"
-            ? "/" + components.dropLast(2).joined(separator: "/")
+            ? directory(through: components.count - 3)
             : parentDevice(of: sysPath)
         info.isReal = parent != nil
         if let parent {
@@ -78,15 +81,17 @@ enum Sysfs {
         }
         // USB ancestors, found by the kernel's names for them (drivers/usb/core/usb.c, message.c):
         // a device is "BUS-PORT[.PORT…]" (1-1.4), an interface "BUS-PORT…:CONFIG.INTERFACE" (1-1.4:1.0).
-        if let index = components.lastIndex(where: isUSBInterfaceName) {
-            let directory = "/" + components[...index].joined(separator: "/")
+        if let index = interfaceIndex {
             // The name ends in ".bInterfaceNumber" (decimal; usb_set_configuration names interfaces
             // "%d-%s:%d.%d"): no file to read.
-            info.interface = components[index].split(separator: ".").last.flatMap { Int($0) }
-            info.driver = info.driver ?? driverName(directory)
+            let name = components[index]
+            info.interface = name.lastIndex(of: ".").flatMap { Int(name[name.index(after: $0)...]) }
+            if info.driver == nil { info.driver = driverName(directory(through: index)) }
         }
-        if let index = components.lastIndex(where: isUSBDeviceName) {
-            let directory = "/" + components[...index].joined(separator: "/")
+        // The USB device is the interface's parent directory.
+        if let index = interfaceIndex.map({ $0 - 1 }) ?? components.lastIndex(where: isUSBDeviceName), index >= 0,
+           isUSBDeviceName(components[index]) {
+            let directory = directory(through: index)
             info.vendorId = attribute(directory, "idVendor")?.lowercased()
             info.productId = attribute(directory, "idProduct")?.lowercased()
             info.serialNumber = attribute(directory, "serial")
@@ -124,11 +129,8 @@ enum Sysfs {
     }
 
     private static func driverName(_ devicePath: String) -> String? {
-        var buffer = [CChar](repeating: 0, count: Int(PATH_MAX))
-        let count = readlink(devicePath + "/driver", &buffer, buffer.count - 1)
-        guard count > 0 else { return nil }
-        let target = String(decoding: buffer.prefix(count).map { UInt8(bitPattern: $0) }, as: UTF8.self)
-        return (target as NSString).lastPathComponent
+        guard let target = readLink(devicePath + "/driver") else { return nil }
+        return target.utf8.lastIndex(of: UInt8(ascii: "/")).map { String(target[target.index(after: $0)...]) } ?? target
     }
 
     private static func attribute(_ directory: String, _ name: String) -> String? {
@@ -155,16 +157,32 @@ enum Sysfs {
     /// /sys/class/tty/NAME is a symlink "../../devices/…": one readlink(2) instead of realpath(3)'s
     /// lstat per component (sysfs paths contain no further symlinks).
     private static func resolveClassLink(_ path: String) -> String? {
-        var buffer = [CChar](repeating: 0, count: Int(PATH_MAX))
-        let count = readlink(path, &buffer, buffer.count - 1)
-        guard count > 0 else { return nil }
-        let target = String(decoding: buffer.prefix(count).map { UInt8(bitPattern: $0) }, as: UTF8.self)
+        guard let target = readLink(path) else { return nil }
         guard !target.hasPrefix("/") else { return target }
-        var parts = path.split(separator: "/").dropLast().map(String.init)
-        for part in target.split(separator: "/") {
-            if part == ".." { _ = parts.popLast() } else if part != "." { parts.append(String(part)) }
+        // Resolve against the link's directory: each leading "../" drops one trailing component.
+        var base = path.utf8.lastIndex(of: UInt8(ascii: "/")).map { path[..<$0] } ?? ""
+        var rest = target[...]
+        while true {
+            if rest.hasPrefix("../") {
+                rest = rest.dropFirst(3)
+                base = base.utf8.lastIndex(of: UInt8(ascii: "/")).map { base[..<$0] } ?? ""
+            } else if rest.hasPrefix("./") {
+                rest = rest.dropFirst(2)
+            } else {
+                break
+            }
         }
-        return "/" + parts.joined(separator: "/")
+        return String(base) + "/" + rest
+    }
+
+    /// A symbolic link's target, read into a stack buffer.
+    private static func readLink(_ path: String) -> String? {
+        withUnsafeTemporaryAllocation(of: CChar.self, capacity: Int(PATH_MAX)) { buffer -> String? in
+            guard let base = buffer.baseAddress else { return nil }
+            let count = readlink(path, base, buffer.count)
+            guard count > 0 else { return nil }
+            return String(decoding: UnsafeRawBufferPointer(start: base, count: count), as: UTF8.self)
+        }
     }
 
     /// A small file's contents (sysfs attributes are at most a page), or nil. One stack buffer,
