@@ -82,10 +82,12 @@ let package = Package(
             swiftSettings: strict
         ),
 
+        // Helpers every test target shares (polling, open descriptors); built only for the tests.
+        .target(name: "TestSupport", path: "Tests/TestSupport", swiftSettings: strict),
         .testTarget(
             name: "TransportKitTests",
             // CUdev: the libudev reference enumeration the sysfs listing is checked against.
-            dependencies: ["TransportKit", "TransportKitSerial", "CUdev"],
+            dependencies: ["TransportKit", "TransportKitSerial", "CUdev", "TestSupport"],
             swiftSettings: strict
         ),
         .testTarget(
@@ -97,7 +99,7 @@ let package = Package(
             // Runs inside the qemu lab (Scripts/lab) against real USB and Bluetooth drivers; every
             // suite is disabled elsewhere. CBlueZ: the Bluetooth smoke test's raw sockets.
             name: "LabTests",
-            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ"],
+            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ", "TestSupport"],
             swiftSettings: strict
         ),
         .testTarget(

@@ -1,4 +1,5 @@
 import Foundation
+import TestSupport
 import Testing
 
 /// The lab helpers later plugins stand on: the USB Loopback gadget (libusb bulk tests) and BlueZ's
@@ -17,7 +18,7 @@ struct LabHelperTests {
         let directions = Set(bulk.compactMap { Self.attribute(interface + "/" + $0, "direction") })
         #expect(directions == ["in", "out"], "bulk endpoints: \(bulk) \(directions)")
         try await Lab.ctl("usb-loopback", "unplug")
-        #expect(await Lab.eventually(10) { Self.usbDevice(vendor: "1d6b", product: "0104") == nil })
+        #expect(await eventually(10) { Self.usbDevice(vendor: "1d6b", product: "0104") == nil })
     }
 
     @Test("bluez-start: bluetoothd owns org.bluez on the system bus and shows both adapters")

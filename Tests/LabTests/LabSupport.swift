@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import Synchronization
+import TestSupport
 import Testing
 import TransportKit
 
@@ -110,23 +111,6 @@ enum Lab {
         return result.stdout
     }
 
-    /// Descriptors open in this process.
-    static func openDescriptors() -> [String] {
-        ((try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []).compactMap {
-            try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/" + $0)
-        }.sorted()
-    }
-
-    /// Polls `condition` every 20 ms for up to `seconds`.
-    static func eventually(_ seconds: Double, _ condition: () -> Bool) async -> Bool {
-        let deadline = ContinuousClock.now + .milliseconds(Int(seconds * 1000))
-        while ContinuousClock.now < deadline {
-            if condition() { return true }
-            try? await Task.sleep(for: .milliseconds(20))
-        }
-        return condition()
-    }
-
     /// Reads until the connection ends: every byte delivered, and the error it ended with (nil
     /// for a clean end of stream).
     static func readToEnd(_ connection: Connection) async -> (bytes: [UInt8], ending: TransportError?) {
@@ -201,7 +185,7 @@ final class EventCollector: Sendable {
     /// Waits up to `seconds` for an event at index `from` or later that matches; returns its index.
     func waitFor(from: Int, seconds: Double, _ matching: (DeviceEvent) -> Bool) async -> Int? {
         var found: Int?
-        _ = await Lab.eventually(seconds) {
+        _ = await eventually(seconds) {
             let events = self.events
             found = events.indices.first { $0 >= from && matching(events[$0]) }
             return found != nil

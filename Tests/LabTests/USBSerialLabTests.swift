@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import TestSupport
 import Testing
 import TransportKit
 import TransportKitSerial
@@ -67,7 +68,7 @@ struct USBSerialLabTests {
         let (host, gadgetNode) = try await Gadget.plug()
         let events = EventCollector()
         defer { events.stop() }
-        let descriptorsBefore = Lab.openDescriptors()
+        let descriptorsBefore = Descriptors.targets()
 
         let connection = try await Transport.connect(to: Gadget.selector)
         let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
@@ -87,7 +88,7 @@ struct USBSerialLabTests {
             let (received, ending) = await Lab.readToEnd(connection)
             return (received, ending, .now)
         }
-        #expect(await Lab.eventually(20) { connection.bytesRead >= 64 * 1024 }, "the transfer is under way before the unplug")
+        #expect(await eventually(20) { connection.bytesRead >= 64 * 1024 }, "the transfer is under way before the unplug")
         let unplugged = ContinuousClock.now
         try Gadget.setBound(false)
 
@@ -120,8 +121,8 @@ struct USBSerialLabTests {
         #expect(events.events.filter(Gadget.isOurs).map(\.action) == [.removed, .added], "\(events.events)")
 
         // No descriptor left behind by the connections that ended with the unplug.
-        #expect(await Lab.eventually(3) { Lab.openDescriptors() == descriptorsBefore },
-                "descriptors before: \(descriptorsBefore), after: \(Lab.openDescriptors())")
+        #expect(await eventually(3) { Descriptors.targets() == descriptorsBefore },
+                "descriptors before: \(descriptorsBefore), after: \(Descriptors.targets())")
     }
 
     @Sendable static func pattern(_ index: Int) -> UInt8 { UInt8(truncatingIfNeeded: index % 251) }
@@ -129,7 +130,7 @@ struct USBSerialLabTests {
     @Test("bytes the host received before the unplug are all delivered after it, then .disconnected")
     func bufferedBytesSurviveTheUnplug() async throws {
         let (_, gadgetNode) = try await Gadget.plug()
-        let descriptorsBefore = Lab.openDescriptors()
+        let descriptorsBefore = Descriptors.targets()
         let connection = try await Transport.connect(to: "tty://\(Gadget.byID)")
         let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
         let payload = (0..<20_000).map { UInt8(truncatingIfNeeded: $0 * 31) }
@@ -147,8 +148,8 @@ struct USBSerialLabTests {
         try await connection.close()
         try await gadget.close()
         try Gadget.setBound(true)
-        #expect(await Lab.eventually(3) { Lab.openDescriptors() == descriptorsBefore },
-                "descriptors before: \(descriptorsBefore), after: \(Lab.openDescriptors())")
+        #expect(await eventually(3) { Descriptors.targets() == descriptorsBefore },
+                "descriptors before: \(descriptorsBefore), after: \(Descriptors.targets())")
     }
 
     @Test("100 unplug/replug cycles with a watcher: every removal and arrival reported exactly once")

@@ -1,4 +1,5 @@
 import Foundation
+import TestSupport
 import Testing
 @testable import TransportKit
 
@@ -71,7 +72,7 @@ final class StreamDriver: NSObject, StreamDelegate, @unchecked Sendable {
     func events(_ name: String) -> [Stream.Event] { lock.withLock { log.filter { $0.0 == name }.map(\.1) } }
 
     func waitUntilFinished(seconds: Double = 10) async -> Bool {
-        await Support.eventually(seconds) { isFinished }
+        await eventually(seconds) { isFinished }
     }
 }
 
@@ -96,7 +97,7 @@ struct FoundationStreamTests {
         #expect(outbound.first == .openCompleted)
         #expect(outbound.filter { $0 == .hasSpaceAvailable }.count > 1, "space events keep a big write going")
         #expect(input.streamStatus == .closed || input.streamStatus == .atEnd)
-        #expect(await Support.eventually { connection.isClosed }, "closing both streams closes the connection")
+        #expect(await eventually { connection.isClosed }, "closing both streams closes the connection")
     }
 
     @Test func errorsAreReportedAsErrorOccurred() async throws {
@@ -125,7 +126,7 @@ struct FoundationStreamTests {
         #expect(output.property(forKey: Connection.metadataPropertyKey) as? ConnectionMetadata == metadata)
         input.close()
         output.close()
-        #expect(await Support.eventually { connection.isClosed })
+        #expect(await eventually { connection.isClosed })
     }
 
     @Test func blockingReadAndWriteWithoutARunLoop() async throws {

@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import TestSupport
 import Testing
 @testable import TransportKit
 @testable import TransportKitSerial
@@ -58,12 +59,6 @@ final class TestPTY: Sendable {
     func closeMaster() { _ = Glibc.close(master) }
 }
 
-/// Descriptors of this process open on `path` (leak checks that other tests running in parallel
-/// cannot disturb: every test uses its own pty).
-func descriptors(on path: String) -> Int {
-    let entries = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []
-    return entries.filter { (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/" + $0)) == path }.count
-}
 
 @Suite("tty:// over real pseudo-terminals")
 struct TTYTests {
@@ -202,7 +197,7 @@ struct TTYTests {
         try await connection.close()
         // Asked for on open: refused before the connection exists, descriptor released.
         await expectTransportError(.unsupported) { try await Transport.connect(to: "tty://\(pty.path)?dtr=true") }
-        #expect(descriptors(on: pty.path) == 0)
+        #expect(Descriptors.count(on: pty.path) == 0)
     }
 
     @Test("break holds the line for the duration and leaves the port usable")
@@ -267,9 +262,9 @@ struct TTYTests {
         #expect(error?.message.contains("went away") == true)
         // The pty is gone with its master, so the connection's descriptors now show the node as deleted.
         let gone = pty.path + " (deleted)"
-        #expect(descriptors(on: gone) > 0)
+        #expect(Descriptors.count(on: gone) > 0)
         try await connection.close()
-        #expect(await Support.eventually { descriptors(on: gone) == 0 })
+        #expect(await eventually { Descriptors.count(on: gone) == 0 })
     }
 
     @Test("missing device, a file that is not a tty, and a relative path give specific errors")
@@ -307,7 +302,7 @@ struct TTYTests {
             try await connection.write("z")
             try await connection.close()
         }
-        #expect(await Support.eventually { descriptors(on: pty.path) == 0 })
+        #expect(await eventually { Descriptors.count(on: pty.path) == 0 })
     }
 }
 
@@ -348,7 +343,7 @@ struct PTYSchemeTests {
         #expect(try await device.readFrame(.fixedLength(1)).map { String(decoding: $0, as: UTF8.self) } == "+")
         try await again.close()
         try await device.close()
-        #expect(await Support.eventually { access(peer, F_OK) != 0 }, "the pty is released with the connection")
+        #expect(await eventually { access(peer, F_OK) != 0 }, "the pty is released with the connection")
     }
 
     @Test("link= makes a symlink that lives as long as the connection")
@@ -383,7 +378,7 @@ struct KernelUeventTests {
         #expect(monitor.group == "kernel" || monitor.group == "udev")
         Self.trigger(300)
         let waiter = Task { try await monitor.next() }
-        #expect(await Support.eventually(5) { monitor.resyncCount >= 1 }, "ENOBUFS was reported and answered with a resync")
+        #expect(await eventually(5) { monitor.resyncCount >= 1 }, "ENOBUFS was reported and answered with a resync")
         // After the resync the monitor must deliver events again. Other tests (and processes) can
         // trigger uevents too, and with this tiny buffer a few at once overflow it again, so keep
         // triggering until one arrives.

@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import TestSupport
 import Testing
 @testable import TransportKit
 
@@ -22,7 +23,7 @@ struct TCPTests {
         #expect(try await server.read() == nil)
         try await server.close()
         try await listener.close()
-        #expect(await Support.eventually { Support.openSockets(port: port) == 0 })
+        #expect(await eventually { Support.openSockets(port: port) == 0 })
     }
 
     @Test func aConnectionThatArrivesBeforeAcceptIsKept() async throws {
@@ -103,7 +104,7 @@ struct TCPTests {
         }
         #expect(ContinuousClock.now - start < .seconds(3))
         #expect(error?.message.contains("timeout") == true)
-        #expect(await Support.eventually { Support.openSockets(port: hole.listener.port, excluding: hole.fillers) == 0 })
+        #expect(await eventually { Support.openSockets(port: hole.listener.port, excluding: hole.fillers) == 0 })
     }
 
     @Test func cancellingAConnectReturnsPromptlyAndLeaksNothing() async throws {
@@ -119,7 +120,7 @@ struct TCPTests {
         await #expect(throws: CancellationError.self) { try await task.value }
         #expect(ContinuousClock.now - start < .seconds(1))
         // The abandoned attempt's socket is closed once NIO gives up on it.
-        #expect(await Support.eventually(15) { Support.openSockets(port: hole.listener.port, excluding: hole.fillers) == 0 })
+        #expect(await eventually(15) { Support.openSockets(port: hole.listener.port, excluding: hole.fillers) == 0 })
     }
 
     @Test func halfCloseLetsThePeerAnswerAfterTheEnd() async throws {
@@ -212,7 +213,7 @@ struct TCPTests {
         }
         #expect(received == Array("last words".utf8))
         try? await client.close()
-        #expect(await Support.eventually { Support.openSockets(port: raw.port) == 0 })
+        #expect(await eventually { Support.openSockets(port: raw.port) == 0 })
     }
 
     @Test func writingToAResetPeerFails() async throws {
@@ -241,7 +242,7 @@ struct TCPTests {
         // The application never called close(): releasing the connection closed its socket.
         #expect(await Support.readAll(fd).isEmpty)
         close(fd)
-        #expect(await Support.eventually { Support.openSockets(port: raw.port) == 0 })
+        #expect(await eventually { Support.openSockets(port: raw.port) == 0 })
     }
 
     @Test func addressInUseIsBusy() async throws {

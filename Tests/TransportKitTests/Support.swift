@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import TestSupport
 import Testing
 @testable import TransportKit
 
@@ -145,22 +146,9 @@ enum Support {
     }
 
     private static func ownSocketInodes(excluding: [Int32] = []) -> [String] {
-        let entries = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []
-        return entries.filter { !excluding.contains(Int32($0) ?? -1) }.compactMap { entry in
-            guard let target = try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/" + entry),
-                  target.hasPrefix("socket:[") else { return nil }
-            return String(target.dropFirst("socket:[".count).dropLast())
+        Descriptors.open().filter { !excluding.contains($0.fd) && $0.target.hasPrefix("socket:[") }.map {
+            String($0.target.dropFirst("socket:[".count).dropLast())
         }
-    }
-
-    /// Polls `condition` for up to `seconds` (the socket tables update asynchronously after close).
-    static func eventually(_ seconds: Double = 2, _ condition: () -> Bool) async -> Bool {
-        let deadline = Date().addingTimeInterval(seconds)
-        while Date() < deadline {
-            if condition() { return true }
-            try? await Task.sleep(for: .milliseconds(10))
-        }
-        return condition()
     }
 
     static func temporaryPath(_ name: String) -> String {

@@ -1,0 +1,46 @@
+// Helpers every test target shares (the plain suites, the CLI suites, the lab suites): polling for
+// a condition, and this process's open descriptors for leak checks. Kept free of Testing and of
+// TransportKit so that any target can use it.
+
+import Foundation
+
+/// Polls `condition` every `interval` for up to `seconds`; `true` as soon as it holds.
+///
+/// ```swift
+/// #expect(await eventually { connection.isClosed })
+/// ```
+public func eventually(_ seconds: Double = 2, every interval: Duration = .milliseconds(10), _ condition: () -> Bool) async -> Bool {
+    let deadline = ContinuousClock.now + .milliseconds(Int(seconds * 1000))
+    while ContinuousClock.now < deadline {
+        if condition() { return true }
+        try? await Task.sleep(for: interval)
+    }
+    return condition()
+}
+
+/// This process's open file descriptors, read from /proc/self/fd.
+public enum Descriptors {
+    /// Each open descriptor with what it refers to ("socket:[4711]", "/dev/pts/3", …).
+    ///
+    /// ```swift
+    /// let sockets = Descriptors.open().filter { $0.target.hasPrefix("socket:[") }
+    /// ```
+    public static func open() -> [(fd: Int32, target: String)] {
+        let entries = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []
+        return entries.compactMap { entry in
+            guard let fd = Int32(entry),
+                  let target = try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/" + entry) else { return nil }
+            return (fd, target)
+        }
+    }
+
+    /// What every open descriptor refers to, sorted: equal before and after means nothing leaked.
+    public static func targets() -> [String] {
+        open().map(\.target).sorted()
+    }
+
+    /// How many descriptors refer to `path`.
+    public static func count(on path: String) -> Int {
+        open().filter { $0.target == path }.count
+    }
+}
