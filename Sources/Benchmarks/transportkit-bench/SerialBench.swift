@@ -17,8 +17,7 @@ enum SerialBench {
         let tkRTT = try await best(of: 3) { try await ptyRoundTrips(rounds) } / Double(rounds)
         let mib = Double(total) / 1_048_576
         print("pty (tty:// on the slave, C thread on the master), \(Int(mib)) MiB in \(chunk) B writes, best of 3")
-        print(String(format: "  throughput  C loop        %8.0f MiB/s", mib / cThroughput))
-        print(String(format: "  throughput  TransportKit  %8.0f MiB/s  (%.0f%% of C)", mib / tkThroughput, 100 * cThroughput / tkThroughput))
+        printThroughput(mib: mib, c: cThroughput, tk: tkThroughput)
         print("32-byte request/response over a pty, \(rounds) rounds, best of 3")
         print(String(format: "  round trip  C loop        %8.1f µs", cRTT * 1e6))
         print(String(format: "  round trip  TransportKit  %8.1f µs  (%.2fx C)", tkRTT * 1e6, tkRTT / cRTT))

@@ -146,6 +146,12 @@ extension Duration {
     var seconds: Double { Double(components.seconds) + Double(components.attoseconds) / 1e18 }
 }
 
+/// The two throughput lines of a section: `mib` moved in `c` and `tk` seconds.
+func printThroughput(mib: Double, c: Double, tk: Double) {
+    print(String(format: "  throughput  C loop        %8.0f MiB/s", mib / c))
+    print(String(format: "  throughput  TransportKit  %8.0f MiB/s  (%.0f%% of C)", mib / tk, 100 * c / tk))
+}
+
 func best(of runs: Int, _ body: () async throws -> Double) async throws -> Double {
     var result = Double.infinity
     for _ in 0..<runs { result = min(result, try await body()) }
@@ -195,8 +201,7 @@ func median(_ values: [Double]) -> Double {
 
 print("executor: \(nioExecutor ? "NIO event loops (--nio-executor)" : "Swift's default global executor")")
 print("tcp:// loopback, \(Int(mib)) MiB in \(chunk / 1024) KiB writes, best of 3")
-print(String(format: "  throughput  C loop        %8.0f MiB/s", mib / cThroughput))
-print(String(format: "  throughput  TransportKit  %8.0f MiB/s  (%.0f%% of C)", mib / tkThroughput, 100 * cThroughput / tkThroughput))
+printThroughput(mib: mib, c: cThroughput, tk: tkThroughput)
 print("32-byte request/response, \(rounds) rounds, \(passes) interleaved passes: median (ratio to C: median, range)")
 print(String(format: "  round trip  C loop (both ends C)                  %7.1f µs", median(cTimes) * 1e6))
 for (index, variant) in variants.enumerated() {
