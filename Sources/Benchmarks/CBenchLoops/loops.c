@@ -47,10 +47,12 @@ static int read_full(int fd, char *buf, size_t n) {
 static void *sink(void *arg) {
     int listener = (int)(long)arg, fd = accept(listener, NULL, NULL);
     char *buf = malloc(65536);
-    while (read(fd, buf, 65536) > 0) {}
+    long total = 0;
+    ssize_t r;
+    while ((r = read(fd, buf, 65536)) > 0) total += r;
     free(buf);
     close(fd);
-    return NULL;
+    return (void *)total;
 }
 
 static void *echo(void *arg) {
@@ -101,4 +103,22 @@ double tk_bench_c_tcp_round_trips(int rounds) {
     double elapsed = now() - start;
     close(fd);
     return elapsed;
+}
+
+static pthread_t sink_thread;
+static int sink_listener = -1;
+
+int tk_bench_c_sink_start(void) {
+    int port;
+    sink_listener = listen_any(&port);
+    if (sink_listener < 0 || pthread_create(&sink_thread, NULL, sink, (void *)(long)sink_listener)) return -1;
+    return port;
+}
+
+long tk_bench_c_sink_join(void) {
+    void *total = NULL;
+    if (sink_listener < 0 || pthread_join(sink_thread, &total)) return -1;
+    close(sink_listener);
+    sink_listener = -1;
+    return (long)total;
 }

@@ -62,6 +62,26 @@ func transportKitThroughput() async throws -> Double {
     return elapsed.seconds
 }
 
+/// Sends `totalBytes` from a TransportKit connection to the C sink thread: TransportKit's side
+/// alone, on the same kind of peer the C loop writes to.
+func transportKitThroughputToCSink() async throws -> Double {
+    let port = tk_bench_c_sink_start()
+    guard port > 0 else { throw TransportError(.io, "the C sink did not start") }
+    let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
+    let start = ContinuousClock.now
+    let payload = ByteBuffer(repeating: 0, count: chunk)
+    var sent = 0
+    while sent < totalBytes {
+        try await client.write(payload)
+        sent += chunk
+    }
+    try await client.close()
+    let received = tk_bench_c_sink_join()
+    let elapsed = ContinuousClock.now - start
+    precondition(received == sent, "lost bytes: \(received) of \(sent)")
+    return elapsed.seconds
+}
+
 /// 32-byte request/response round trips against an echo peer. `peerInC` uses the C echo thread.
 func transportKitRoundTrips(peerInC: Bool, onLoop: Bool) async throws -> Double {
     var echoTask: Task<Void, any Error>?
@@ -172,8 +192,19 @@ if let index = CommandLine.arguments.firstIndex(of: "--case"), index + 1 < Comma
 }
 
 let mib = Double(totalBytes) / 1_048_576
-let cThroughput = try await best(of: 3) { tk_bench_c_tcp_throughput(totalBytes, chunk) }
-let tkThroughput = try await best(of: 3) { try await transportKitThroughput() }
+// Throughput: C and TransportKit take turns, five passes; the ratio is the median of per-pass ratios.
+var cThroughputs: [Double] = []
+var tkThroughputs: [Double] = []
+var tkToCThroughputs: [Double] = []
+for _ in 0..<5 {
+    cThroughputs.append(tk_bench_c_tcp_throughput(totalBytes, chunk))
+    tkThroughputs.append(try await transportKitThroughput())
+    tkToCThroughputs.append(try await transportKitThroughputToCSink())
+}
+let cThroughput = cThroughputs.min() ?? 0
+let tkThroughput = tkThroughputs.min() ?? 0
+let throughputRatios = zip(cThroughputs, tkThroughputs).map { 100 * $0 / $1 }
+let toCSinkRatios = zip(cThroughputs, tkToCThroughputs).map { 100 * $0 / $1 }
 
 // Round trips: the variants take turns, `passes` times, so that the VM's drifting speed hits all of
 // them alike; each figure is the median of its passes, each ratio the median of per-pass ratios.
@@ -200,8 +231,13 @@ func median(_ values: [Double]) -> Double {
 }
 
 print("executor: \(nioExecutor ? "NIO event loops (--nio-executor)" : "Swift's default global executor")")
-print("tcp:// loopback, \(Int(mib)) MiB in \(chunk / 1024) KiB writes, best of 3")
+print("tcp:// loopback, \(Int(mib)) MiB in \(chunk / 1024) KiB writes, 5 interleaved passes: best (per-pass % of C: median, range)")
 printThroughput(mib: mib, c: cThroughput, tk: tkThroughput)
+for (label, ratios) in [("TransportKit at both ends", throughputRatios), ("TransportKit to C sink", toCSinkRatios)] {
+    print("  per pass    " + label.padding(toLength: 26, withPad: " ", startingAt: 0)
+        + String(format: " %4.0f%% of C (median), %.0f–%.0f%%;", median(ratios), ratios.min() ?? 0, ratios.max() ?? 0)
+        + " passes: " + ratios.map { String(format: "%.0f", $0) }.joined(separator: " "))
+}
 print("32-byte request/response, \(rounds) rounds, \(passes) interleaved passes: median (ratio to C: median, range)")
 print(String(format: "  round trip  C loop (both ends C)                  %7.1f µs", median(cTimes) * 1e6))
 for (index, variant) in variants.enumerated() {
