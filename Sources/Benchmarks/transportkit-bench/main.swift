@@ -47,6 +47,17 @@ func transportKitThroughput() async throws -> Double {
         while let buffer = try await server.readBuffer() { received += buffer.readableBytes }
         return received
     }
+    let sent = try await sendAll(client)
+    let received = try await reader.value
+    let elapsed = ContinuousClock.now - start
+    precondition(received == sent, "lost bytes: \(received) of \(sent)")
+    try await server.close()
+    try await listener.close()
+    return elapsed.seconds
+}
+
+/// Writes `totalBytes` in `chunk`-sized writes, then closes; returns the bytes sent.
+func sendAll(_ client: Connection) async throws -> Int {
     let payload = ByteBuffer(repeating: 0, count: chunk)
     var sent = 0
     while sent < totalBytes {
@@ -54,12 +65,7 @@ func transportKitThroughput() async throws -> Double {
         sent += chunk
     }
     try await client.close()
-    let received = try await reader.value
-    let elapsed = ContinuousClock.now - start
-    precondition(received == sent, "lost bytes: \(received) of \(sent)")
-    try await server.close()
-    try await listener.close()
-    return elapsed.seconds
+    return sent
 }
 
 /// Sends `totalBytes` from a TransportKit connection to the C sink thread: TransportKit's side
@@ -69,13 +75,7 @@ func transportKitThroughputToCSink() async throws -> Double {
     guard port > 0 else { throw TransportError(.io, "the C sink did not start") }
     let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
     let start = ContinuousClock.now
-    let payload = ByteBuffer(repeating: 0, count: chunk)
-    var sent = 0
-    while sent < totalBytes {
-        try await client.write(payload)
-        sent += chunk
-    }
-    try await client.close()
+    let sent = try await sendAll(client)
     let received = tk_bench_c_sink_join()
     let elapsed = ContinuousClock.now - start
     precondition(received == sent, "lost bytes: \(received) of \(sent)")
