@@ -1,6 +1,6 @@
 // transportkit-bench: loopback tcp:// throughput and 32-byte round trips through TransportKit,
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
-// Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--passes N] [--nio-executor] [--case rtt|rtt-loop|nio|c]
+// Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--passes N] [--nio-executor] [--case KEY]
 //      transportkit-bench serial | serial-list (see SerialBench.swift)
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
@@ -178,14 +178,47 @@ func best(of runs: Int, _ body: () async throws -> Double) async throws -> Doubl
     return result
 }
 
-// --case rtt|rtt-loop|nio|c: run one round-trip variant alone (for perf/strace), print µs per round.
+/// The round-trip variants measured beside the C loop; `key` names one for `--case`, `heading`
+/// is printed above it.
+struct RoundTripVariant {
+    let key: String
+    let heading: String?
+    let label: String
+    let run: () async throws -> Double
+}
+
+let variants = [
+    RoundTripVariant(key: "rtt-cpeer", heading: nil, label: "TransportKit client, C echo peer") {
+        try await transportKitRoundTrips(peerInC: true, onLoop: false)
+    },
+    RoundTripVariant(key: "rtt", heading: nil, label: "TransportKit at both ends") {
+        try await transportKitRoundTrips(peerInC: false, onLoop: false)
+    },
+    RoundTripVariant(key: "rtt-cpeer-loop", heading: "with connection.preferredExecutor (tasks on the connection's event loop)",
+                     label: "TransportKit client, C echo peer") {
+        try await transportKitRoundTrips(peerInC: true, onLoop: true)
+    },
+    RoundTripVariant(key: "rtt-loop", heading: nil, label: "TransportKit at both ends") {
+        try await transportKitRoundTrips(peerInC: false, onLoop: true)
+    },
+    RoundTripVariant(key: "nio", heading: "reference: plain SwiftNIO channel handlers, no tasks (the floor under TransportKit's engine)",
+                     label: "SwiftNIO handlers at both ends") {
+        try await rawNIORoundTrips()
+    },
+]
+
+// --case KEY (a variant's key, or c for the C loop): run one round-trip variant alone (for perf or
+// strace) and print µs per round.
 if let index = CommandLine.arguments.firstIndex(of: "--case"), index + 1 < CommandLine.arguments.count {
+    let key = CommandLine.arguments[index + 1]
     let seconds: Double
-    switch CommandLine.arguments[index + 1] {
-    case "rtt": seconds = try await transportKitRoundTrips(peerInC: false, onLoop: false)
-    case "rtt-loop": seconds = try await transportKitRoundTrips(peerInC: false, onLoop: true)
-    case "nio": seconds = try await rawNIORoundTrips()
-    default: seconds = tk_bench_c_tcp_round_trips(Int32(rounds))
+    if let variant = variants.first(where: { $0.key == key }) {
+        seconds = try await variant.run()
+    } else if key == "c" {
+        seconds = tk_bench_c_tcp_round_trips(Int32(rounds))
+    } else {
+        print("--case: one of c, " + variants.map(\.key).joined(separator: ", "))
+        exit(2)
     }
     print(String(format: "%.1f µs", seconds / Double(rounds) * 1e6))
     exit(0)
@@ -209,13 +242,6 @@ let toCSinkRatios = zip(cThroughputs, tkToCThroughputs).map { 100 * $0 / $1 }
 // Round trips: the variants take turns, `passes` times, so that the VM's drifting speed hits all of
 // them alike; each figure is the median of its passes, each ratio the median of per-pass ratios.
 let passes = argument("--passes", default: 7)
-let variants: [(label: String, run: () async throws -> Double)] = [
-    ("TransportKit client, C echo peer", { try await transportKitRoundTrips(peerInC: true, onLoop: false) }),
-    ("TransportKit at both ends", { try await transportKitRoundTrips(peerInC: false, onLoop: false) }),
-    ("TransportKit client, C echo peer", { try await transportKitRoundTrips(peerInC: true, onLoop: true) }),
-    ("TransportKit at both ends", { try await transportKitRoundTrips(peerInC: false, onLoop: true) }),
-    ("SwiftNIO handlers at both ends", { try await rawNIORoundTrips() }),
-]
 var cTimes: [Double] = []
 var times = Array(repeating: [Double](), count: variants.count)
 for _ in 0..<passes {
@@ -241,8 +267,7 @@ for (label, ratios) in [("TransportKit at both ends", throughputRatios), ("Trans
 print("32-byte request/response, \(rounds) rounds, \(passes) interleaved passes: median (ratio to C: median, range)")
 print(String(format: "  round trip  C loop (both ends C)                  %7.1f µs", median(cTimes) * 1e6))
 for (index, variant) in variants.enumerated() {
-    if index == 2 { print("  with connection.preferredExecutor (tasks on the connection's event loop)") }
-    if index == 4 { print("  reference: plain SwiftNIO channel handlers, no tasks (the floor under TransportKit's engine)") }
+    if let heading = variant.heading { print("  " + heading) }
     let ratios = zip(times[index], cTimes).map { $0 / $1 }
     print("  round trip  " + variant.label.padding(toLength: 37, withPad: " ", startingAt: 0)
         + String(format: " %7.1f µs  (%.2fx C, %.2f–%.2f)", median(times[index]) * 1e6, median(ratios), ratios.min() ?? 0, ratios.max() ?? 0))

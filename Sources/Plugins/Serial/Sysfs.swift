@@ -88,9 +88,7 @@ enum Sysfs {
             info.interface = name.lastIndex(of: ".").flatMap { Int(name[name.index(after: $0)...]) }
             if info.driver == nil { info.driver = driverName(directory(through: index)) }
         }
-        // The USB device is the interface's parent directory.
-        if let index = interfaceIndex.map({ $0 - 1 }) ?? components.lastIndex(where: isUSBDeviceName), index >= 0,
-           isUSBDeviceName(components[index]) {
+        if let index = components.lastIndex(where: isUSBDeviceName) {
             let directory = directory(through: index)
             info.vendorId = attribute(directory, "idVendor")?.lowercased()
             info.productId = attribute(directory, "idProduct")?.lowercased()

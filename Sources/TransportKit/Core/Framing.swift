@@ -199,9 +199,8 @@ extension Connection {
                 let what = lengthField ? "a length field" : "a \(length)-byte frame"
                 throw TransportError(.disconnected, "\(url) ended after \(gathered.readableBytes) bytes of \(what)")
             }
-            if gathered.readableBytes == 0 && chunk.readableBytes >= length {
-                // The whole frame in one chunk (the usual case): no copy into `gathered`.
-                guard let frame = chunk.readBytes(length: length) else { break }
+            // The whole frame in one chunk (the usual case): no copy into `gathered`.
+            if gathered.readableBytes == 0, let frame = chunk.readBytes(length: length) {
                 unread(chunk)
                 return frame
             }
