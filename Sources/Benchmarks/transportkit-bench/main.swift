@@ -1,7 +1,7 @@
 // transportkit-bench: loopback tcp:// throughput and 32-byte round trips through TransportKit,
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
 // Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--passes N] [--nio-executor] [--case KEY]
-//      transportkit-bench serial | serial-list (see SerialBench.swift)
+//      transportkit-bench serial | serial-list (see SerialBench.swift) | costs (see UnitCosts.swift)
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
 import CBenchLoops
@@ -29,6 +29,10 @@ if CommandLine.arguments.dropFirst().first == "serial" {
 }
 if CommandLine.arguments.dropFirst().first == "serial-list" {
     try await SerialBench.list()
+    exit(0)
+}
+if CommandLine.arguments.dropFirst().first == "costs" {
+    try await UnitCosts.run()
     exit(0)
 }
 

@@ -73,7 +73,9 @@ extension Connection {
     ///     (the next read gets it) and `.timedOut` is thrown.
     /// - Throws: `.disconnected` when the stream ends inside a fixed-length or length-prefixed frame.
     public func readFrame(_ framing: Framing, maxLength: Int = 1 << 20, timeout: Duration? = nil) async throws -> [UInt8]? {
-        let deadline = timeout.map { ContinuousClock.now + $0 }
+        // NIODeadline rather than ContinuousClock.Instant: the stdlib type is resilient, so every hop of
+        // an optional Instant through the async calls below costs a metadata lookup and witness calls.
+        let deadline: NIODeadline? = if let timeout { .now() + TimeAmount(timeout) } else { nil }
         switch framing {
         case .delimiter(let delimiter):
             precondition(!delimiter.isEmpty, "the delimiter must not be empty")
@@ -145,17 +147,17 @@ extension Connection {
 
     // MARK: Building blocks
 
-    private func remaining(until deadline: ContinuousClock.Instant?) throws -> Duration? {
+    private func remaining(until deadline: NIODeadline?) throws -> Duration? {
         guard let deadline else { return nil }
-        let left = deadline - ContinuousClock.now
+        let left = deadline - .now()
         guard left > .zero else {
             throw TransportError(.timedOut, "no complete frame from \(url) before the deadline")
         }
-        return left
+        return Duration(left)
     }
 
     /// Reads a chunk before `deadline`; on failure the bytes gathered so far go back unread.
-    private func nextChunk(_ gathered: inout ByteBuffer, deadline: ContinuousClock.Instant?) async throws -> ByteBuffer? {
+    private func nextChunk(_ gathered: inout ByteBuffer, deadline: NIODeadline?) async throws -> ByteBuffer? {
         do {
             return try await readBuffer(timeout: try remaining(until: deadline))
         } catch {
@@ -168,7 +170,7 @@ extension Connection {
         }
     }
 
-    private func readUntil(_ delimiter: [UInt8], maxLength: Int, deadline: ContinuousClock.Instant?) async throws -> [UInt8]? {
+    private func readUntil(_ delimiter: [UInt8], maxLength: Int, deadline: NIODeadline?) async throws -> [UInt8]? {
         var gathered = ByteBuffer()
         var searchFrom = 0
         while true {
@@ -191,7 +193,7 @@ extension Connection {
         }
     }
 
-    private func readExactly(_ length: Int, deadline: ContinuousClock.Instant?, lengthField: Bool = false) async throws -> [UInt8]? {
+    private func readExactly(_ length: Int, deadline: NIODeadline?, lengthField: Bool = false) async throws -> [UInt8]? {
         var gathered = ByteBuffer()
         while gathered.readableBytes < length {
             guard var chunk = try await nextChunk(&gathered, deadline: deadline) else {
@@ -212,7 +214,7 @@ extension Connection {
         return frame
     }
 
-    private func readUntilSilent(gap: Duration, maxLength: Int, deadline: ContinuousClock.Instant?) async throws -> [UInt8]? {
+    private func readUntilSilent(gap: Duration, maxLength: Int, deadline: NIODeadline?) async throws -> [UInt8]? {
         var gathered = ByteBuffer()
         guard var first = try await nextChunk(&gathered, deadline: deadline) else { return nil }
         gathered.writeBuffer(&first)

@@ -1,0 +1,90 @@
+// transportkit-bench costs: what the building blocks of one message cost on this machine, each
+// timed in a tight loop (warm caches, so these are lower bounds; in a real round trip the kernel's
+// work in between evicts them and each costs several times more).
+//
+// It explains the round-trip figures: per message TransportKit pays, on top of SwiftNIO, one task
+// resumption through the connection's executor, one cancellation handler around the parked read,
+// one write promise, and two small copies ([UInt8] in and out).
+
+import NIOCore
+import NIOPosix
+import Synchronization
+import TransportKit
+
+enum UnitCosts {
+    static func run() async throws {
+        let loop = MultiThreadedEventLoopGroup.singleton.next()
+        let n = 1_000_000
+        print("building blocks of one message, warm caches, ns per operation (lower bounds)")
+
+        let mutex = Mutex(0)
+        report("Mutex.withLock (uncontended)", n, measure { for _ in 0..<n { mutex.withLock { $0 += 1 } } })
+
+        let bytes = [UInt8](repeating: 7, count: 32)
+        report("ByteBuffer(bytes:) from 32 bytes", n, measure { for _ in 0..<n { keep(ByteBuffer(bytes: bytes)) } })
+        let buffer = ByteBuffer(bytes: bytes)
+        report("[UInt8] from a 32-byte ByteBuffer", n, measure { for _ in 0..<n { keep(Array(buffer.readableBytesView)) } })
+
+        // On the loop, as ChannelBackend.write runs with the preferred executor.
+        let promiseCost = try await loop.submit {
+            measure {
+                for _ in 0..<n {
+                    let promise = loop.makePromise(of: Void.self)
+                    promise.futureResult.whenFailure { _ in }
+                    promise.succeed(())
+                }
+            }
+        }.get()
+        report("write promise: make, whenFailure, succeed", n, promiseCost)
+        let executeCost = try await loop.submit {
+            measure { for _ in 0..<100_000 { loop.execute {} } }
+        }.get()
+        report("EventLoop.execute from the loop (enqueue only)", 100_000, executeCost)
+
+        let start = ContinuousClock.now
+        for _ in 0..<n { await withTaskCancellationHandler { keep(1) } onCancel: {} }
+        report("withTaskCancellationHandler around a read", n, ContinuousClock.now - start)
+
+        let rounds = 200_000
+        let hop = await withTaskExecutorPreference(EventLoopTaskExecutor(loop)) {
+            let start = ContinuousClock.now
+            for _ in 0..<rounds {
+                await withUnsafeContinuation { (continuation: UnsafeContinuation<Void, Never>) in
+                    loop.execute { continuation.resume() }
+                }
+            }
+            return ContinuousClock.now - start
+        }
+        report("park a task, resume it from the loop (with execute)", rounds, hop)
+
+        // The framing layers alone: frames cut from bytes already received, so no read suspends.
+        let frames = 1000
+        let connection = try await Transport.connect(to: "loop://?buffer=\(32 * frames)")
+        var framing = Duration.zero
+        for _ in 0..<100 {
+            try await connection.write([UInt8](repeating: 1, count: 32 * frames))
+            let start = ContinuousClock.now
+            for _ in 0..<frames { keep(try await connection.readFrame(.fixedLength(32))) }
+            framing += ContinuousClock.now - start
+        }
+        try await connection.close()
+        report("readFrame(.fixedLength(32)), bytes already there", 100 * frames, framing)
+    }
+
+    private static func measure(_ body: () -> Void) -> Duration {
+        let start = ContinuousClock.now
+        body()
+        return ContinuousClock.now - start
+    }
+
+    private static func report(_ label: String, _ count: Int, _ elapsed: Duration) {
+        let nanoseconds = Double(elapsed.components.seconds) * 1e9 + Double(elapsed.components.attoseconds) / 1e9
+        print("  " + label.padding(toLength: 52, withPad: " ", startingAt: 0) + String(format: "%7.1f ns", nanoseconds / Double(count)))
+    }
+
+    /// Keeps the optimizer from deleting the work being timed.
+    @inline(never)
+    private static func keep<T>(_ value: T) {
+        withExtendedLifetime(value) {}
+    }
+}
