@@ -62,9 +62,10 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
-    /// An executor on the channel's event loop; see ``EventLoopTaskExecutor``.
+    /// An executor on the channel's event loop; see ``EventLoopTaskExecutor``. A reader parked in a
+    /// task that prefers it is resumed inside the read that brought its bytes.
     public var preferredExecutor: (any TaskExecutor)? {
-        channelBox.withLock { $0 }.map { EventLoopTaskExecutor($0.eventLoop) }
+        shared.executor
     }
 
     public func read() async throws -> ByteBuffer? {
@@ -96,12 +97,15 @@ public final class ChannelBackend: ConnectionBackend {
         let channel = try self.channel
         if let failure = shared.takeUnreportedWriteFailure() { throw failure }
         let promise = channel.eventLoop.makePromise(of: Void.self)
+        channel.writeAndFlush(buffer, promise: promise)
+        // Bookkeeping after handing the bytes over, so that on the event loop it is not between the
+        // read that woke this task and the write syscall. A write that already failed runs the
+        // callback at once, so nothing is missed.
         let shared = self.shared
         promise.futureResult.whenFailure { error in
             shared.recordWriteFailure(TransportError.from(error, context: "writing to \(shared.describing)"))
         }
         shared.setLastWrite(promise.futureResult)
-        channel.writeAndFlush(buffer, promise: promise)
         if !channel.isWritable {
             try await waitUntilWritable(channel)
         }
@@ -186,6 +190,8 @@ public final class ChannelBackend: ConnectionBackend {
             var writeFailure: TransportError?
             var writeFailureReported = false
             var lastWrite: EventLoopFuture<Void>?
+            /// The channel's event loop as a task executor, set when the handler joins the pipeline.
+            var executor: EventLoopTaskExecutor?
         }
 
         init(describing: String, inboundLimit: Int) {
@@ -254,17 +260,28 @@ public final class ChannelBackend: ConnectionBackend {
         // Event-loop side.
 
         func deliver(_ buffer: ByteBuffer) {
-            let reader: UnsafeContinuation<ByteBuffer?, any Error>? = state.withLock { state in
+            let (reader, executor): (UnsafeContinuation<ByteBuffer?, any Error>?, EventLoopTaskExecutor?) = state.withLock { state in
                 if let reader = state.reader {
                     state.reader = nil
-                    return reader
+                    return (reader, state.executor)
                 }
                 state.buffered.append(buffer)
                 state.bufferedBytes += buffer.readableBytes
-                return nil
+                return (nil, nil)
             }
-            reader?.resume(returning: buffer)
+            guard let reader else { return }
+            if let executor {
+                executor.resumeInline { reader.resume(returning: buffer) }
+            } else {
+                reader.resume(returning: buffer)
+            }
         }
+
+        func setExecutor(_ executor: EventLoopTaskExecutor) {
+            state.withLock { $0.executor = executor }
+        }
+
+        var executor: EventLoopTaskExecutor? { state.withLock { $0.executor } }
 
         /// Returns `true` when NIO's read should go ahead.
         func shouldRead() -> Bool {
@@ -330,9 +347,16 @@ public final class ChannelBackend: ConnectionBackend {
             }?.resume(throwing: CancellationError())
         }
 
+        /// Keeps the first write failure. A write that found the channel already closed knows no
+        /// errno; if a read error closed it (a reset, an unplugged device), that error is the cause.
         func recordWriteFailure(_ error: TransportError) {
             state.withLock { state in
-                if state.writeFailure == nil { state.writeFailure = error }
+                guard state.writeFailure == nil else { return }
+                if error.errno == nil, case .failure(let cause)? = state.end, cause.errno != nil {
+                    state.writeFailure = cause
+                } else {
+                    state.writeFailure = error
+                }
             }
         }
 
@@ -361,6 +385,10 @@ public final class ChannelBackendHandler: ChannelDuplexHandler, Sendable {
     let shared: ChannelBackend.Shared
 
     init(shared: ChannelBackend.Shared) { self.shared = shared }
+
+    public func handlerAdded(context: ChannelHandlerContext) {
+        shared.setExecutor(EventLoopTaskExecutor(context.eventLoop))
+    }
 
     public func channelRead(context: ChannelHandlerContext, data: NIOAny) {
         shared.deliver(Self.unwrapInboundIn(data))
@@ -444,8 +472,26 @@ extension TransportError {
 /// read its bytes, instead of being handed to the cooperative pool: one thread wake-up less per
 /// read. Worth it for chatty request/response loops; for bulk transfers the default is as fast.
 /// Never block inside such a task: it holds up every channel on that loop.
+///
+/// ```swift
+/// let executor = EventLoopTaskExecutor(channel.eventLoop)
+/// try await withTaskExecutorPreference(executor) { /* runs on channel.eventLoop */ }
+/// ```
+///
+/// ``ChannelBackend`` goes one step further with the executor it hands out as
+/// ``ChannelBackend/preferredExecutor``: when bytes arrive for a reader parked in such a task, the
+/// task runs at once, inside the read, until it next suspends, as a SwiftNIO handler would; it is
+/// not queued behind the rest of the loop's work. See ``resumeInline(_:)``.
 public final class EventLoopTaskExecutor: TaskExecutor {
     public let eventLoop: any EventLoop
+    /// Open only on the loop's thread, while ``resumeInline(_:)`` runs its closure; then it holds
+    /// the job that closure made ready instead of queueing it.
+    private let handoff = Mutex(Handoff())
+
+    private struct Handoff {
+        var open = false
+        var job: UnownedJob?
+    }
 
     public init(_ eventLoop: any EventLoop) {
         self.eventLoop = eventLoop
@@ -453,9 +499,44 @@ public final class EventLoopTaskExecutor: TaskExecutor {
 
     public func enqueue(_ job: consuming ExecutorJob) {
         let job = UnownedJob(job)
+        // Only the loop's thread can find the handoff open: resumeInline opens it there and closes
+        // it before returning, and no other thread passes the inEventLoop test.
+        if eventLoop.inEventLoop, handoff.withLock({ handoff in
+            guard handoff.open, handoff.job == nil else { return false }
+            handoff.job = job
+            return true
+        }) {
+            return
+        }
         let executor = self.asUnownedTaskExecutor()
         eventLoop.execute {
             job.runSynchronously(on: executor)
         }
+    }
+
+    /// Runs `resume`, which resumes a continuation of a task that may prefer this executor, and then
+    /// runs that task right here until it next suspends, instead of queueing it on the event loop.
+    ///
+    /// Called by ``ChannelBackend``'s handler on the loop's thread when it hands bytes to a parked
+    /// reader, so a request/response loop writes its reply before the event loop goes on, as a
+    /// SwiftNIO handler would. Anywhere else (another thread, or inside a running task, where a
+    /// nested job would break the runtime's bookkeeping) it only runs `resume` and the task is
+    /// queued as usual. Continuations resumed elsewhere (a cancellation handler, the end of the
+    /// stream, a writer waiting for room) never come through here and are always queued: the
+    /// runtime calls cancellation handlers while it holds the task's status-record lock and walks
+    /// those records, and the task would remove its own record from under it.
+    public func resumeInline(_ resume: () -> Void) {
+        guard eventLoop.inEventLoop, withUnsafeCurrentTask(body: { $0 == nil }) else {
+            resume()
+            return
+        }
+        handoff.withLock { $0.open = true }
+        resume()
+        let job = handoff.withLock { handoff in
+            handoff.open = false
+            defer { handoff.job = nil }
+            return handoff.job
+        }
+        job?.runSynchronously(on: self.asUnownedTaskExecutor())
     }
 }
