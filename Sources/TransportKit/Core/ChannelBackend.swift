@@ -525,6 +525,11 @@ public final class EventLoopTaskExecutor: TaskExecutor {
     /// stream, a writer waiting for room) never come through here and are always queued: the
     /// runtime calls cancellation handlers while it holds the task's status-record lock and walks
     /// those records, and the task would remove its own record from under it.
+    ///
+    /// ```swift
+    /// // In a handler's channelRead, on the loop, with the reader taken out of shared state:
+    /// executor.resumeInline { reader.resume(returning: buffer) }
+    /// ```
     public func resumeInline(_ resume: () -> Void) {
         guard eventLoop.inEventLoop, withUnsafeCurrentTask(body: { $0 == nil }) else {
             resume()
