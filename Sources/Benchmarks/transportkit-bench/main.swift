@@ -23,17 +23,11 @@ func argument(_ name: String, default value: Int) -> Int {
 let nioExecutor = CommandLine.arguments.contains("--nio-executor")
     && NIOSingletons.unsafeTryInstallSingletonPosixEventLoopGroupAsConcurrencyGlobalExecutor()
 
-if CommandLine.arguments.dropFirst().first == "serial" {
-    try await SerialBench.run()
-    exit(0)
-}
-if CommandLine.arguments.dropFirst().first == "serial-list" {
-    try await SerialBench.list()
-    exit(0)
-}
-if CommandLine.arguments.dropFirst().first == "costs" {
-    try await UnitCosts.run()
-    exit(0)
+switch CommandLine.arguments.dropFirst().first {
+case "serial": try await SerialBench.run(); exit(0)
+case "serial-list": try await SerialBench.list(); exit(0)
+case "costs": try await UnitCosts.run(); exit(0)
+default: break
 }
 
 let totalBytes = argument("--bytes", default: 1 << 30)

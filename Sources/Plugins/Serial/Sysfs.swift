@@ -193,12 +193,13 @@ enum Sysfs {
             guard let base = buffer.baseAddress else { return nil }
             var length = 0
             while length < buffer.count {
-                let count = read(fd, base + length, buffer.count - length)
+                let wanted = buffer.count - length
+                let count = read(fd, base + length, wanted)
                 if count <= 0 { break }
                 length += count
                 // A short read of a sysfs attribute or a regular file is its end: no second
                 // read(2) to see 0 (a listing reads tens of thousands of files).
-                if length < buffer.count && count < buffer.count - (length - count) { break }
+                if count < wanted { break }
             }
             return String(decoding: UnsafeRawBufferPointer(start: base, count: length), as: UTF8.self)
         }

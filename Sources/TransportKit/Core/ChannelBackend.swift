@@ -192,6 +192,11 @@ public final class ChannelBackend: ConnectionBackend {
             var lastWrite: EventLoopFuture<Void>?
             /// The channel's event loop as a task executor, set when the handler joins the pipeline.
             var executor: EventLoopTaskExecutor?
+
+            /// Why the channel ended, when an error ended it.
+            var endFailure: TransportError? {
+                if case .failure(let error)? = end { error } else { nil }
+            }
         }
 
         init(describing: String, inboundLimit: Int) {
@@ -309,10 +314,7 @@ public final class ChannelBackend: ConnectionBackend {
         }
 
         func disconnectedError() -> TransportError {
-            state.withLock { state in
-                if case .failure(let error)? = state.end { return error }
-                return nil
-            } ?? TransportError(.disconnected, "the connection to \(describing) is closed")
+            state.withLock { $0.endFailure } ?? TransportError(.disconnected, "the connection to \(describing) is closed")
         }
 
         func resumeWriters() {
@@ -352,7 +354,7 @@ public final class ChannelBackend: ConnectionBackend {
         func recordWriteFailure(_ error: TransportError) {
             state.withLock { state in
                 guard state.writeFailure == nil else { return }
-                if error.errno == nil, case .failure(let cause)? = state.end, cause.errno != nil {
+                if error.errno == nil, let cause = state.endFailure, cause.errno != nil {
                     state.writeFailure = cause
                 } else {
                     state.writeFailure = error
