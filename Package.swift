@@ -2,23 +2,40 @@
 import PackageDescription
 
 // Layers (Docs/Architecture.md):
-//   TransportKitCore  URL model, options, registry, connection, errors, framing, Foundation bridge.
-//                     Imports no C module of this package.
-//   Plugins/<Name>    one target per scheme family; the only place a C shim target is imported.
-//   TransportKit      the product: re-exports the core and registers every built-in plugin.
+//   TransportKitCore        URL model, options, registry, connection, errors, framing, and the plugin SDK
+//                           (inbound queue, writer gate, ChannelBackend). No C module, no Foundation.
+//   TransportKitLinux       shared Linux support for plugins: syscalls, fd readiness, fd adoption,
+//                           worker threads. Glibc, swift-system and NIOPosix only; never imported by the core.
+//   TransportKitUdev        shared device discovery for plugins: sysfs records, USB ancestry, the udev
+//                           monitor. The only importer of CUdev (it links libudev).
+//   Plugins/<Name>          one target per scheme family.
+//   TransportKitFoundation  the InputStream/OutputStream bridge, its own product.
+//   TransportKit            the umbrella product: re-exports the core and registers every built-in plugin.
 let strict: [SwiftSetting] = [.enableUpcomingFeature("ExistentialAny")]
+let nioCore: Target.Dependency = .product(name: "NIOCore", package: "swift-nio")
+let nioPosix: Target.Dependency = .product(name: "NIOPosix", package: "swift-nio")
+let system: Target.Dependency = .product(name: "SystemPackage", package: "swift-system")
+let logging: Target.Dependency = .product(name: "Logging", package: "swift-log")
 
 let package = Package(
     name: "TransportKit",
     platforms: [.macOS(.v15)],
     products: [
+        // Applications: every built-in scheme.
         .library(name: "TransportKit", targets: ["TransportKit"]),
+        // Third-party plugin packages: the core and the plugin SDK, without libudev, libusb or libbluetooth.
+        .library(name: "TransportKitCore", targets: ["TransportKitCore", "TransportKitLinux"]),
+        // Code written for Foundation streams (CornucopiaStreams' stream pairs).
+        .library(name: "TransportKitFoundation", targets: ["TransportKitFoundation"]),
         .executable(name: "transportkit", targets: ["transportkit"]),
         .executable(name: "transportkit-bench", targets: ["transportkit-bench"]),
     ],
     dependencies: [
         .package(url: "https://github.com/apple/swift-nio.git", from: "2.101.2"),
         .package(url: "https://github.com/apple/swift-argument-parser.git", from: "1.8.2"),
+        .package(url: "https://github.com/apple/swift-system.git", from: "1.8.1"),
+        .package(url: "https://github.com/apple/swift-log.git", from: "1.16.2"),
+        .package(url: "https://github.com/swiftlang/swift-docc-plugin", from: "1.5.0"),
     ],
     targets: [
         // Thin C targets: a module map and one shim header each. Providers only print a hint; Scripts/setup installs them.
@@ -28,45 +45,61 @@ let package = Package(
 
         .target(
             name: "TransportKitCore",
-            dependencies: [.product(name: "NIOCore", package: "swift-nio")],
+            dependencies: [nioCore, system, logging],
             path: "Sources/TransportKit/Core",
             swiftSettings: strict
         ),
         .target(
+            name: "TransportKitLinux",
+            dependencies: ["TransportKitCore", nioCore, nioPosix, system],
+            path: "Sources/Plugins/Support/Linux",
+            swiftSettings: strict
+        ),
+        .target(
+            name: "TransportKitUdev",
+            dependencies: ["TransportKitCore", "TransportKitLinux", "CUdev", system],
+            path: "Sources/Plugins/Support/Udev",
+            swiftSettings: strict
+        ),
+        .target(
             name: "TransportKitSockets",
-            dependencies: [
-                "TransportKitCore",
-                .product(name: "NIOCore", package: "swift-nio"),
-                .product(name: "NIOPosix", package: "swift-nio"),
-            ],
+            dependencies: ["TransportKitCore", nioCore, nioPosix, system],
             path: "Sources/Plugins/Sockets",
             swiftSettings: strict
         ),
         .target(
             name: "TransportKitLoop",
-            dependencies: ["TransportKitCore", .product(name: "NIOCore", package: "swift-nio")],
+            dependencies: ["TransportKitCore", nioCore],
             path: "Sources/Plugins/Loop",
             swiftSettings: strict
         ),
         .target(
             name: "TransportKitSerial",
-            dependencies: [
-                "TransportKitCore", "CUdev",
-                .product(name: "NIOCore", package: "swift-nio"),
-                .product(name: "NIOPosix", package: "swift-nio"),
-            ],
+            dependencies: ["TransportKitCore", "TransportKitLinux", "TransportKitUdev", nioCore, nioPosix, system],
             path: "Sources/Plugins/Serial",
             swiftSettings: strict
         ),
         .target(
+            name: "TransportKitSpy",
+            dependencies: ["TransportKitCore", nioCore, system],
+            path: "Sources/Plugins/Spy",
+            swiftSettings: strict
+        ),
+        .target(
+            name: "TransportKitFoundation",
+            dependencies: ["TransportKitCore"],
+            path: "Sources/TransportKit/Foundation",
+            swiftSettings: strict
+        ),
+        .target(
             name: "TransportKit",
-            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial"],
+            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy"],
             path: "Sources/TransportKit/BuiltIns",
             swiftSettings: strict
         ),
         .executableTarget(
             name: "transportkit",
-            dependencies: ["TransportKit", .product(name: "ArgumentParser", package: "swift-argument-parser")],
+            dependencies: ["TransportKit", logging, .product(name: "ArgumentParser", package: "swift-argument-parser")],
             path: "Sources/transportkit",
             swiftSettings: strict
         ),
@@ -74,10 +107,7 @@ let package = Package(
         .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops", linkerSettings: [.linkedLibrary("udev")]),
         .executableTarget(
             name: "transportkit-bench",
-            dependencies: [
-                "TransportKit", "CBenchLoops",
-                .product(name: "NIOCore", package: "swift-nio"), .product(name: "NIOPosix", package: "swift-nio"),
-            ],
+            dependencies: ["TransportKit", "CBenchLoops", nioCore, nioPosix],
             path: "Sources/Benchmarks/transportkit-bench",
             swiftSettings: strict
         ),
@@ -87,19 +117,20 @@ let package = Package(
         .testTarget(
             name: "TransportKitTests",
             // CUdev: the libudev reference enumeration the sysfs listing is checked against.
-            dependencies: ["TransportKit", "TransportKitSerial", "CUdev", "TestSupport"],
+            dependencies: ["TransportKit", "TransportKitFoundation", "TransportKitLinux", "TransportKitUdev", "TransportKitSerial",
+                           "CUdev", "TestSupport", nioPosix, system],
             swiftSettings: strict
         ),
         .testTarget(
             name: "CLITests",
-            dependencies: ["TransportKit"],
+            dependencies: ["TransportKit", "TestSupport", system],
             swiftSettings: strict
         ),
         .testTarget(
             // Runs inside the qemu lab (Scripts/lab) against real USB and Bluetooth drivers; every
             // suite is disabled elsewhere. CBlueZ: the Bluetooth smoke test's raw sockets.
             name: "LabTests",
-            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ", "TestSupport"],
+            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ", "TestSupport", system],
             swiftSettings: strict
         ),
         .testTarget(

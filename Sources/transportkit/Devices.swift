@@ -14,19 +14,28 @@ struct List: AsyncParsableCommand {
     @Flag(help: "Include ports that are not backed by hardware (console, ptmx, unused 8250 slots).")
     var all = false
 
+    @OptionGroup var logging: LoggingOptions
+
     func run() async throws {
+        logging.bootstrap()
+        let listing = await Transport.devices(includeAll: all)
+        // A plugin that cannot list (no udev, no adapter) is reported; the others' devices still are.
+        for failure in listing.failures {
+            FileHandle.standardError.write(Data("transportkit: warning: \(failure.error)\n".utf8))
+        }
+        let devices = listing.devices
         do {
-            let devices = try await Transport.registry.devices(includeAll: all)
             if json {
                 print(try DeviceJSON.encode(devices, pretty: true))
-            } else if devices.isEmpty {
+            } else if devices.isEmpty && listing.failures.isEmpty {
                 FileHandle.standardError.write(Data("no devices found\(all ? "" : " (--all also shows virtual and unused ports)")\n".utf8))
-            } else {
+            } else if !devices.isEmpty {
                 print(DeviceTable.render(devices))
             }
         } catch {
             throw fail(error)
         }
+        if devices.isEmpty && !listing.failures.isEmpty { throw ExitCode.failure }
     }
 }
 
@@ -45,9 +54,12 @@ struct Watch: AsyncParsableCommand {
     @Flag(help: "Include ports that are not backed by hardware.")
     var all = false
 
+    @OptionGroup var logging: LoggingOptions
+
     func run() async throws {
+        logging.bootstrap()
         do {
-            let events = Transport.registry.deviceEvents(includeAll: all)
+            let events = Transport.deviceEvents(includeAll: all)
             FileHandle.standardError.write(Data("watching\n".utf8))
             for try await event in events {
                 let line = json ? try DeviceJSON.encode(event) : DeviceTable.line(event)

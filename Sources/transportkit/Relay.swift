@@ -1,4 +1,5 @@
 import Foundation
+import SystemPackage
 import TransportKit
 
 /// Standard input read one chunk at a time on a private thread: a blocking read(2) per request,
@@ -35,7 +36,7 @@ enum StandardOutput {
             let written = bytes[offset...].withUnsafeBytes { Glibc.write(1, $0.baseAddress, $0.count) }
             if written < 0 {
                 if errno == EINTR { continue }
-                throw TransportError.posix("write", errno: errno, what: "standard output")
+                throw TransportError.posix("write", errno: Errno(rawValue: errno), what: "standard output")
             }
             offset += written
         }

@@ -1,15 +1,41 @@
 import ArgumentParser
 import Foundation
+import Logging
 import TransportKit
 
 @main
 struct TransportKitCLI: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "transportkit",
-        abstract: "Connect to devices and peers by URL: tcp://, unix://, tty://, pty://, loop://, …",
-        discussion: "Run 'transportkit schemes' for every URL form and its options.",
+        abstract: "Connect to devices and peers by URL: tcp://, unix://, tty://, pty://, loop://, spy+URL, …",
+        discussion: "Run 'transportkit schemes' for every URL form and its options. spy+URL traces a connection on standard error.",
         subcommands: [Schemes.self, List.self, Watch.self, Connect.self, Bridge.self]
     )
+}
+
+/// `--log-level LEVEL`: TransportKit's log (connects, closes, failures, with URL and scheme) on
+/// standard error. Quiet without it.
+struct LoggingOptions: ParsableArguments {
+    @Option(name: .customLong("log-level"),
+            help: ArgumentHelp("Log what connections do on standard error: trace, debug, info, notice, warning, error or critical.",
+                               valueName: "level"))
+    var levelName: String?
+
+    func validate() throws {
+        if let levelName, Logger.Level(rawValue: levelName) == nil {
+            throw ValidationError("--log-level takes one of: \(Logger.Level.allCases.map(\.rawValue).joined(separator: ", "))")
+        }
+    }
+
+    /// Installs the standard-error log handler; must run before the registry is first used.
+    func bootstrap() {
+        guard let level = levelName.flatMap(Logger.Level.init(rawValue:)) else { return }
+        LoggingSystem.bootstrap { label in
+            var handler = StreamLogHandler.standardError(label: label)
+            handler.logLevel = level
+            return handler
+        }
+    }
 }
 
 /// Prints `error` the way every subcommand reports failures, and exits non-zero.
@@ -26,7 +52,7 @@ struct Schemes: AsyncParsableCommand {
     var json = false
 
     func run() async throws {
-        let schemes = Transport.registry.schemes
+        let schemes = Transport.schemes
         if json {
             let encoder = JSONEncoder()
             encoder.outputFormatting = [.prettyPrinted, .sortedKeys]
@@ -55,6 +81,7 @@ struct SchemeJSON: Encodable {
     var portRange: [Int]?
     var path: String
     var canListen: Bool
+    var wraps: Bool
     var options: [Option]
 
     init(_ descriptor: SchemeDescriptor) {
@@ -67,7 +94,10 @@ struct SchemeJSON: Encodable {
         portRange = descriptor.portRange.map { [$0.lowerBound, $0.upperBound] }
         path = descriptor.path.rawValue
         canListen = descriptor.canListen
-        options = descriptor.allOptions.map { Option(name: $0.name, type: $0.kind.label, default: $0.defaultValue, help: $0.help) }
+        wraps = descriptor.wraps
+        // A wrapper's options are written with its prefix (spy.format).
+        let prefix = descriptor.wraps ? descriptor.scheme + "." : ""
+        options = descriptor.allOptions.map { Option(name: prefix + $0.name, type: $0.kind.label, default: $0.defaultValue, help: $0.help) }
     }
 }
 
@@ -87,7 +117,10 @@ struct Connect: AsyncParsableCommand {
     @Option(help: "Seconds to keep copying inbound bytes after standard input ends.")
     var linger: Double = 0.5
 
+    @OptionGroup var logging: LoggingOptions
+
     func run() async throws {
+        logging.bootstrap()
         do {
             let connection = try await Transport.connect(to: url)
             try await Relay.pump(
@@ -125,6 +158,8 @@ struct Bridge: AsyncParsableCommand {
     @Flag(help: "Print status lines as JSON objects.")
     var json = false
 
+    @OptionGroup var logging: LoggingOptions
+
     func validate() throws {
         guard listen.count + urls.count == 2 else {
             throw ValidationError("a bridge has two endpoints: give two URLs, or one URL and --listen URL, or --listen twice")
@@ -132,6 +167,7 @@ struct Bridge: AsyncParsableCommand {
     }
 
     func run() async throws {
+        logging.bootstrap()
         do {
             let accepted = try await withThrowingTaskGroup(of: Connection.self) { group in
                 for url in listen {

@@ -113,7 +113,8 @@ struct CLITests {
         #expect(result.status == 0)
         #expect(result.text.contains("tcp://HOST:PORT[?OPTIONS]"))
         #expect(result.text.contains("unix:///PATH"))
-        #expect(result.text.contains("loop://[?buffer=BYTES]"))
+        #expect(result.text.contains("loop://[?buffer=BYTES&messages=BOOL&mtu=BYTES]"))
+        #expect(result.text.contains("spy.format (hex|raw, default hex)"), "a wrapper's options are shown with their prefix")
         #expect(result.text.contains("noDelay (bool, default true)"))
     }
 

@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import SystemPackage
 import Testing
 import TransportKit
 
@@ -102,7 +103,7 @@ struct RawPTY {
     init() throws {
         var master: Int32 = -1
         var slave: Int32 = -1
-        guard openpty(&master, &slave, nil, nil, nil) == 0 else { throw TransportError.posix("openpty", errno: errno, what: "test pty") }
+        guard openpty(&master, &slave, nil, nil, nil) == 0 else { throw TransportError.posix("openpty", errno: Errno(rawValue: errno), what: "test pty") }
         _ = fcntl(master, F_SETFD, FD_CLOEXEC)
         var raw = termios()
         tcgetattr(master, &raw)

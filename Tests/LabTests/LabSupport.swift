@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import Synchronization
+import SystemPackage
 import TestSupport
 import Testing
 import TransportKit
@@ -46,10 +47,10 @@ enum Lab {
         var errPipe: [Int32] = [-1, -1]
         // pipe2 is not imported (a GNU extension); the lab suites run one test at a time, so no
         // other spawn can inherit these before FD_CLOEXEC is set.
-        guard pipe(&outPipe) == 0 else { throw TransportError(.io, "pipe", errno: errno, syscall: "pipe") }
+        guard pipe(&outPipe) == 0 else { throw TransportError(.io, "pipe", errno: Errno(rawValue: errno), syscall: "pipe") }
         guard pipe(&errPipe) == 0 else {
             close(outPipe[0]); close(outPipe[1])
-            throw TransportError(.io, "pipe", errno: errno, syscall: "pipe")
+            throw TransportError(.io, "pipe", errno: Errno(rawValue: errno), syscall: "pipe")
         }
         for fd in outPipe + errPipe { _ = fcntl(fd, F_SETFD, FD_CLOEXEC) }
         var actions = posix_spawn_file_actions_t()
@@ -66,7 +67,7 @@ enum Lab {
         close(errPipe[1])
         guard spawned == 0 else {
             close(outPipe[0]); close(errPipe[0])
-            throw TransportError(.io, "posix_spawn \(executable)", errno: spawned, syscall: "posix_spawn")
+            throw TransportError(.io, "posix_spawn \(executable)", errno: Errno(rawValue: spawned), syscall: "posix_spawn")
         }
         let stderr = DataBox()
         let stderrDone = DispatchSemaphore(value: 0)
@@ -148,11 +149,11 @@ enum Gadget {
     /// child process: one write to configfs (for the replug cycles).
     static func setBound(_ bound: Bool) throws {
         let fd = open(udc, O_WRONLY | O_CLOEXEC)
-        guard fd >= 0 else { throw TransportError(.io, "open \(udc)", errno: errno, syscall: "open") }
+        guard fd >= 0 else { throw TransportError(.io, "open \(udc)", errno: Errno(rawValue: errno), syscall: "open") }
         defer { close(fd) }
         let text = Array((bound ? "dummy_udc.0\n" : "\n").utf8)
         let written = text.withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
-        guard written == text.count else { throw TransportError(.io, "write \(udc)", errno: errno, syscall: "write") }
+        guard written == text.count else { throw TransportError(.io, "write \(udc)", errno: Errno(rawValue: errno), syscall: "write") }
     }
 
     /// Whether an event is about the gadget's host-side tty.

@@ -2,6 +2,7 @@ import Foundation
 import TestSupport
 import Testing
 @testable import TransportKit
+@testable import TransportKitFoundation
 
 /// Runs a run loop on its own thread and records the delegate events of a stream pair, the way a
 /// CornucopiaStreams client drives its streams: it writes on hasSpaceAvailable and reads on
@@ -148,6 +149,57 @@ struct FoundationStreamTests {
         #expect(result.0 == Array("plain".utf8))
         #expect(result.1 == 0, "read returns 0 at the end")
         input.close()
+    }
+}
+
+@Suite("Foundation stream bridge: its documented example and its tasks")
+struct FoundationBridgeLifecycleTests {
+    static let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+
+    @Test func theDocCommentQuotesTheExampleVerbatim() throws {
+        let example = try String(contentsOf: Self.root.appendingPathComponent("Tests/TransportKitTests/Examples/FoundationBridgeExample.swift"), encoding: .utf8)
+        let start = try #require(example.range(of: "// BEGIN EXAMPLE\n"))
+        let end = try #require(example.range(of: "// END EXAMPLE"))
+        let quoted = String(example[start.upperBound..<end.lowerBound])
+        let source = try String(contentsOf: Self.root.appendingPathComponent("Sources/TransportKit/Foundation/FoundationStreams.swift"), encoding: .utf8)
+        // The doc comment's lines without their "    /// " prefix.
+        let comment = source.split(separator: "\n", omittingEmptySubsequences: false)
+            .filter { $0.hasPrefix("    ///") }
+            .map { line in line.dropFirst("    ///".count).drop { $0 == " " }.isEmpty ? "" : String(line.dropFirst("    /// ".count)) }
+            .joined(separator: "\n")
+        #expect(comment.contains(quoted), "makeStreamPair's doc comment must quote Examples/FoundationBridgeExample.swift")
+    }
+
+    @Test func theDocumentedExampleRuns() async throws {
+        let connection = try await Transport.connect(to: "loop://")
+        // The example runs on a thread with a run loop, as its documentation says.
+        let received = await Support.offPool { exchange(over: connection) }
+        #expect(received == Array("ping\n".utf8))
+        #expect(await eventually { connection.isClosed }, "closing both streams closed the connection")
+    }
+
+    @Test("closing the streams, or releasing them open, ends their tasks and closes the connection", arguments: [true, false])
+    func tasksEnd(closing: Bool) async throws {
+        let connection = try await Transport.connect(to: "loop://")
+        weak var inbound: InboundCore?
+        weak var outbound: OutboundCore?
+        do {
+            let (input, output) = connection.makeStreamPair()
+            let streams = UncheckedStreams(input: input, output: output)
+            inbound = (input as? ConnectionInputStream)?.core
+            outbound = (output as? ConnectionOutputStream)?.core
+            await Support.offPool {
+                streams.input.open()
+                streams.output.open()
+                if closing {
+                    streams.input.close()
+                    streams.output.close()
+                }
+            }
+            // Released here; unless closed, open, with both tasks waiting.
+        }
+        #expect(await eventually(5) { inbound == nil && outbound == nil }, "both tasks ended and let go of their sides")
+        #expect(await eventually { connection.isClosed })
     }
 }
 

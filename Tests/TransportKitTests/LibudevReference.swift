@@ -1,9 +1,10 @@
 // LibudevReference.swift: tty devices as libudev's own enumeration sees them (libudev(3),
 // udev_enumerate_new(3), udev_device_new_from_syspath(3)). The plugin reads sysfs itself
-// (Sysfs.swift, several times faster); this is the reference that listing is checked against.
+// (TransportKitUdev's Sysfs, several times faster); this is the reference that listing is checked against.
 
 import CUdev
 import Foundation
+import SystemPackage
 import TransportKitCore
 @testable import TransportKitSerial
 
@@ -22,7 +23,7 @@ enum LibudevReference {
         udev_enumerate_add_match_subsystem(enumerate, "tty")
         let scanned = udev_enumerate_scan_devices(enumerate)
         if scanned < 0 {
-            throw TransportError(.io, "listing tty devices failed: \(ErrnoName.describe(-scanned))", errno: -scanned, syscall: "udev_enumerate_scan_devices")
+            throw TransportError(.io, "listing tty devices failed: \(Errno(rawValue: -scanned).symbolicDescription)", errno: Errno(rawValue: -scanned), syscall: "udev_enumerate_scan_devices")
         }
         var result: [TTYDeviceInfo] = []
         var entry = udev_enumerate_get_list_entry(enumerate)

@@ -50,7 +50,7 @@ struct LoopTests {
         try await loop.closeWrite()
         #expect(try await loop.read() == Array("last".utf8))
         #expect(try await loop.read() == nil)
-        await expectTransportError(.io) { try await loop.write("more") }
+        await expectTransportError(.misuse) { try await loop.write("more") }
         try await loop.close()
     }
 
@@ -87,7 +87,7 @@ struct LoopTests {
         let loop = try await Transport.connect(to: "loop://")
         let first = Task { try await loop.read() }
         try await Task.sleep(for: .milliseconds(50))
-        let error = await expectTransportError(.io) { try await loop.read() }
+        let error = await expectTransportError(.misuse) { try await loop.read() }
         #expect(error?.message.contains("one task") == true)
         try await loop.write("z")
         #expect(try await first.value == [0x7A])
@@ -100,8 +100,8 @@ struct LoopTests {
         try await Task.sleep(for: .milliseconds(50))
         try await loop.close()
         #expect(try await reader.value == nil)
-        await expectTransportError(.io) { try await loop.read() }
-        await expectTransportError(.io) { try await loop.write("x") }
+        await expectTransportError(.misuse) { try await loop.read() }
+        await expectTransportError(.misuse) { try await loop.write("x") }
         try await loop.close()  // a second close does nothing
         #expect(loop.isClosed)
     }

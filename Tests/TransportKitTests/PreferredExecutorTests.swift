@@ -146,7 +146,7 @@ struct PreferredExecutorTests {
                 }
             }
         }
-        #expect(error?.errno == ErrnoName.EPIPE || error?.errno == ErrnoName.ECONNRESET, "\(String(describing: error))")
+        #expect(error?.errno == .brokenPipe || error?.errno == .connectionReset, "\(String(describing: error))")
         try? await client.close()
         #expect(await eventually { Support.openSockets(port: raw.port) == 0 })
     }

@@ -1,20 +1,19 @@
 import NIOCore
+import Synchronization
 import Testing
-@testable import TransportKit
+@_spi(Plugins) @testable import TransportKit
 
 /// A scheme an application might register: answers every write with its reverse.
 struct ReversePlugin: TransportPlugin {
     var name = "reverse"
-    var schemes: [SchemeDescriptor] {
-        [SchemeDescriptor(scheme: name, summary: "Reverses each write", grammar: "\(name)://[?suffix=TEXT]",
-                          host: .forbidden, port: .forbidden, path: .forbidden,
-                          options: [OptionSpec("suffix", .string, default: "", help: "Appended to each answer")])]
-    }
+    static let suffix = URLOption.string("suffix", default: "", help: "Appended to each answer")
 
-    func connect(_ request: ConnectRequest) async throws -> Connection {
-        let loop = try await TransportRegistry(plugins: [LoopPlugin()]).connect(to: "loop://?buffer=65536")
-        let suffix = request.options.string("suffix") ?? ""
-        return Connection(url: request.url, backend: ReverseBackend(loop: loop, suffix: suffix))
+    var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(scheme: name, summary: "Reverses each write", grammar: "\(name)://[?suffix=TEXT]",
+                                 host: .forbidden, port: .forbidden, path: .forbidden, options: [Self.suffix])) { request in
+            let loop = try await TransportRegistry(plugins: [LoopPlugin()]).connect(to: "loop://?buffer=65536")
+            return Connection(url: request.url, backend: ReverseBackend(loop: loop, suffix: request[Self.suffix]))
+        }]
     }
 }
 
@@ -33,11 +32,12 @@ final class ReverseBackend: ConnectionBackend {
 
 /// A plugin whose connect never finishes on its own and ignores cancellation.
 struct StuckPlugin: TransportPlugin {
-    let schemes = [SchemeDescriptor(scheme: "stuck", summary: "Never connects", grammar: "stuck://",
-                                    host: .optional, port: .optional, path: .optional)]
-    func connect(_ request: ConnectRequest) async throws -> Connection {
-        try? await Task.sleep(for: .seconds(30))
-        throw TransportError(.io, "unreachable")
+    var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(scheme: "stuck", summary: "Never connects", grammar: "stuck://",
+                                 host: .optional, port: .optional, path: .optional)) { _ in
+            try? await Task.sleep(for: .seconds(30))
+            throw TransportError(.io, "unreachable")
+        }]
     }
 }
 
@@ -136,34 +136,39 @@ struct RegistryTests {
 struct OptionTests {
     @Test func defaultsAreFilledIn() throws {
         let request = try Transport.registry.resolve("tcp://localhost:1")
-        #expect(request.options.bool("noDelay") == true)
-        #expect(request.options.bool("keepAlive") == false)
-        #expect(request.options.int("backlog") == 128)
+        #expect(request[SocketsPlugin.noDelay] == true)
+        #expect(request[SocketsPlugin.keepAlive] == false)
+        #expect(request[SocketsPlugin.backlog] == 128)
         #expect(request.timeout == .seconds(10))
-        #expect(request.options.double("keepAliveIdle") == nil)
+        #expect(request[SocketsPlugin.keepAliveIdle] == nil)
     }
 
     @Test func valuesAreTyped() throws {
         let request = try Transport.registry.resolve("tcp://localhost:1?nodelay=off&keepAliveIdle=2.5&timeout=0")
-        #expect(request.options.bool("noDelay") == false)
-        #expect(request.options.double("keepAliveIdle") == 2.5)
+        #expect(request[SocketsPlugin.noDelay] == false)
+        #expect(request[SocketsPlugin.keepAliveIdle] == .milliseconds(2500))
         #expect(request.timeout == nil)
-        #expect(try Transport.registry.resolve("loop://?buffer=7").options.int("buffer") == 7)
+        #expect(try Transport.registry.resolve("loop://?buffer=7")[LoopPlugin.buffer] == 7)
     }
 
     @Test("bad options fail before I/O with the grammar", arguments: [
         ("tcp://localhost:1?color=red", "unknown option 'color'"),
         ("tcp://localhost:1?noDelay=maybe", "expected true or false"),
-        ("tcp://localhost:1?backlog=0", "between 1 and 65535"),
+        ("tcp://localhost:1?backlog=0", "0 is outside 1…65535"),
         ("tcp://localhost:1?backlog=x", "expected an integer"),
-        ("tcp://localhost:1?timeout=-1", "number of seconds"),
+        ("tcp://localhost:1?timeout=-1", "outside 0…31536000 seconds"),
         ("tcp://localhost:70000", "outside 0…65535"),
         ("tcp://localhost", "a port is required"),
         ("tcp://:80", "a host is required"),
         ("tcp://localhost:1/path", "a path is not allowed"),
         ("unix://", "a path is required"),
         ("unix://host/tmp/x", "a host is not allowed"),
-        ("loop://?buffer=0", "between 1 and"),
+        ("loop://?buffer=0", "0 is outside 1…67108864"),
+        // Ports are decimal for host:port schemes (the URL model keeps the text; the scheme decides).
+        ("tcp://host:port", "the port 'port' must be a decimal number"),
+        ("tcp://host:", "the port '' must be a decimal number"),
+        ("tcp://host:99999999999", "must be a decimal number"),
+        ("tcp://host:01a7", "must be a decimal number"),
     ])
     func rejects(_ url: String, reason: String) async {
         let error = await expectTransportError(.invalidURL) { try await Transport.connect(to: url) }
@@ -175,12 +180,10 @@ struct OptionTests {
 /// A plugin that reports fixed devices and events, to test how the registry merges them.
 private struct FakeDevicePlugin: TransportPlugin {
     let scheme: String
-    var schemes: [SchemeDescriptor] {
-        [SchemeDescriptor(scheme: scheme, summary: "test", grammar: "\(scheme)://", host: .forbidden, port: .forbidden, path: .forbidden)]
-    }
-
-    func connect(_ request: ConnectRequest) async throws -> Connection {
-        throw TransportError(.unsupported, "test plugin")
+    var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(scheme: scheme, summary: "test", grammar: "\(scheme)://", host: .forbidden, port: .forbidden, path: .forbidden)) { _ in
+            throw TransportError(.unsupported, "test plugin")
+        }]
     }
 
     func devices(includeAll: Bool) async throws -> [DeviceRecord] {
@@ -202,8 +205,8 @@ struct RegistryDeviceTests {
     @Test("devices and events of every plugin are merged; includeAll is passed on")
     func merged() async throws {
         let registry = try TransportRegistry(plugins: [FakeDevicePlugin(scheme: "fa"), FakeDevicePlugin(scheme: "fb"), LoopPlugin()])
-        #expect(try await registry.devices().map(\.url).sorted() == ["fa://one", "fb://one"])
-        #expect(try await registry.devices(includeAll: true).count == 4)
+        #expect(await registry.devices().devices.map(\.url).sorted() == ["fa://one", "fb://one"])
+        #expect(await registry.devices(includeAll: true).devices.count == 4)
         var events: [String] = []
         for try await event in registry.deviceEvents() { events.append("\(event.action.rawValue) \(event.device.url)") }
         #expect(events.sorted() == ["added fa://one", "added fb://one", "removed fa://one", "removed fb://one"])
@@ -221,5 +224,194 @@ struct RegistryDeviceTests {
         var any = false
         for try await _ in none.deviceEvents() { any = true }
         #expect(!any)
+    }
+}
+
+/// A plugin whose one scheme is declared by the test.
+private struct DeclaredPlugin: TransportPlugin {
+    let descriptors: [SchemeDescriptor]
+    init(_ descriptors: SchemeDescriptor...) { self.descriptors = descriptors }
+    var schemes: [Scheme] {
+        descriptors.map { Scheme($0) { _ in throw TransportError(.unsupported, "never connects") } }
+    }
+}
+
+private func descriptor(_ scheme: String = "decl", options: [any OptionDeclaration]) -> SchemeDescriptor {
+    SchemeDescriptor(scheme: scheme, summary: "test", grammar: "\(scheme)://", host: .forbidden, port: .forbidden, path: .forbidden,
+                     options: options)
+}
+
+@Suite("Option declarations")
+struct OptionDeclarationTests {
+    @Test("malformed declarations are refused when the plugin is registered", arguments: [
+        (descriptor(options: [URLOption.integer("buffer", in: 1...100, default: 0, help: "")]), "has the default '0', which it refuses: 0 is outside 1…100"),
+        (descriptor(options: [OptionSpec("count", .integer(min: 5, max: 1), help: "")]), "the empty range 5…1"),
+        (descriptor(options: [URLOption.bool("fast", default: true, help: ""), URLOption.bool("FAST", default: false, help: "")]), "declared twice"),
+        (descriptor(options: [URLOption.integer("timeout", in: 1...2, help: "")]), "'timeout' is declared twice"),
+        (descriptor(options: [URLOption.string("spy.file", help: "")]), "must start with a letter and contain only letters and digits"),
+        (descriptor(options: [URLOption.string("2fast", help: "")]), "must start with a letter"),
+        (descriptor(options: [URLOption.duration("wait", seconds: 0...1e300, help: "")]), "durations must lie within"),
+        (descriptor(options: [URLOption.duration("wait", seconds: 0...Double.infinity, help: "")]), "finite range"),
+        (descriptor(options: [OptionSpec("mode", .choice([]), help: "")]), "offers no choice"),
+        (descriptor(options: [OptionSpec("mode", .choice(["a", "b"]), default: "c", help: "")]), "expected one of a, b"),
+        (descriptor("a+b", options: []), "'a+b' is not a valid scheme name"),
+    ])
+    func refused(_ declared: SchemeDescriptor, problem: String) throws {
+        let registry = try TransportRegistry()
+        let error = #expect(throws: TransportError.self) { try registry.register(DeclaredPlugin(declared)) }
+        #expect(error?.kind == .misuse)
+        #expect(error?.message.contains(problem) == true, "\(error?.message ?? "")")
+        #expect(registry.schemes.isEmpty, "nothing was registered")
+    }
+
+    @Test func aSchemeDeclaredTwiceByOnePluginIsRefused() throws {
+        let registry = try TransportRegistry()
+        let error = #expect(throws: TransportError.self) {
+            try registry.register(DeclaredPlugin(descriptor(options: []), descriptor(options: [])))
+        }
+        #expect(error?.kind == .misuse)
+        #expect(error?.message.contains("decl:// twice") == true)
+    }
+
+    @Test func typedLookupsReadTheValueOrTheDeclaredDefault() throws {
+        let speed = URLOption.integer("speed", in: 1...100, default: 42, help: "")
+        let label = URLOption.string("label", help: "")
+        let idle = URLOption.duration("idle", seconds: 0.5...10, help: "")
+        let limit = URLOption.timeLimit("limit", seconds: 0...10, default: 3, help: "")
+        let plugin = DeclaredPlugin(descriptor(options: [speed, label, idle, limit]))
+        let registry = try TransportRegistry(plugins: [plugin])
+        let defaults = try registry.resolve("decl://")
+        #expect(defaults[speed] == 42)
+        #expect(defaults[label] == nil)
+        #expect(defaults[idle] == nil)
+        #expect(defaults[limit] == .seconds(3))
+        let given = try registry.resolve("decl://?SPEED=7&label=a%20b&idle=0.75&limit=0")
+        #expect(given[speed] == 7, "names are case-insensitive")
+        #expect(given[label] == "a b")
+        #expect(given[idle] == .milliseconds(750))
+        #expect(given[limit] == nil, "0 means no limit")
+    }
+}
+
+@Suite("huge and odd numeric values")
+struct HugeValueTests {
+    @Test("every numeric option refuses what would overflow, naming the option and its limits", arguments: [
+        ("loop://?timeout=1e10", "option 'timeout=1e10': 1e10 is outside 0…31536000 seconds"),
+        ("loop://?timeout=inf", "option 'timeout=inf': expected a number of seconds between 0 and 31536000"),
+        ("loop://?timeout=nan", "option 'timeout=nan': expected a number"),
+        ("loop://?timeout=0x10", "option 'timeout=0x10': expected a number"),
+        ("loop://?timeout=1e309", "expected a number"),
+        ("loop://?timeout=-0.5", "outside 0…31536000 seconds"),
+        ("tcp://h:1?keepAliveIdle=3e9", "option 'keepAliveIdle=3e9': 3e9 is outside 1…32767 seconds"),
+        ("loop://?buffer=99999999999999999999999", "option 'buffer=99999999999999999999999': expected an integer between 1 and 67108864"),
+        ("loop://?buffer=+5", "expected an integer"),
+        ("loop://?buffer=1.5", "expected an integer"),
+        ("tty:///dev/ttyS0?baud=-1", "-1 is outside 1…20000000"),
+        ("tcp://h:99999999999999999999", "must be a decimal number"),
+        ("tty://a:0/dev/ttyS0", "the port 0 is outside 1…20000000"),
+    ])
+    func refused(_ url: String, reason: String) async {
+        let error = await expectTransportError(.invalidURL) { try await Transport.connect(to: url) }
+        #expect(error?.message.contains(reason) == true, "\(error?.message ?? "")")
+    }
+
+    @Test func theLargestAcceptedValuesWork() throws {
+        let request = try Transport.registry.resolve("tcp://h:65535?timeout=31536000&keepAliveIdle=32767")
+        #expect(request.timeout == .seconds(31_536_000))
+        #expect(request[SocketsPlugin.keepAliveIdle] == .seconds(32767))
+        #expect(try Transport.registry.resolve("loop://?buffer=67108864")[LoopPlugin.buffer] == 64 << 20)
+    }
+}
+
+/// A plugin whose device listing fails, as one without its hardware or service would.
+private struct FailingDevicePlugin: TransportPlugin {
+    var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(scheme: "broken", summary: "test", grammar: "broken://", host: .forbidden, port: .forbidden, path: .forbidden)) { _ in
+            throw TransportError(.unsupported, "test plugin")
+        }]
+    }
+
+    func devices(includeAll: Bool) async throws -> [DeviceRecord] {
+        throw TransportError(.notFound, "no adapter: plug one in")
+    }
+}
+
+/// A plugin whose events come all at once, far more than a buffer of the old 4096 would hold.
+private struct BurstPlugin: TransportPlugin {
+    let scheme: String
+    let count: Int
+    var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(scheme: scheme, summary: "test", grammar: "\(scheme)://", host: .forbidden, port: .forbidden, path: .forbidden)) { _ in
+            throw TransportError(.unsupported, "test plugin")
+        }]
+    }
+
+    func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream()
+        for index in 0..<count {
+            continuation.yield(DeviceEvent(.added, DeviceRecord(url: "\(scheme)://\(index)", scheme: scheme)))
+        }
+        continuation.finish()
+        return stream
+    }
+}
+
+/// A pull-driven source that counts how far it was read ahead of its consumer.
+private final class PulledSource: Sendable {
+    let produced = Atomic(0)
+    func stream(_ scheme: String) -> AsyncThrowingStream<DeviceEvent, any Error> {
+        AsyncThrowingStream { [self] in
+            let index = produced.add(1, ordering: .relaxed).newValue
+            return index > 1000 ? nil : DeviceEvent(.changed, DeviceRecord(url: "\(scheme)://\(index)", scheme: scheme))
+        }
+    }
+}
+
+private struct PulledPlugin: TransportPlugin {
+    let scheme: String
+    let source: PulledSource
+    var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(scheme: scheme, summary: "test", grammar: "\(scheme)://", host: .forbidden, port: .forbidden, path: .forbidden)) { _ in
+            throw TransportError(.unsupported, "test plugin")
+        }]
+    }
+    func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? { source.stream(scheme) }
+}
+
+@Suite("registry listing failures and event backpressure")
+struct RegistryRobustnessTests {
+    @Test func aFailingPluginIsReportedWithoutLosingTheOthers() async throws {
+        let registry = try TransportRegistry(plugins: [FakeDevicePlugin(scheme: "fa"), FailingDevicePlugin(), LoopPlugin()])
+        let listing = await registry.devices()
+        #expect(listing.devices.map(\.url) == ["fa://one"])
+        #expect(listing.failures.count == 1)
+        #expect(listing.failures.first?.schemes == ["broken"])
+        #expect(listing.failures.first?.error.kind == .notFound)
+        #expect(listing.failures.first?.error.message == "no adapter: plug one in")
+    }
+
+    @Test func aMergedEventStreamDropsNothingPastTheOldLimit() async throws {
+        let registry = try TransportRegistry(plugins: [BurstPlugin(scheme: "ba", count: 10_000), BurstPlugin(scheme: "bb", count: 10_000)])
+        var seen: [String: Int] = ["ba": 0, "bb": 0]
+        var inOrder = true
+        for try await event in registry.deviceEvents() {
+            let index = Int(event.device.url.split(separator: "/").last ?? "") ?? -1
+            inOrder = inOrder && index == seen[event.device.scheme]
+            seen[event.device.scheme, default: 0] += 1
+            if seen.values.reduce(0, +) < 100 { try await Task.sleep(for: .milliseconds(1)) }  // a slow start
+        }
+        #expect(seen == ["ba": 10_000, "bb": 10_000], "every event of both sources, none dropped")
+        #expect(inOrder, "each source's order is kept")
+    }
+
+    @Test func sourcesAreReadOnlyAsFastAsTheMergedStream() async throws {
+        let first = PulledSource()
+        let second = PulledSource()
+        let registry = try TransportRegistry(plugins: [PulledPlugin(scheme: "pa", source: first), PulledPlugin(scheme: "pb", source: second)])
+        var iterator = registry.deviceEvents().makeAsyncIterator()
+        for _ in 0..<10 { _ = try await iterator.next() }
+        try await Task.sleep(for: .milliseconds(100))
+        let ahead = first.produced.load(ordering: .relaxed) + second.produced.load(ordering: .relaxed) - 10
+        #expect(ahead <= 4, "each source is at most a slot and one pending read ahead (\(ahead))")
     }
 }

@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import TestSupport
+import SystemPackage
 import Testing
 @testable import TransportKit
 @testable import TransportKitSerial
@@ -16,7 +17,7 @@ final class TestPTY: Sendable {
         var master: Int32 = -1
         var slave: Int32 = -1
         guard openpty(&master, &slave, nil, nil, nil) == 0 else {
-            throw TransportError.posix("openpty", errno: errno, what: "test pty")
+            throw TransportError.posix("openpty", errno: Errno(rawValue: errno), what: "test pty")
         }
         _ = fcntl(master, F_SETFD, FD_CLOEXEC)
         _ = fcntl(slave, F_SETFD, FD_CLOEXEC)
@@ -34,7 +35,7 @@ final class TestPTY: Sendable {
 
     /// The slave's termios as the kernel holds it, read through the master (TCGETS2 on a pty
     /// master reports its slave's settings).
-    func termios2() throws -> KernelTermios2 { try Termios.get(master, path: "test master") }
+    func termios2() throws -> KernelTermios2 { try Termios.get(FileDescriptor(rawValue: master), path: "test master") }
 
     func write(_ text: String) { Support.writeAll(master, Array(text.utf8)) }
 
@@ -374,7 +375,7 @@ struct KernelUeventTests {
     @Test("an overflowing socket (ENOBUFS) is re-enumerated and the monitor keeps going")
     func overflowResyncs() async throws {
         // A receive buffer the kernel rounds up to its minimum: a burst overflows it.
-        let monitor = try UdevMonitor(include: { _ in true }, receiveBufferSize: 1)
+        let monitor = try SerialDiscovery.monitor(include: { _ in true }, receiveBufferSize: 1)
         #expect(monitor.group == "kernel" || monitor.group == "udev")
         Self.trigger(300)
         let waiter = Task { try await monitor.next() }
@@ -382,7 +383,7 @@ struct KernelUeventTests {
         // After the resync the monitor must deliver events again. Other tests (and processes) can
         // trigger uevents too, and with this tiny buffer a few at once overflow it again, so keep
         // triggering until one arrives.
-        let result = try await withThrowingTaskGroup(of: (UdevMonitor.Action, TTYDeviceInfo)?.self) { group in
+        let result = try await withThrowingTaskGroup(of: (TTYMonitor.Action, TTYDeviceInfo)?.self) { group in
             group.addTask { try await waiter.value }
             group.addTask {
                 for _ in 0..<25 {
@@ -402,7 +403,7 @@ struct KernelUeventTests {
 
     @Test("a waiting monitor is cancelled promptly")
     func cancellation() async throws {
-        let monitor = try UdevMonitor(include: { _ in true })
+        let monitor = try SerialDiscovery.monitor(include: { _ in true })
         let waiter = Task { try await monitor.next() }
         try await Task.sleep(for: .milliseconds(100))
         waiter.cancel()

@@ -86,7 +86,7 @@ struct TCPTests {
         let port = raw.port
         raw.close()  // nobody listens on this port now
         let error = await expectTransportError(.refused) { try await Transport.connect(to: "tcp://127.0.0.1:\(port)") }
-        #expect(error?.errno == ErrnoName.ECONNREFUSED)
+        #expect(error?.errno == .connectionRefused)
         #expect(error?.syscall == "connect")
         #expect(error?.message.contains("is the server running") == true)
         #expect(Support.openSockets(port: port) == 0)
@@ -209,7 +209,7 @@ struct TCPTests {
             Issue.record("a reset ended like an orderly close")
         } catch let error as TransportError {
             #expect(error.kind == .disconnected)
-            #expect(error.errno == ErrnoName.ECONNRESET)
+            #expect(error.errno == .connectionReset)
         }
         #expect(received == Array("last words".utf8))
         try? await client.close()
@@ -299,7 +299,7 @@ struct UnixTests {
 
     @Test func missingSocketIsNotFound() async {
         let error = await expectTransportError(.notFound) { try await Transport.connect(to: "unix:///nonexistent/dir/x.sock") }
-        #expect(error?.errno == ErrnoName.ENOENT)
+        #expect(error?.errno == .noSuchFileOrDirectory)
         #expect(error?.syscall == "connect")
     }
 

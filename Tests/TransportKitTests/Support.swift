@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import SystemPackage
 import TestSupport
 import Testing
 @testable import TransportKit
@@ -24,7 +25,7 @@ enum Support {
             // SOCK_CLOEXEC on every test socket: other tests spawn processes, and an inherited
             // duplicate would keep a "closed" socket open (no FIN, no RST) for as long as they run.
             fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-            guard fd >= 0 else { throw TransportError.posix("socket", errno: errno, what: "test listener") }
+            guard fd >= 0 else { throw TransportError.posix("socket", errno: Errno(rawValue: errno), what: "test listener") }
             var address = sockaddr_in()
             address.sin_family = sa_family_t(AF_INET)
             address.sin_addr.s_addr = inet_addr("127.0.0.1")
@@ -33,7 +34,7 @@ enum Support {
                 $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(socketFD, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
             }
             guard bound == 0, Glibc.listen(fd, backlog) == 0 else {
-                throw TransportError.posix("bind/listen", errno: errno, what: "test listener")
+                throw TransportError.posix("bind/listen", errno: Errno(rawValue: errno), what: "test listener")
             }
             var length = socklen_t(MemoryLayout<sockaddr_in>.size)
             _ = withUnsafeMutablePointer(to: &address) {
@@ -44,16 +45,20 @@ enum Support {
 
         /// Waits for a client; the blocking accept(2) runs off the cooperative pool.
         func accept() async -> Int32 {
-            let fd = self.fd
-            return await Support.offPool {
-                // accept4(2) is not visible from Swift's Glibc module; set FD_CLOEXEC right after.
-                let client = Glibc.accept(fd, nil, nil)
-                if client >= 0 { _ = fcntl(client, F_SETFD, FD_CLOEXEC) }
-                return client
-            }
+            await Support.accept(on: fd)
         }
 
         func close() { _ = Glibc.close(fd) }
+    }
+
+    /// Accepts a client on listening socket `fd`; the blocking accept(2) runs off the cooperative pool.
+    static func accept(on fd: Int32) async -> Int32 {
+        await offPool {
+            // accept4(2) is not visible from Swift's Glibc module; set FD_CLOEXEC right after.
+            let client = Glibc.accept(fd, nil, nil)
+            if client >= 0 { _ = fcntl(client, F_SETFD, FD_CLOEXEC) }
+            return client
+        }
     }
 
     /// A plain blocking client socket connected to 127.0.0.1:`port` (non-blocking when asked, so
@@ -84,6 +89,15 @@ enum Support {
             let count = bytes[offset...].withUnsafeBytes { Glibc.write(fd, $0.baseAddress, $0.count) }
             if count <= 0 { return }
             offset += count
+        }
+    }
+
+    /// One read(2) of what is there (up to 64 KiB), off the cooperative pool; empty at the end.
+    static func readSome(_ fd: Int32) async -> [UInt8] {
+        await offPool {
+            var buffer = [UInt8](repeating: 0, count: 65536)
+            let count = buffer.withUnsafeMutableBytes { Glibc.read(fd, $0.baseAddress, $0.count) }
+            return count > 0 ? Array(buffer[..<count]) : []
         }
     }
 

@@ -58,7 +58,7 @@ struct UMockdevDiscoveryTests {
         let testbed = try UMockdevTestbed()
         try testbed.add(FakeSerial.ftdi(port: "1", serial: "AAAA", tty: "ttyUSB0").record)
         try testbed.add(FakeSerial.ftdi(port: "2", serial: "BBBB", tty: "ttyUSB1").record)
-        let devices = try Sysfs.ttyDevices()
+        let devices = try TTYDeviceInfo.all()
 
         let one = try SerialDiscovery.choose(USBSelector(vendorId: "0403", productId: "6001", serialNumber: "BBBB"), among: devices)
         #expect(one?.devnode == "/dev/ttyUSB1")
@@ -117,7 +117,7 @@ struct UMockdevDiscoveryTests {
         let testbed = try UMockdevTestbed()
         let present = FakeSerial.cp210x()
         try testbed.add(present.record)
-        let monitor = try UdevMonitor(include: { $0.isReal })
+        let monitor = try SerialDiscovery.monitor(include: { $0.isReal })
         // An "add" for a device that was already enumerated is a duplicate.
         testbed.uevent(present.ttySysPath, "add")
         let arriving = FakeSerial.ftdi()
@@ -147,7 +147,7 @@ struct UMockdevDiscoveryTests {
         let leaving = FakeSerial.cp210x()
         try testbed.add(leaving.record)
         try testbed.add(FakeSerial.ch340().record)
-        let monitor = try UdevMonitor(include: { $0.isReal })
+        let monitor = try SerialDiscovery.monitor(include: { $0.isReal })
         // Changes whose uevents are "lost": no event is sent for them.
         testbed.remove(leaving.ttySysPath)
         try testbed.add(FakeSerial.ftdi().record)
@@ -165,7 +165,7 @@ struct UMockdevDiscoveryTests {
     @Test("a resync after events reports nothing for devices that did not change")
     func resyncAfterEventsIsQuiet() async throws {
         let testbed = try UMockdevTestbed()
-        let monitor = try UdevMonitor(include: { $0.isReal })
+        let monitor = try SerialDiscovery.monitor(include: { $0.isReal })
         let arriving = FakeSerial.ftdi()
         try testbed.add(arriving.record)
         testbed.uevent(arriving.ttySysPath, "add")
@@ -226,8 +226,8 @@ struct UMockdevDiscoveryTests {
         print("listed 1000 fake serial ports in \(elapsed)")  // figure only; BENCHMARKS.md has the benchmark
     }
 
-    private func next(_ monitor: UdevMonitor) async throws -> (UdevMonitor.Action, TTYDeviceInfo) {
-        try await withThrowingTaskGroup(of: (UdevMonitor.Action, TTYDeviceInfo)?.self) { group in
+    private func next(_ monitor: TTYMonitor) async throws -> (TTYMonitor.Action, TTYDeviceInfo) {
+        try await withThrowingTaskGroup(of: (TTYMonitor.Action, TTYDeviceInfo)?.self) { group in
             group.addTask { try await monitor.next() }
             group.addTask {
                 try await Task.sleep(for: .seconds(5))
@@ -282,7 +282,7 @@ extension UMockdevDiscoveryTests {
 
 /// Compares the fast sysfs listing with libudev's enumeration, field by field.
 func expectSameListing(sourceLocation: SourceLocation = #_sourceLocation) throws {
-    let fromSysfs = try Sysfs.ttyDevices().sorted { $0.sysPath < $1.sysPath }
+    let fromSysfs = try TTYDeviceInfo.all().sorted { $0.sysPath < $1.sysPath }
     let fromLibudev = try LibudevReference.ttyDevices().sorted { $0.sysPath < $1.sysPath }
     #expect(fromSysfs.map(\.sysPath) == fromLibudev.map(\.sysPath), sourceLocation: sourceLocation)
     for (mine, reference) in zip(fromSysfs, fromLibudev) {

@@ -27,7 +27,7 @@ enum SerialBench {
         var listed = 0
         let tkList = try await best(of: 5) {
             let start = ContinuousClock.now
-            listed = try await Transport.registry.devices(includeAll: true).count
+            listed = await Transport.registry.devices(includeAll: true).devices.count
             return (ContinuousClock.now - start).seconds
         }
         print("listing this machine's ttys (real sysfs, --all), best of 5")
@@ -116,7 +116,7 @@ enum SerialBench {
         var listed = 0
         let tk = try await best(of: 5) {
             let start = ContinuousClock.now
-            listed = try await Transport.registry.devices().count
+            listed = await Transport.registry.devices().devices.count
             return (ContinuousClock.now - start).seconds
         }
         let python = pyserial()

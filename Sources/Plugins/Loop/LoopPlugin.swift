@@ -1,14 +1,17 @@
 // loop:// — an in-memory loopback: what is written is read back. The hardware-free default for
 // tests, like pyserial's loop://.
 //
-// Grammar:  loop://[?buffer=BYTES]
-//   buffer  bytes held between writer and reader (default 4096). A writer that finds the buffer
-//           full suspends until the reader makes room, so a slow reader bounds memory.
+// Grammar:  loop://[?buffer=BYTES&messages=BOOL&mtu=BYTES]
+//   buffer    bytes held between writer and reader (default 4096). A writer that finds the buffer
+//             full suspends until the reader makes room, so a slow reader bounds memory.
+//   messages  each write is read back as one message (readMessage), as on a SEQPACKET socket.
+//   mtu       the largest write the loop takes at once; longer writes are chunked by the connection,
+//             as on a BLE or L2CAP link. Shown as metadata.mtu.
 // Half-close: closeWrite() makes the reader see the end after the buffered bytes.
 
 import NIOCore
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// The `loop://` scheme.
 ///
@@ -20,161 +23,115 @@ import TransportKitCore
 public struct LoopPlugin: TransportPlugin {
     public init() {}
 
-    public let schemes = [
-        SchemeDescriptor(
+    public static let buffer = URLOption.integer("buffer", in: 1...(64 << 20), default: 4096,
+                                       help: "Bytes buffered between writer and reader; writers suspend when it is full")
+    public static let messages = URLOption.bool("messages", default: false, help: "Carry messages: each write is read back whole by readMessage()")
+    public static let mtu = URLOption.integer("mtu", in: 1...(64 << 20), help: "Largest write taken at once; longer writes are chunked (metadata.mtu)")
+
+    public var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(
             scheme: "loop",
             summary: "In-memory loopback: bytes written are read back (for tests)",
-            grammar: "loop://[?buffer=BYTES]",
-            examples: ["loop://", "loop://?buffer=65536"],
+            grammar: "loop://[?buffer=BYTES&messages=BOOL&mtu=BYTES]",
+            examples: ["loop://", "loop://?buffer=65536", "loop://?messages=true&mtu=20"],
             host: .forbidden, port: .forbidden, path: .forbidden,
-            options: [
-                OptionSpec("buffer", .integer(min: 1, max: 64 << 20), default: "4096",
-                           help: "Bytes buffered between writer and reader; writers suspend when it is full"),
-            ]
-        ),
-    ]
-
-    public func connect(_ request: ConnectRequest) async throws -> Connection {
-        let capacity = request.options.int("buffer") ?? 4096
-        return Connection(url: request.url, backend: LoopBackend(capacity: capacity),
-                          metadata: ConnectionMetadata(name: "loopback", extra: ["buffer": String(capacity)]))
+            options: [Self.buffer, Self.messages, Self.mtu]
+        )) { request in
+            let capacity = request[Self.buffer]
+            let mtu = request[Self.mtu]
+            var extra = ["buffer": String(capacity)]
+            if request[Self.messages] { extra["messages"] = "true" }
+            return Connection(url: request.url, backend: LoopBackend(capacity: capacity, messages: request[Self.messages], mtu: mtu),
+                              metadata: ConnectionMetadata(name: "loopback", mtu: mtu, extra: extra))
+        }]
     }
 }
 
-/// A bounded byte ring with one reader and any number of writers; each write's bytes stay together.
+/// A bounded ring with one reader and any number of writers; each write's bytes stay together.
+/// The ring is an ``InboundQueue`` whose high watermark is the capacity; writers wait at a
+/// ``WriterGate`` for room and for their turn.
 final class LoopBackend: ConnectionBackend {
     let capacity: Int
     let supportsHalfClose = true
-    private let state: Mutex<State>
+    let carriesMessages: Bool
+    let maximumWriteSize: Int?
+    private let inbound: InboundQueue
+    private let writers: WriterGate
+    private let turn = Mutex(Turn())
 
-    private struct State {
-        var buffer = ByteBuffer()
-        var reader: CheckedContinuation<ByteBuffer?, any Error>?
-        /// Writers waiting for room (or for the active writer to finish), by id.
-        var writers: [Int: CheckedContinuation<Void, any Error>] = [:]
-        var cancelledWriters: Set<Int> = []
-        /// The writer that copied part of its bytes and must finish before another starts.
-        var activeWriter: Int?
+    private struct Turn {
+        /// The writer that queued part of its bytes and must finish before another starts.
+        var active: Int?
         var nextID = 0
-        var writeClosed = false
-        var closed = false
+        var ended = false
     }
 
-    init(capacity: Int) {
+    init(capacity: Int, messages: Bool, mtu: Int?) {
+        let writers = WriterGate()
         self.capacity = capacity
-        self.state = Mutex(State())
+        self.carriesMessages = messages
+        self.maximumWriteSize = mtu
+        self.writers = writers
+        // Paused once the ring is full; resumed (writers woken) as soon as the reader made room.
+        self.inbound = InboundQueue(watermarks: .init(low: capacity, high: capacity), messages: messages) {
+            writers.signal()
+        }
     }
 
     func read() async throws -> ByteBuffer? {
-        try await withTaskCancellationHandler {
-            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<ByteBuffer?, any Error>) in
-                let (ready, wake) = state.withLock { state -> (Result<ByteBuffer?, any Error>?, [CheckedContinuation<Void, any Error>]) in
-                    if state.buffer.readableBytes > 0 {
-                        let chunk = state.buffer.readSlice(length: state.buffer.readableBytes) ?? ByteBuffer()
-                        state.buffer.discardReadBytes()
-                        return (.success(chunk), Self.takeWriters(&state))
-                    }
-                    if state.writeClosed || state.closed { return (.success(nil), []) }
-                    if Task.isCancelled { return (.failure(CancellationError()), []) }
-                    state.reader = continuation
-                    return (nil, [])
-                }
-                if let ready { continuation.resume(with: ready) }
-                for writer in wake { writer.resume() }
-            }
-        } onCancel: {
-            state.withLock { state in
-                defer { state.reader = nil }
-                return state.reader
-            }?.resume(throwing: CancellationError())
-        }
+        try await inbound.next()
     }
 
     func write(_ buffer: ByteBuffer) async throws {
-        var remaining = buffer
-        let id = state.withLock { state in
-            state.nextID += 1
-            return state.nextID
+        let id = turn.withLock { turn in
+            turn.nextID += 1
+            return turn.nextID
         }
-        do {
-            while remaining.readableBytes > 0 {
-                try await waitForTurn(id: id)
-                let (reader, delivered) = try state.withLock { state -> (CheckedContinuation<ByteBuffer?, any Error>?, ByteBuffer?) in
-                    if state.closed || state.writeClosed {
-                        throw TransportError(.disconnected, "the loop:// connection is closed")
-                    }
-                    let room = capacity - state.buffer.readableBytes
-                    guard room > 0, state.activeWriter == nil || state.activeWriter == id,
-                          var part = remaining.readSlice(length: min(room, remaining.readableBytes)) else {
-                        return (nil, nil)
-                    }
-                    state.activeWriter = remaining.readableBytes > 0 ? id : nil
-                    if let reader = state.reader {
-                        // Hand the bytes straight to the parked reader.
-                        state.reader = nil
-                        return (reader, part)
-                    }
-                    state.buffer.writeBuffer(&part)
-                    return (nil, nil)
+        var rest = buffer
+        defer {
+            // A cancelled or failed writer gives up its turn.
+            let released = turn.withLock { turn in
+                guard turn.active == id else { return false }
+                turn.active = nil
+                return true
+            }
+            if released { writers.signal() }
+        }
+        repeat {
+            try await writers.wait { [self] in
+                turn.withLock { turn in
+                    turn.ended || ((turn.active == nil || turn.active == id) && inbound.bufferedBytes < capacity)
                 }
-                if let reader, let delivered { reader.resume(returning: delivered) }
             }
-        } catch {
-            let wake = state.withLock { state -> [CheckedContinuation<Void, any Error>] in
-                if state.activeWriter == id { state.activeWriter = nil }
-                return Self.takeWriters(&state)
+            // Room and turn are checked again and the bytes queued under the same lock, so two
+            // writers never both fill the same room.
+            let finishedTurn = try turn.withLock { turn -> Bool in
+                if turn.ended { throw TransportError(.disconnected, "the loop:// connection is closed") }
+                let room = capacity - inbound.bufferedBytes
+                guard turn.active == nil || turn.active == id, room > 0 else { return false }
+                // A message goes whole; bytes fill the room and the writer keeps its turn for the rest.
+                let piece = carriesMessages ? rest.readSlice(length: rest.readableBytes) : rest.readSlice(length: min(room, rest.readableBytes))
+                let wasActive = turn.active == id
+                turn.active = rest.readableBytes > 0 ? id : nil
+                inbound.append(piece ?? ByteBuffer())
+                return wasActive && turn.active == nil
             }
-            for writer in wake { writer.resume() }
-            throw error
-        }
-        let wake = state.withLock { Self.takeWriters(&$0) }
-        for writer in wake { writer.resume() }
-    }
-
-    /// Returns when there is room and no other writer is mid-write, or the loop is closed.
-    private func waitForTurn(id: Int) async throws {
-        try await withTaskCancellationHandler {
-            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Void, any Error>) in
-                let outcome = state.withLock { state -> Result<Void, any Error>? in
-                    if state.closed || state.writeClosed { return .success(()) }
-                    if state.cancelledWriters.remove(id) != nil || Task.isCancelled { return .failure(CancellationError()) }
-                    let free = state.activeWriter == nil || state.activeWriter == id
-                    if free && state.buffer.readableBytes < capacity { return .success(()) }
-                    state.writers[id] = continuation
-                    return nil
-                }
-                if let outcome { continuation.resume(with: outcome) }
-            }
-        } onCancel: {
-            state.withLock { state -> CheckedContinuation<Void, any Error>? in
-                if let writer = state.writers.removeValue(forKey: id) { return writer }
-                state.cancelledWriters.insert(id)
-                return nil
-            }?.resume(throwing: CancellationError())
-        }
-    }
-
-    private static func takeWriters(_ state: inout State) -> [CheckedContinuation<Void, any Error>] {
-        defer { state.writers = [:] }
-        return Array(state.writers.values)
+            if finishedTurn { writers.signal() }
+        } while rest.readableBytes > 0
     }
 
     func closeWrite() async throws {
-        finish { $0.writeClosed = true }
+        end()
     }
 
     func close() async throws {
-        finish { $0.closed = true }
+        end()
+        inbound.discardBuffered()
     }
 
-    private func finish(_ mark: (inout State) -> Void) {
-        let (reader, writers) = state.withLock { state -> (CheckedContinuation<ByteBuffer?, any Error>?, [CheckedContinuation<Void, any Error>]) in
-            mark(&state)
-            // The reader sees the end only once the buffer is empty; a parked reader means it is.
-            defer { state.reader = nil }
-            return (state.reader, Self.takeWriters(&state))
-        }
-        reader?.resume(returning: nil)
-        for writer in writers { writer.resume() }
+    private func end() {
+        turn.withLock { $0.ended = true }
+        inbound.finish()
+        writers.fail(TransportError(.disconnected, "the loop:// connection is closed"))
     }
 }

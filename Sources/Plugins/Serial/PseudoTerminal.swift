@@ -2,46 +2,49 @@
 // The connection is the master side; the peer node (/dev/pts/N) is what another program opens as
 // if it were a serial port. Both sides start in raw mode so bytes pass untouched.
 
-import Foundation
 import Glibc
-import TransportKitCore
+import SystemPackage
+@_spi(Plugins) import TransportKitCore
+import TransportKitLinux
+import TransportKitUdev
 
 enum PseudoTerminal {
-    static func connect(_ request: ConnectRequest) async throws -> Connection {
+    @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {
         let settings = try request.serialSettings()
-        var master: Int32 = -1
-        var peer: Int32 = -1
-        try Posix.call("openpty", what: "a new pseudo-terminal") { openpty(&master, &peer, nil, nil, nil) }
+        var masterFD: Int32 = -1
+        var peerFD: Int32 = -1
+        try Syscall.run("openpty", on: "a new pseudo-terminal") { openpty(&masterFD, &peerFD, nil, nil, nil) }
+        let master = FileDescriptor(rawValue: masterFD)
+        let peer = FileDescriptor(rawValue: peerFD)
         // openpty(3) has no close-on-exec flag; set it before anything can fork.
-        _ = fcntl(master, F_SETFD, FD_CLOEXEC)
-        _ = fcntl(peer, F_SETFD, FD_CLOEXEC)
+        _ = fcntl(masterFD, F_SETFD, FD_CLOEXEC)
+        _ = fcntl(peerFD, F_SETFD, FD_CLOEXEC)
         // The peer descriptor lives as long as the connection, so programs can open and close the
         // node repeatedly: a pty whose peer side has no open descriptor makes the master read EIO,
         // which would end the connection the first time a program closed it.
-        let peerFD = peer
-        let peerPath = peerName(peerFD)
+        let peerPath = peerName(peer)
         let device = TTYDevice(path: "pty master of \(peerPath)", fd: master)
         let link: String?
         do {
-            var tio = try Termios.get(peerFD, path: peerPath)
+            var tio = try Termios.get(peer, path: peerPath)
             Termios.configure(&tio, settings)
-            try Termios.set(peerFD, tio, path: peerPath)
-            link = try request.options.string("link").map { path in
-                try Posix.call("symlink", what: path, hint: "remove the file that is there, or choose another link path") { symlink(peerPath, path) }
+            try Termios.set(peer, tio, path: peerPath)
+            link = try request[SerialPlugin.link].map { path in
+                try Syscall.run("symlink", on: path, hint: "remove the file that is there, or choose another link path") { symlink(peerPath, path) }
                 return path
             }
         } catch {
             device.close()
-            Posix.close(peerFD)
+            peer.closeOwned()
             throw error
         }
         let cleanup: @Sendable () -> Void = {
-            Posix.close(peerFD)
+            peer.closeOwned()
             if let link { unlink(link) }
         }
         let channel: ChannelBackend
         do {
-            channel = try await SerialChannel.attach(fd: master, describing: "pty://\(peerPath)")
+            channel = try await DescriptorChannel.adoptDuplicate(of: master, describing: "pty://\(peerPath)")
         } catch {
             device.close()
             cleanup()
@@ -55,7 +58,7 @@ enum PseudoTerminal {
     }
 
     /// The peer's node, from /proc/self/fd (ptsname(3) is not visible to Swift).
-    static func peerName(_ fd: Int32) -> String {
-        (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/\(fd)")) ?? "/dev/pts/?"
+    static func peerName(_ fd: FileDescriptor) -> String {
+        Sysfs.readLink("/proc/self/fd/\(fd.rawValue)") ?? "/dev/pts/?"
     }
 }

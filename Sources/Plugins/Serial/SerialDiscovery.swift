@@ -1,12 +1,14 @@
 // SerialDiscovery.swift: serial ports as DeviceRecords (with identity URLs), identity
 // resolution for tty://usb/VID:PID…, waiting for a device to arrive, and hot-plug events.
-// The kernel interfaces are in Sysfs.swift (device records) and UdevMonitor.swift (events).
+// The kernel interfaces are shared (TransportKitUdev): Sysfs and USBAncestry read the records,
+// UdevMonitor delivers the events; what makes a tty a real port is decided here.
 
-import Foundation
+import Glibc
 import TransportKitCore
+import TransportKitUdev
 
-/// What one tty device looks like to discovery (read by Sysfs.swift for listings and events).
-struct TTYDeviceInfo: Sendable, Equatable {
+/// What one tty device looks like to discovery (the same record for listings and events).
+struct TTYDeviceInfo: SysfsRecord {
     var sysPath: String
     var sysName: String
     var devnode: String?
@@ -40,6 +42,69 @@ struct TTYDeviceInfo: Sendable, Equatable {
     }
 }
 
+extension TTYDeviceInfo {
+    /// Every device of the tty class.
+    static func all() throws -> [TTYDeviceInfo] {
+        try Sysfs.devices(subsystem: "tty").map(TTYDeviceInfo.init)
+    }
+
+    /// One tty device by its name in /sys/class/tty, or nil if it vanished meanwhile.
+    static func named(_ name: String) -> TTYDeviceInfo? {
+        Sysfs.device(subsystem: "tty", name: name).map(TTYDeviceInfo.init)
+    }
+
+    /// The tty's record: the device, whether hardware backs it, its driver and its USB identity.
+    init(_ device: SysfsDevice) {
+        self.init(sysPath: device.sysPath, sysName: device.sysName, devnode: device.devnode, isReal: false,
+                  links: device.links, properties: device.properties)
+        let sysPath = device.sysPath
+        let usb = USBAncestry(sysPath: sysPath)
+        let underInterface = usb?.interfacePath != nil
+        // The tty's parent device: absent for virtual terminals, the console and ptmx. Below a USB
+        // interface it is the directory above ".../tty/NAME" (a usb-serial port or the interface),
+        // found without probing; and there is no serial-core `type` attribute to read.
+        let components = sysPath.split(separator: "/")
+        let parent = underInterface && components.count > 2 && components[components.count - 2] == "tty"
+            ? String(sysPath[..<components[components.count - 3].endIndex])
+            : Sysfs.parentDevice(of: sysPath)
+        isReal = parent != nil
+        if let parent {
+            driver = Self.driver(from: parent)
+            if !underInterface, Sysfs.attribute(sysPath, "type") == "0" {
+                // A serial-core slot (8250) the kernel reserved with no UART behind it (PORT_UNKNOWN).
+                isReal = false
+            }
+        }
+        if let usb {
+            if underInterface {
+                interface = usb.interfaceNumber
+                if driver == nil { driver = usb.interfaceDriver }
+            }
+            vendorId = usb.vendorId
+            productId = usb.productId
+            serialNumber = usb.serialNumber
+            manufacturer = usb.manufacturer
+            product = usb.product
+            usbInterfaceCount = usb.interfaceCount
+            location = usb.location
+        }
+        Self.complete(&self)
+    }
+
+    /// The driver of a device or of its first ancestors ("port"/"ctrl", the serial-base bus of
+    /// Linux 6.5+, are skipped for the UART's own driver).
+    private static func driver(from device: String) -> String? {
+        var current: String? = device
+        var depth = 0
+        while let path = current, depth < 3 {
+            if let name = Sysfs.driverName(path), name != "port", name != "ctrl" { return name }
+            current = Sysfs.parentDevice(of: path)
+            depth += 1
+        }
+        return nil
+    }
+}
+
 /// `tty://usb/VID:PID?serial=…&interface=…&location=…`: which USB serial adapter to open.
 struct USBSelector: Sendable, CustomStringConvertible {
     var vendorId: String
@@ -57,14 +122,14 @@ struct USBSelector: Sendable, CustomStringConvertible {
     }
 
     init(_ request: ConnectRequest) throws {
-        let text = request.url.path.trimmingCharacters(in: CharacterSet(charactersIn: "/"))
+        let text = request.url.path.split(separator: "/").joined(separator: "/")
         let parts = text.split(separator: ":", omittingEmptySubsequences: false)
         func hex4(_ part: Substring) -> Bool { part.count == 4 && part.allSatisfy(\.isHexDigit) }
         guard parts.count == 2, hex4(parts[0]), hex4(parts[1]) else {
             throw TransportError(.invalidURL, "\(request.url): after tty://usb/ comes VENDOR:PRODUCT as two 4-digit hex IDs, such as tty://usb/0403:6001 (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
         }
-        self.init(vendorId: String(parts[0]), productId: String(parts[1]), serialNumber: request.options.string("serial"),
-                  interface: request.options.int("interface"), location: request.options.string("location"))
+        self.init(vendorId: String(parts[0]), productId: String(parts[1]), serialNumber: request[SerialPlugin.serial],
+                  interface: request[SerialPlugin.interface], location: request[SerialPlugin.location])
     }
 
     func matches(_ device: TTYDeviceInfo) -> Bool {
@@ -83,10 +148,13 @@ struct USBSelector: Sendable, CustomStringConvertible {
     }
 }
 
+/// Hot-plug events of tty devices, read as the listing reads them.
+typealias TTYMonitor = UdevMonitor<TTYDeviceInfo>
+
 enum SerialDiscovery {
     /// The serial ports of this machine. Without `includeAll`, only ports backed by hardware.
     static func list(includeAll: Bool) throws -> [DeviceRecord] {
-        sortedNaturally(try Sysfs.ttyDevices().filter { includeAll || $0.isReal }).map(record)
+        sortedNaturally(try TTYDeviceInfo.all().filter { includeAll || $0.isReal }).map(record)
     }
 
     /// Devices in the natural order of their names (``naturalKey(_:)``), each key computed once.
@@ -97,9 +165,16 @@ enum SerialDiscovery {
 
     /// The record of the device behind a node or link, if discovery finds it.
     static func record(forNode path: String) -> DeviceRecord? {
-        let resolved = (path as NSString).resolvingSymlinksInPath
-        return (try? Sysfs.ttyDevices())?.first { $0.devnode == resolved || $0.devnode == path || $0.links.contains(path) }
+        let resolved = resolvingLinks(path)
+        return (try? TTYDeviceInfo.all())?.first { $0.devnode == resolved || $0.devnode == path || $0.links.contains(path) }
             .map(record)
+    }
+
+    /// `path` with its symbolic links resolved (realpath(3)), or as given when it cannot be.
+    private static func resolvingLinks(_ path: String) -> String {
+        guard let resolved = realpath(path, nil) else { return path }
+        defer { free(resolved) }
+        return String(cString: resolved)
     }
 
     /// A device record with a URL that reaches the same device after a replug: the USB identity
@@ -131,14 +206,20 @@ enum SerialDiscovery {
         return "tty://" + (info.devnode ?? "/dev/" + info.sysName)
     }
 
-    private static let unreserved = CharacterSet.alphanumerics.union(CharacterSet(charactersIn: "-._~"))
-
+    /// A value as it may stand in a URL's query: unreserved ASCII kept, every other byte as %XX.
     private static func percentEncoded(_ text: String) -> String {
-        // Serial numbers are nearly always plain ASCII letters and digits: skip Foundation then.
-        if text.utf8.allSatisfy({ ($0 >= 0x30 && $0 <= 0x39) || ($0 | 0x20 >= 0x61 && $0 | 0x20 <= 0x7a) || $0 == 0x2d || $0 == 0x2e || $0 == 0x5f || $0 == 0x7e }) {
-            return text
+        var out = ""
+        for byte in text.utf8 {
+            let unreserved = (byte >= 0x30 && byte <= 0x39) || (byte | 0x20 >= 0x61 && byte | 0x20 <= 0x7a)
+                || byte == 0x2d || byte == 0x2e || byte == 0x5f || byte == 0x7e
+            if unreserved {
+                out.unicodeScalars.append(Unicode.Scalar(byte))
+            } else {
+                let hex = String(byte, radix: 16, uppercase: true)
+                out += "%" + (hex.count == 1 ? "0" + hex : hex)
+            }
         }
-        return text.addingPercentEncoding(withAllowedCharacters: unreserved) ?? text
+        return out
     }
 
     /// The sort key that puts ttyS2 before ttyS10: the name without its trailing digits, then
@@ -164,8 +245,8 @@ enum SerialDiscovery {
     /// cancels the task) for it to arrive.
     static func resolve(_ selector: USBSelector, wait: Bool) async throws -> DeviceRecord {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
-        let monitor = wait ? try UdevMonitor(include: { $0.isReal }) : nil
-        let present = try monitor?.knownDevices ?? Sysfs.ttyDevices()
+        let monitor = wait ? try monitor(include: { $0.isReal }) : nil
+        let present = try monitor?.knownDevices ?? TTYDeviceInfo.all()
         if let found = try choose(selector, among: present) { return record(found) }
         guard let monitor else {
             throw TransportError(.notFound, "no serial port matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")
@@ -193,7 +274,7 @@ enum SerialDiscovery {
     /// Waits until a device node (or a link to one) exists: woken by tty uevents, and re-checked
     /// every 250 ms for paths no uevent announces (a pty's link, a node made by hand).
     static func waitForNode(_ path: String) async throws {
-        let monitor = try UdevMonitor(include: { _ in true })
+        let monitor = try monitor(include: { _ in true })
         while access(path, F_OK) != 0 {
             try await withThrowingTaskGroup(of: Void.self) { group in
                 group.addTask { _ = try await monitor.next() }
@@ -204,11 +285,20 @@ enum SerialDiscovery {
         }
     }
 
+    /// A monitor of tty uevents that reports the devices `include` accepts, read as the listing
+    /// reads them. `receiveBufferSize`: tests make it tiny to force ENOBUFS.
+    static func monitor(include: @escaping @Sendable (TTYDeviceInfo) -> Bool,
+                        receiveBufferSize: Int32 = 8 << 20) throws -> TTYMonitor {
+        try UdevMonitor(subsystem: "tty", receiveBufferSize: receiveBufferSize,
+                        list: { try TTYDeviceInfo.all().filter(include) },
+                        read: { name, _ in TTYDeviceInfo.named(name).flatMap { include($0) ? $0 : nil } })
+    }
+
     /// Hot-plug events for serial ports, subscribed at once.
     static func events(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        let monitor: UdevMonitor
+        let monitor: TTYMonitor
         do {
-            monitor = try UdevMonitor(include: { includeAll || $0.isReal })
+            monitor = try self.monitor(include: { includeAll || $0.isReal })
         } catch {
             return AsyncThrowingStream { $0.finish(throwing: error) }
         }

@@ -2,15 +2,17 @@
 // (tcflush(3)), output queue (TIOCOUTQ), drain (tcdrain(3)) — and the descriptor's owner,
 // TTYDevice (TIOCNXCL, close). Man pages: ioctl_tty(2), termios(3). Line settings are in
 // Termios.swift, modem lines (TIOCM*) and low latency in TTYConnector.swift, opening and exclusive
-// use (O_NOCTTY, flock, TIOCEXCL) in DeviceAccess.swift.
+// use (O_NOCTTY, flock, TIOCEXCL) in DeviceAccess.swift. Every control call goes through
+// Connection.performControl, so wrapping layers (spy+tty://) see it.
 
-import Foundation
 import Glibc
 import Synchronization
-import TransportKitCore
+import SystemPackage
+@_spi(Plugins) import TransportKitCore
+import TransportKitLinux
 
 /// The modem control and status lines of a serial port.
-public struct ModemLines: OptionSet, Sendable, Hashable {
+public struct ModemLines: OptionSet, Sendable, Hashable, CustomStringConvertible {
     public let rawValue: Int32
     public init(rawValue: Int32) { self.rawValue = rawValue }
 
@@ -26,10 +28,17 @@ public struct ModemLines: OptionSet, Sendable, Hashable {
     public static let ri = ModemLines(rawValue: TIOCM_RI)
     /// Carrier Detect (input).
     public static let cd = ModemLines(rawValue: TIOCM_CD)
+
+    /// The raised lines by name, such as `"DTR RTS CTS"`, or `"none"`.
+    public var description: String {
+        let names: [(ModemLines, String)] = [(.dtr, "DTR"), (.rts, "RTS"), (.cts, "CTS"), (.dsr, "DSR"), (.ri, "RI"), (.cd, "CD")]
+        let raised = names.filter { contains($0.0) }.map(\.1)
+        return raised.isEmpty ? "none" : raised.joined(separator: " ")
+    }
 }
 
 /// Which queued bytes ``SerialPort/flush(_:)`` discards.
-public enum FlushQueue: Sendable, Equatable {
+public enum FlushQueue: String, Sendable, Equatable {
     /// Received but not yet read (the kernel's queue and bytes TransportKit holds unread).
     case input
     /// Written but not yet sent by the driver.
@@ -38,7 +47,8 @@ public enum FlushQueue: Sendable, Equatable {
 }
 
 /// Run-time control of an open serial port: line settings, modem lines, break, flush and drain.
-/// Get it from a `tty://` or `pty://` connection with `connection.serialPort`.
+/// Get it from a `tty://` or `pty://` connection with `connection.serialPort` (also through a
+/// wrapper such as `spy+tty://`, which then traces every call).
 ///
 /// ```swift
 /// let connection = try await Transport.connect(to: "tty:///dev/ttyUSB0?baud=115200")
@@ -51,9 +61,16 @@ public enum FlushQueue: Sendable, Equatable {
 /// }
 /// ```
 public struct SerialPort: Sendable {
-    let device: TTYDevice
+    let backend: SerialBackend
+    /// The connection the port was reached through: control calls are announced to its layers.
     let connection: Connection
-    let channel: ChannelBackend
+
+    init(backend: SerialBackend, connection: Connection) {
+        self.backend = backend
+        self.connection = connection
+    }
+
+    private var device: TTYDevice { backend.device }
 
     /// The device node as opened, such as `/dev/ttyUSB0` or `/dev/pts/3`.
     public var path: String { device.path }
@@ -62,15 +79,19 @@ public struct SerialPort: Sendable {
 
     /// The line settings the driver holds now.
     public func settings() throws -> SerialSettings {
-        Termios.settings(of: try Termios.get(try device.descriptor(), path: path))
+        try connection.performControl(ControlOperation("settings?"), describe: { $0.summary }) {
+            Termios.settings(of: try Termios.get(try device.descriptor(), path: path))
+        }
     }
 
     /// Changes the line settings at once (bytes in flight may be garbled, as on any UART).
     public func apply(_ settings: SerialSettings) throws {
-        let fd = try device.descriptor()
-        var tio = try Termios.get(fd, path: path)
-        Termios.configure(&tio, try settings.validated())
-        try Termios.set(fd, tio, path: path)
+        try connection.performControl(ControlOperation("settings", settings.summary)) {
+            let fd = try device.descriptor()
+            var tio = try Termios.get(fd, path: path)
+            Termios.configure(&tio, try settings.validated())
+            try Termios.set(fd, tio, path: path)
+        }
     }
 
     // MARK: Modem lines
@@ -78,7 +99,9 @@ public struct SerialPort: Sendable {
     /// The state of every modem line (inputs CTS, DSR, RI, CD and outputs DTR, RTS).
     /// Throws `.unsupported` on a device without modem lines, such as a pty.
     public func modemLines() throws -> ModemLines {
-        try TTYLines(fd: device.descriptor(), path: path).get()
+        try connection.performControl(ControlOperation("modem lines?"), describe: { $0.description }) {
+            try TTYLines(fd: device.descriptor(), path: path).get()
+        }
     }
 
     /// Raises or lowers DTR.
@@ -89,57 +112,67 @@ public struct SerialPort: Sendable {
 
     /// Raises (`on`) or lowers the given output lines.
     public func setLines(_ lines: ModemLines, _ on: Bool) throws {
-        try TTYLines(fd: device.descriptor(), path: path).set(lines, on)
+        try connection.performControl(ControlOperation(lines.description, on ? "on" : "off")) {
+            try TTYLines(fd: device.descriptor(), path: path).set(lines, on)
+        }
     }
 
     // MARK: Break, flush, drain
 
     /// Holds the line in the break state for `duration`, then releases it. Does not block a thread.
     public func sendBreak(duration: Duration = .milliseconds(250)) async throws {
-        let fd = try device.descriptor()
-        try Posix.call("ioctl(TIOCSBRK)", what: path) { ioctl(fd, UInt(TIOCSBRK)) }
-        var interrupted: (any Error)?
-        do { try await Task.sleep(for: duration) } catch { interrupted = error }
-        // Fetched again: the port may have been closed meanwhile (closing ends the break), and the
-        // old number may already belong to another file.
-        let current = try device.descriptor()
-        try Posix.call("ioctl(TIOCCBRK)", what: path) { ioctl(current, UInt(TIOCCBRK)) }
-        if let interrupted { throw interrupted }
+        try await connection.performControl(ControlOperation("break", duration.description)) {
+            let fd = try device.descriptor()
+            try Syscall.run("ioctl(TIOCSBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCSBRK)) }
+            var interrupted: (any Error)?
+            do { try await Task.sleep(for: duration) } catch { interrupted = error }
+            // Fetched again: the port may have been closed meanwhile (closing ends the break), and the
+            // old number may already belong to another file.
+            let current = try device.descriptor()
+            try Syscall.run("ioctl(TIOCCBRK)", on: path) { ioctl(current.rawValue, UInt(TIOCCBRK)) }
+            if let interrupted { throw interrupted }
+        }
     }
 
     /// Discards queued bytes. Input flushing also drops bytes TransportKit read from the kernel
     /// that the application has not read yet.
     public func flush(_ queue: FlushQueue = .both) throws {
-        let fd = try device.descriptor()
-        let selector: Int32 = switch queue {
-        case .input: TCIFLUSH
-        case .output: TCOFLUSH
-        case .both: TCIOFLUSH
-        }
-        try Posix.call("tcflush", what: path) { tcflush(fd, selector) }
-        if queue != .output {
-            channel.discardBufferedInbound()
-            connection.discardUnreadInput()
+        try connection.performControl(ControlOperation("flush", queue.rawValue)) {
+            let fd = try device.descriptor()
+            let selector: Int32 = switch queue {
+            case .input: TCIFLUSH
+            case .output: TCOFLUSH
+            case .both: TCIOFLUSH
+            }
+            try Syscall.run("tcflush", on: path) { tcflush(fd.rawValue, selector) }
+            if queue != .output {
+                backend.channel.discardBufferedInbound()
+                connection.discardUnreadInput()
+            }
         }
     }
 
     /// Bytes the driver still has to send (TIOCOUTQ).
     public func outputQueueBytes() throws -> Int {
-        let fd = try device.descriptor()
-        var count: Int32 = 0
-        try Posix.call("ioctl(TIOCOUTQ)", what: path) { ioctl(fd, UInt(TIOCOUTQ), &count) }
-        return Int(count)
+        try connection.performControl(ControlOperation("output queue?"), describe: { "\($0) bytes" }) {
+            let fd = try device.descriptor()
+            var count: Int32 = 0
+            try Syscall.run("ioctl(TIOCOUTQ)", on: path) { ioctl(fd.rawValue, UInt(TIOCOUTQ), &count) }
+            return Int(count)
+        }
     }
 
     /// Waits until every byte written so far has left: first TransportKit's own buffer, then the
-    /// driver's (tcdrain, on a thread of its own because it blocks). On a pty this waits for the
-    /// other side to read.
+    /// driver's (tcdrain, on a thread of SwiftNIO's pool because it blocks). On a pty this waits for
+    /// the other side to read.
     public func drain() async throws {
-        await channel.flushPendingWrites()
-        let fd = try device.descriptor()
-        let path = self.path
-        try await BlockingCall.run(name: "tcdrain \(path)") {
-            try Posix.call("tcdrain", what: path) { tcdrain(fd) }
+        try await connection.performControl(ControlOperation("drain")) {
+            await backend.channel.flushPendingWrites()
+            let fd = try device.descriptor()
+            let path = self.path
+            try await Blocking.run {
+                try Syscall.run("tcdrain", on: path) { tcdrain(fd.rawValue) }
+            }
         }
     }
 }
@@ -148,47 +181,28 @@ public struct SerialPort: Sendable {
 /// when released).
 final class TTYDevice: Sendable {
     let path: String
-    private let fd: Mutex<Int32>
+    private let fd: Mutex<FileDescriptor?>
 
-    init(path: String, fd: Int32) {
+    init(path: String, fd: FileDescriptor) {
         self.path = path
         self.fd = Mutex(fd)
     }
 
-    func descriptor() throws -> Int32 {
-        let fd = self.fd.withLock { $0 }
-        guard fd >= 0 else { throw TransportError(.disconnected, "the serial port \(path) is closed") }
+    func descriptor() throws -> FileDescriptor {
+        guard let fd = self.fd.withLock({ $0 }) else { throw TransportError(.disconnected, "the serial port \(path) is closed") }
         return fd
     }
 
     /// Releases the exclusive lock and closes the descriptor. Idempotent.
     func close() {
         let fd = self.fd.withLock { fd in
-            defer { fd = -1 }
+            defer { fd = nil }
             return fd
         }
-        guard fd >= 0 else { return }
-        _ = ioctl(fd, UInt(TIOCNXCL))
-        Posix.close(fd)  // also releases the flock(2) lock held through this descriptor
+        guard let fd else { return }
+        _ = ioctl(fd.rawValue, UInt(TIOCNXCL))
+        fd.closeOwned()  // also releases the flock(2) lock held through this descriptor
     }
 
     deinit { close() }
-}
-
-/// Runs one blocking call on a dedicated thread, so it never occupies the cooperative pool.
-enum BlockingCall {
-    static func run(name: String, _ body: @escaping @Sendable () throws -> Void) async throws {
-        try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Void, any Error>) in
-            let thread = Thread {
-                do {
-                    try body()
-                    continuation.resume()
-                } catch {
-                    continuation.resume(throwing: error)
-                }
-            }
-            thread.name = name
-            thread.start()
-        }
-    }
 }

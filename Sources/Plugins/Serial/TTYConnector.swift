@@ -2,15 +2,18 @@
 // identity), open it exclusively, set raw mode and the line settings, the modem lines and low
 // latency, then hand it to the event loop.
 
-import Foundation
 import Glibc
-import TransportKitCore
+import SystemPackage
+@_spi(Plugins) import TransportKitCore
+import TransportKitLinux
+import TransportKitUdev
 
 enum TTYConnector {
-    static func connect(_ request: ConnectRequest) async throws -> Connection {
+    @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {
         let settings = try request.serialSettings()
         let (path, record) = try await resolve(request)
-        let fd = try DeviceAccess.openTTY(path, exclusive: request.options.bool("exclusive") ?? true)
+        request.logger.debug("opening serial port", metadata: ["path": "\(path)"])
+        let fd = try DeviceAccess.openTTY(path, exclusive: request[SerialPlugin.exclusive])
         let device = TTYDevice(path: path, fd: fd)
         var notes: [String: String] = ["path": path]
         let channel: ChannelBackend
@@ -19,12 +22,12 @@ enum TTYConnector {
             Termios.configure(&tio, settings)
             try Termios.set(fd, tio, path: path)
             let port = TTYLines(fd: fd, path: path)
-            if let dtr = request.options.bool("dtr") { try port.set(.dtr, dtr) }
-            if let rts = request.options.bool("rts") { try port.set(.rts, rts) }
-            if request.options.bool("lowLatency") == true {
+            if let dtr = request[SerialPlugin.dtr] { try port.set(.dtr, dtr) }
+            if let rts = request[SerialPlugin.rts] { try port.set(.rts, rts) }
+            if request[SerialPlugin.lowLatency] {
                 notes["lowLatency"] = LowLatency.enable(fd: fd, path: path)
             }
-            channel = try await SerialChannel.attach(fd: fd, describing: "tty://\(path)")
+            channel = try await DescriptorChannel.adoptDuplicate(of: fd, describing: "tty://\(path)")
         } catch {
             device.close()
             throw error
@@ -46,7 +49,7 @@ enum TTYConnector {
     /// The device node to open, and what discovery knows about it (when it knows it).
     static func resolve(_ request: ConnectRequest) async throws -> (String, DeviceRecord?) {
         let url = request.url
-        let wait = request.options.bool("wait") ?? false
+        let wait = request[SerialPlugin.wait]
         if url.host?.lowercased() == "usb" {
             let selector = try USBSelector(request)
             let record = try await SerialDiscovery.resolve(selector, wait: wait)
@@ -68,24 +71,24 @@ enum TTYConnector {
 
 /// Modem lines by descriptor (TIOCMGET, TIOCMBIS, TIOCMBIC), used on open and by SerialPort.
 struct TTYLines {
-    let fd: Int32
+    let fd: FileDescriptor
     let path: String
 
     func get() throws -> ModemLines {
         var bits: Int32 = 0
-        try call("ioctl(TIOCMGET)") { ioctl(fd, UInt(TIOCMGET), &bits) }
+        try call("ioctl(TIOCMGET)") { ioctl(fd.rawValue, UInt(TIOCMGET), &bits) }
         return ModemLines(rawValue: bits)
     }
 
     func set(_ lines: ModemLines, _ on: Bool) throws {
         var bits = lines.rawValue
-        try call(on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)") { ioctl(fd, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) }
+        try call(on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)") { ioctl(fd.rawValue, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) }
     }
 
     private func call(_ name: String, _ body: () -> Int32) throws {
         do {
-            try Posix.call(name, what: path, body)
-        } catch let error as TransportError where error.errno == ENOTTY || error.errno == EINVAL {
+            try Syscall.run(name, on: path, body)
+        } catch let error as TransportError where error.errno == .inappropriateIOCTLForDevice || error.errno == .invalidArgument {
             // ENOTTY/EINVAL: the driver has no tiocmget/tiocmset (ptys, some virtual ports).
             throw TransportError(.unsupported, "\(path) has no modem control lines (DTR, RTS, CTS, DSR, RI, CD): a pty or virtual port cannot do this; drop dtr=/rts= for it",
                                  errno: error.errno, syscall: error.syscall)
@@ -104,22 +107,33 @@ enum LowLatency {
 
     /// Returns what was done, for the connection's metadata. Drivers without these knobs (ptys,
     /// CDC-ACM) are left as they are: low latency is a request, not a requirement.
-    static func enable(fd: Int32, path: String) -> String {
+    static func enable(fd: FileDescriptor, path: String) -> String {
         var done: [String] = []
         var raw = [UInt8](repeating: 0, count: 128)
-        let got = raw.withUnsafeMutableBytes { bytes in bytes.baseAddress.map { ioctl(fd, UInt(TIOCGSERIAL), $0) } ?? -1 }
+        let got = raw.withUnsafeMutableBytes { bytes in bytes.baseAddress.map { ioctl(fd.rawValue, UInt(TIOCGSERIAL), $0) } ?? -1 }
         if got == 0 {
             raw.withUnsafeMutableBytes { bytes in
                 let flags = bytes.load(fromByteOffset: flagsOffset, as: Int32.self) | asyncLowLatency
                 bytes.storeBytes(of: flags, toByteOffset: flagsOffset, as: Int32.self)
             }
-            if raw.withUnsafeMutableBytes({ bytes in bytes.baseAddress.map { ioctl(fd, UInt(TIOCSSERIAL), $0) } ?? -1 }) == 0 { done.append("ASYNC_LOW_LATENCY") }
+            if raw.withUnsafeMutableBytes({ bytes in bytes.baseAddress.map { ioctl(fd.rawValue, UInt(TIOCSSERIAL), $0) } ?? -1 }) == 0 {
+                done.append("ASYNC_LOW_LATENCY")
+            }
         }
-        let name = (path as NSString).resolvingSymlinksInPath.split(separator: "/").last.map(String.init) ?? ""
+        let name = resolvedName(path)
         let timer = "/sys/class/tty/\(name)/device/latency_timer"
-        if FileManager.default.fileExists(atPath: timer), (try? "1".write(toFile: timer, atomically: false, encoding: .utf8)) != nil {
-            done.append("latency_timer=1ms")
+        if let file = try? FileDescriptor.open(timer, .writeOnly, options: [.closeOnExec]) {
+            if (try? file.writeAll(Array("1".utf8))) != nil { done.append("latency_timer=1ms") }
+            try? file.close()
         }
         return done.isEmpty ? "not supported by this driver" : done.joined(separator: ",")
+    }
+
+    /// The node's name after resolving links (`/dev/serial/by-id/…` → `ttyUSB0`).
+    private static func resolvedName(_ path: String) -> String {
+        guard let resolved = realpath(path, nil) else { return "" }
+        defer { free(resolved) }
+        let text = String(cString: resolved)
+        return text.split(separator: "/").last.map(String.init) ?? ""
     }
 }

@@ -7,7 +7,9 @@
 // passed to TCGETS2, so the kernel struct is declared here with its layout checked.
 
 import Glibc
+import SystemPackage
 import TransportKitCore
+import TransportKitLinux
 
 /// Line settings of a serial port.
 ///
@@ -36,6 +38,12 @@ public struct SerialSettings: Sendable, Equatable, Codable {
         self.parity = parity
         self.stopBits = stopBits
         self.flowControl = flowControl
+    }
+
+    /// "115200 8N1", with the flow control when there is one ("9600 7E2 rtscts").
+    public var summary: String {
+        let parityLetter = parity.rawValue.prefix(1).uppercased()
+        return "\(baudRate) \(dataBits)\(parity == .none ? "N" : parityLetter)\(stopBits)" + (flowControl == .none ? "" : " \(flowControl.rawValue)")
     }
 
     /// Checks the values a kernel would reject or silently change.
@@ -92,18 +100,18 @@ enum Termios {
     }()
 
     /// TCGETS2.
-    static func get(_ fd: Int32, path: String) throws -> KernelTermios2 {
+    static func get(_ fd: FileDescriptor, path: String) throws -> KernelTermios2 {
         try checkLayout()
         var tio = KernelTermios2()
-        try Posix.call("ioctl(TCGETS2)", what: path) { ioctl(fd, TCGETS2, &tio) }
+        try Syscall.run("ioctl(TCGETS2)", on: path) { ioctl(fd.rawValue, TCGETS2, &tio) }
         return tio
     }
 
     /// TCSETS2 (takes effect at once, like TCSANOW).
-    static func set(_ fd: Int32, _ tio: KernelTermios2, path: String) throws {
+    static func set(_ fd: FileDescriptor, _ tio: KernelTermios2, path: String) throws {
         try checkLayout()
         var tio = tio
-        try Posix.call("ioctl(TCSETS2)", what: path) { ioctl(fd, TCSETS2, &tio) }
+        try Syscall.run("ioctl(TCSETS2)", on: path) { ioctl(fd.rawValue, TCSETS2, &tio) }
     }
 
     private static func checkLayout() throws {

@@ -9,28 +9,29 @@
 
 import NIOCore
 import NIOPosix
-import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 final class SocketListener: ListenerBackend {
-    private let state = Mutex(State())
-    private let serverBox = Mutex<(any Channel)?>(nil)
+    private let server: any Channel
+    /// Shared with the server's pipeline, which stages and delivers accepted connections.
+    private let accepted: AsyncCondition<Accepted>
     private let onClose: @Sendable () -> Void
 
-    private struct State {
+    struct Accepted: Sendable {
         /// Connections whose child initializer ran, by channel, until NIO passes them on.
         var staged: [ObjectIdentifier: Connection] = [:]
         var ready: [Connection] = []
-        var waiter: CheckedContinuation<Connection?, any Error>?
         var closed = false
         var closeCalled = false
     }
 
-    private init(onClose: @escaping @Sendable () -> Void) {
+    private init(server: any Channel, accepted: AsyncCondition<Accepted>, onClose: @escaping @Sendable () -> Void) {
+        self.server = server
+        self.accepted = accepted
         self.onClose = onClose
     }
 
-    var boundPort: Int? { serverBox.withLock { $0?.localAddress?.port } }
+    var boundPort: Int? { server.localAddress?.port }
 
     static func bind(
         backlog: Int,
@@ -39,124 +40,77 @@ final class SocketListener: ListenerBackend {
         bind: (ServerBootstrap) async throws -> any Channel,
         onClose: @escaping @Sendable () -> Void = {}
     ) async throws -> SocketListener {
-        let listener = SocketListener(onClose: onClose)
+        let accepted = AsyncCondition(Accepted())
         let bootstrap = ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton)
             .serverChannelOption(.backlog, value: Int32(backlog))
             .serverChannelOption(.socketOption(.so_reuseaddr), value: 1)
             .serverChannelOption(.autoRead, value: false)
             .serverChannelOption(.maxMessagesPerRead, value: 1)
             .childChannelOption(.allowRemoteHalfClosure, value: true)
-            .childChannelInitializer { [weak listener] child in
+            .childChannelInitializer { child in
                 child.eventLoop.makeCompletedFuture {
                     try configure(child)
                     let peer = describePeer(child)
-                    let backend = ChannelBackend(describing: peer, supportsHalfClose: true)
-                    try child.pipeline.syncOperations.addHandler(backend.handler)
-                    backend.attach(child)
+                    let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: true)
                     let url = (try? TransportURL(peer)) ?? TransportURL(scheme: "unix")
                     let connection = Connection(url: url, backend: backend,
                                                 metadata: ConnectionMetadata(name: peer, localAddress: child.localAddress?.description,
                                                                              remoteAddress: child.remoteAddress?.description))
-                    guard let listener else { throw ChannelError.ioOnClosedChannel }
-                    listener.stage(connection, for: child)
+                    stage(connection, for: child, in: accepted)
                 }
             }
         let server = try await bind(bootstrap)
         // Appended after bind so it sits behind NIO's AcceptHandler; nothing is accepted before
         // the first accept() because the server channel does not auto-read.
-        try await server.pipeline.addHandler(AcceptedChannelHandler { [weak listener] child in
-            if let listener {
-                listener.deliver(child)
-            } else {
-                child.close(promise: nil)
-            }
-        }).get()
-        listener.serverBox.withLock { $0 = server }
-        server.closeFuture.whenComplete { [weak listener] _ in listener?.serverClosed() }
-        return listener
+        try await server.pipeline.addHandler(AcceptedChannelHandler { child in deliver(child, to: accepted) }).get()
+        server.closeFuture.whenComplete { _ in accepted.update { $0.closed = true } }
+        return SocketListener(server: server, accepted: accepted, onClose: onClose)
     }
 
-    private func stage(_ connection: Connection, for child: any Channel) {
+    private static func stage(_ connection: Connection, for child: any Channel, in accepted: AsyncCondition<Accepted>) {
         let key = ObjectIdentifier(child)
-        state.withLock { $0.staged[key] = connection }
+        accepted.withLock { $0.staged[key] = connection }
         // A child that NIO closes before passing it on must not stay staged.
-        child.closeFuture.whenComplete { [weak self] _ in
-            _ = self?.state.withLock { $0.staged.removeValue(forKey: key) }
+        child.closeFuture.whenComplete { _ in
+            _ = accepted.withLock { $0.staged.removeValue(forKey: key) }
         }
     }
 
-    private func deliver(_ child: any Channel) {
-        let (connection, waiter) = state.withLock { state -> (Connection?, CheckedContinuation<Connection?, any Error>?) in
-            guard let connection = state.staged.removeValue(forKey: ObjectIdentifier(child)) else { return (nil, nil) }
-            if let waiter = state.waiter {
-                state.waiter = nil
-                return (connection, waiter)
-            }
+    private static func deliver(_ child: any Channel, to accepted: AsyncCondition<Accepted>) {
+        let (connection, refused) = accepted.update { state -> (Connection?, Bool) in
+            guard let connection = state.staged.removeValue(forKey: ObjectIdentifier(child)) else { return (nil, false) }
+            if state.closed { return (connection, true) }
             state.ready.append(connection)
-            return (connection, nil)
+            return (connection, false)
         }
-        guard let connection else {
+        if connection == nil {
             child.close(promise: nil)
-            return
-        }
-        if let waiter {
-            waiter.resume(returning: connection)
-        } else if isClosed {
+        } else if refused, let connection {
             Task { try? await connection.close() }
         }
     }
 
-    private var isClosed: Bool { state.withLock { $0.closed } }
-
-    private func serverClosed() {
-        let waiter = state.withLock { state in
-            state.closed = true
-            defer { state.waiter = nil }
-            return state.waiter
-        }
-        waiter?.resume(returning: nil)
-    }
-
     func accept() async throws -> Connection? {
-        let server = serverBox.withLock { $0 }
-        return try await withTaskCancellationHandler {
-            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Connection?, any Error>) in
-                let ready = state.withLock { state -> Result<Connection?, any Error>? in
-                    if !state.ready.isEmpty { return .success(state.ready.removeFirst()) }
-                    if state.closed { return .success(nil) }
-                    if Task.isCancelled { return .failure(CancellationError()) }
-                    state.waiter = continuation
-                    return nil
-                }
-                if let ready {
-                    continuation.resume(with: ready)
-                } else {
-                    server?.read()
-                }
-            }
-        } onCancel: {
-            state.withLock { state in
-                defer { state.waiter = nil }
-                return state.waiter
-            }?.resume(throwing: CancellationError())
+        // Demand-driven: one read of at most one connection per accept that finds none waiting.
+        if accepted.withLock({ $0.ready.isEmpty && !$0.closed }) { server.read() }
+        return try await accepted.wait { state -> Connection?? in
+            if !state.ready.isEmpty { return .some(state.ready.removeFirst()) }
+            return state.closed ? .some(nil) : nil
         }
     }
 
     func close() async throws {
-        let (first, pending) = state.withLock { state -> (Bool, [Connection]) in
+        let (first, pending) = accepted.update { state -> (Bool, [Connection]) in
             defer { state.closed = true; state.closeCalled = true; state.ready = [] }
             return (!state.closeCalled, state.ready)
         }
         for connection in pending { try? await connection.close() }
-        if let server = serverBox.withLock({ $0 }) {
-            try? await server.close().get()
-        }
+        try? await server.close().get()
         if first { onClose() }
-        serverClosed()
     }
 
     deinit {
-        serverBox.withLock { $0 }?.close(promise: nil)
+        server.close(promise: nil)
     }
 }
 

@@ -7,105 +7,88 @@
 //   unix:///PATH[?backlog=N&timeout=SECONDS]
 //     PATH is the socket file. A listener replaces a stale socket file (nobody accepting on it) and
 //     removes its file when closed; it refuses with "busy" when another process is listening.
+//
+// Plugins layered on TCP (TLS, WebSocket) connect through TCPSocket.connect(_:host:port:messages:handlers:),
+// which puts their channel handlers in front of the byte handler.
 
 import NIOCore
 import NIOPosix
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// The `tcp://` and `unix://` schemes.
 ///
 /// ```swift
 /// let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
-/// let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port!)?noDelay=true")
+/// let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)?noDelay=true")
 /// ```
 public struct SocketsPlugin: TransportPlugin {
     public init() {}
 
-    public let schemes = [
-        SchemeDescriptor(
-            scheme: "tcp",
-            summary: "TCP stream socket (IPv4, IPv6, DNS names)",
-            grammar: "tcp://HOST:PORT[?OPTIONS]",
-            examples: ["tcp://192.168.0.10:35000", "tcp://[::1]:4000?noDelay=false", "tcp://localhost:4000?keepAlive=true"],
-            host: .required, port: .required, portRange: 0...65535, path: .forbidden,
-            options: [
-                OptionSpec("noDelay", .bool, default: "true", help: "Set TCP_NODELAY: send small writes at once instead of coalescing them"),
-                OptionSpec("keepAlive", .bool, default: "false", help: "Set SO_KEEPALIVE so a dead peer is noticed on an idle connection"),
-                OptionSpec("keepAliveIdle", .duration, help: "Seconds of idleness before the first keep-alive probe (TCP_KEEPIDLE; implies keepAlive)"),
-                OptionSpec("backlog", .integer(min: 1, max: 65535), default: "128", help: "Listen mode: pending connections the kernel queues"),
-            ],
-            canListen: true
-        ),
-        SchemeDescriptor(
-            scheme: "unix",
-            summary: "Unix domain stream socket",
-            grammar: "unix:///PATH[?OPTIONS]",
-            examples: ["unix:///run/app.sock", "unix:///tmp/device.sock?timeout=2"],
-            host: .forbidden, port: .forbidden, path: .required,
-            options: [
-                OptionSpec("backlog", .integer(min: 1, max: 65535), default: "128", help: "Listen mode: pending connections the kernel queues"),
-            ],
-            canListen: true
-        ),
-    ]
+    /// `TCP_NODELAY`; a plugin over TCP may list it in its own descriptor.
+    public static let noDelay = URLOption.bool("noDelay", default: true, help: "Set TCP_NODELAY: send small writes at once instead of coalescing them")
+    /// `SO_KEEPALIVE`.
+    public static let keepAlive = URLOption.bool("keepAlive", default: false, help: "Set SO_KEEPALIVE so a dead peer is noticed on an idle connection")
+    /// `TCP_KEEPIDLE` in seconds (the kernel's range).
+    public static let keepAliveIdle = URLOption.duration("keepAliveIdle", seconds: 1...32767,
+                                                      help: "Seconds of idleness before the first keep-alive probe (TCP_KEEPIDLE; implies keepAlive)")
+    /// The listen backlog.
+    public static let backlog = URLOption.integer("backlog", in: 1...65535, default: 128, help: "Listen mode: pending connections the kernel queues")
 
-    public func connect(_ request: ConnectRequest) async throws -> Connection {
-        switch request.url.scheme {
-        case "unix": try await UnixSocket.connect(request)
-        default: try await TCPSocket.connect(request)
-        }
-    }
-
-    public func listen(_ request: ConnectRequest) async throws -> Listener {
-        switch request.url.scheme {
-        case "unix": try await UnixSocket.listen(request)
-        default: try await TCPSocket.listen(request)
-        }
+    public var schemes: [Scheme] {
+        [
+            Scheme(SchemeDescriptor(
+                scheme: "tcp",
+                summary: "TCP stream socket (IPv4, IPv6, DNS names)",
+                grammar: "tcp://HOST:PORT[?OPTIONS]",
+                examples: ["tcp://192.168.0.10:35000", "tcp://[::1]:4000?noDelay=false", "tcp://localhost:4000?keepAlive=true"],
+                host: .required, port: .required, portRange: 0...65535, path: .forbidden,
+                options: [Self.noDelay, Self.keepAlive, Self.keepAliveIdle, Self.backlog]
+            ), connect: { request in
+                try await TCPSocket.connect(request, host: request.host, port: request.port)
+            }, listen: TCPSocket.listen),
+            Scheme(SchemeDescriptor(
+                scheme: "unix",
+                summary: "Unix domain stream socket",
+                grammar: "unix:///PATH[?OPTIONS]",
+                examples: ["unix:///run/app.sock", "unix:///tmp/device.sock?timeout=2"],
+                host: .forbidden, port: .forbidden, path: .required,
+                options: [Self.backlog]
+            ), connect: UnixSocket.connect, listen: UnixSocket.listen),
+        ]
     }
 }
 
-extension ConnectRequest {
-    /// NIO's connect timeout: the `timeout` option, or a day when it is 0 (the kernel's own
-    /// SYN retry limit ends a hopeless attempt first).
-    var nioConnectTimeout: TimeAmount {
-        timeout.map { .nanoseconds(Int64($0.components.seconds) * 1_000_000_000 + $0.components.attoseconds / 1_000_000_000) }
-            ?? .hours(24)
-    }
-}
-
-/// The client side shared by tcp:// and unix://: a bootstrap with a ``ChannelBackend`` in the
-/// pipeline, half-close allowed, the request's connect timeout, and cancellation that closes the
-/// sockets of an abandoned attempt.
+/// The client side shared by tcp:// and unix://: a bootstrap whose pipeline ends in a
+/// ``ChannelBackend``, half-close allowed, and cancellation that closes the sockets of an
+/// abandoned attempt. The registry's deadline is the connect's one timer: NIO's own connect
+/// timeout is set out of its way.
 enum ClientSocket {
     static func connect(
-        _ request: ConnectRequest,
         describing target: String,
+        messages: Bool = false,
         configure: @escaping @Sendable (any Channel) throws -> Void = { _ in },
         mapError: (any Error) -> TransportError,
-        _ connect: (ClientBootstrap) async throws -> any Channel
-    ) async throws -> (channel: any Channel, backend: ChannelBackend) {
-        let backend = ChannelBackend(describing: target, supportsHalfClose: true)
+        _ connect: (ClientBootstrap, _ initializer: @escaping @Sendable (any Channel) -> EventLoopFuture<ChannelBackend>) async throws -> ChannelBackend
+    ) async throws -> ChannelBackend {
         let pending = PendingChannels()
         let bootstrap = ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
-            .connectTimeout(request.nioConnectTimeout)
+            .connectTimeout(.hours(24))
             .channelOption(.allowRemoteHalfClosure, value: true)
-            .channelInitializer { channel in
-                pending.add(channel)
-                return channel.eventLoop.makeCompletedFuture {
-                    try configure(channel)
-                    try channel.pipeline.syncOperations.addHandler(backend.handler)
+        do {
+            return try await pending.connect {
+                try await connect(bootstrap) { channel in
+                    pending.add(channel)
+                    return channel.eventLoop.makeCompletedFuture {
+                        try configure(channel)
+                        return try ChannelBackend.install(on: channel, describing: target, supportsHalfClose: true, messages: messages)
+                    }
                 }
             }
-        let channel: any Channel
-        do {
-            channel = try await pending.connect { try await connect(bootstrap) }
         } catch {
             if error is CancellationError || Task.isCancelled { throw CancellationError() }
             throw mapError(error)
         }
-        backend.attach(channel)
-        return (channel, backend)
     }
 }
 
@@ -133,11 +116,11 @@ final class PendingChannels: Sendable {
     }
 
     /// Runs `connect`, closing every channel it created if the task is cancelled meanwhile.
-    func connect(_ connect: () async throws -> any Channel) async throws -> any Channel {
+    func connect<Output: Sendable>(_ connect: () async throws -> Output) async throws -> Output {
         try await withTaskCancellationHandler {
-            let channel = try await connect()
+            let output = try await connect()
             try Task.checkCancellation()
-            return channel
+            return output
         } onCancel: {
             cancel()
         }

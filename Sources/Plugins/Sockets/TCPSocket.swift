@@ -4,35 +4,51 @@
 import Glibc
 import NIOCore
 import NIOPosix
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
-enum TCPSocket {
-    static func connect(_ request: ConnectRequest) async throws -> Connection {
-        guard let host = request.url.host, let port = request.url.port else {
-            throw TransportError(.invalidURL, "tcp:// needs HOST:PORT. Grammar: \(request.scheme.grammar)")
-        }
+/// TCP connections, for `tcp://` and for plugins layered on TCP.
+public enum TCPSocket {
+    /// Connects to `host:port` with the tcp:// options of `request` (``SocketsPlugin/noDelay`` and the
+    /// keep-alive options, their defaults when the request's scheme does not declare them), within
+    /// the request's deadline. `handlers` runs on the event loop before the byte handler is added:
+    /// handlers it adds sit in front of it, as TLS or a WebSocket codec would. With `messages`, each
+    /// `ByteBuffer` they pass on is one message (``Connection/readMessage(timeout:)``).
+    ///
+    /// ```swift
+    /// // In a plugin's connect handler: a length-prefixed message protocol over TCP.
+    /// try await TCPSocket.connect(request, host: request.host, port: request.port, messages: true) { channel in
+    ///     try channel.pipeline.syncOperations.addHandler(ByteToMessageHandler(LengthPrefixDecoder()))
+    ///     try channel.pipeline.syncOperations.addHandler(MessageToByteHandler(LengthPrefixEncoder()))
+    /// }
+    /// ```
+    public static func connect(_ request: ConnectRequest, host: String, port: Int, messages: Bool = false,
+                               handlers: @escaping @Sendable (any Channel) throws -> Void = { _ in }) async throws -> Connection {
         let target = "tcp://\(host.contains(":") ? "[\(host)]" : host):\(port)"
         let options = request.options
-        let (channel, backend) = try await ClientSocket.connect(
-            request, describing: target,
-            configure: { try applySocketOptions(options, to: $0) },
+        let backend = try await ClientSocket.connect(
+            describing: target, messages: messages,
+            configure: { channel in
+                try applySocketOptions(options, to: channel)
+                try handlers(channel)
+            },
             mapError: { mapConnectError($0, host: host, port: port, target: target) }
-        ) { bootstrap in
-            try await bootstrap.connect(host: host, port: port).get()
+        ) { bootstrap, initializer in
+            try await bootstrap.connect(host: host, port: port, channelInitializer: initializer)
         }
-        return Connection(url: request.url, backend: backend, metadata: metadata(of: channel, name: target))
+        return Connection(url: request.url, backend: backend, metadata: metadata(of: backend.channel, name: target))
     }
 
     static func applySocketOptions(_ options: OptionValues, to channel: any Channel) throws {
         let sync = channel.syncOptions
-        try sync?.setOption(.socketOption(.tcp_nodelay), value: options.bool("noDelay") ?? true ? 1 : 0)
-        let idle = options.double("keepAliveIdle")
-        if options.bool("keepAlive") == true || idle != nil {
+        try sync?.setOption(.socketOption(.tcp_nodelay), value: options[SocketsPlugin.noDelay] ? 1 : 0)
+        let idle = options[SocketsPlugin.keepAliveIdle]
+        if options[SocketsPlugin.keepAlive] || idle != nil {
             try sync?.setOption(.socketOption(.so_keepalive), value: 1)
         }
         if let idle {
+            // The option's range (1…32767 s, the kernel's) keeps the conversion exact.
             let option = ChannelOptions.Types.SocketOption(level: .tcp, name: NIOBSDSocket.Option(rawValue: TCP_KEEPIDLE))
-            try sync?.setOption(option, value: SocketOptionValue(max(1, Int32(idle.rounded()))))
+            try sync?.setOption(option, value: SocketOptionValue(idle.components.seconds))
         }
     }
 
@@ -56,13 +72,12 @@ enum TCPSocket {
         return TransportError.from(error, context: "connecting to \(target)", syscall: "connect")
     }
 
-    static func listen(_ request: ConnectRequest) async throws -> Listener {
-        guard let host = request.url.host, let port = request.url.port else {
-            throw TransportError(.invalidURL, "tcp:// listening needs HOST:PORT (PORT 0 picks one). Grammar: \(request.scheme.grammar)")
-        }
+    @Sendable static func listen(_ request: ConnectRequest) async throws -> Listener {
+        let host = request.host
+        let port = request.port
         let options = request.options
         let listener = try await SocketListener.bind(
-            backlog: options.int("backlog") ?? 128,
+            backlog: options[SocketsPlugin.backlog],
             configure: { channel in try applySocketOptions(options, to: channel) },
             describePeer: { channel in "tcp://\(channel.remoteAddress.map(hostPort) ?? "?")" },
             bind: { bootstrap in

@@ -4,17 +4,18 @@
 import Glibc
 import NIOCore
 import NIOPosix
-import TransportKitCore
+import SystemPackage
+@_spi(Plugins) import TransportKitCore
 
 enum UnixSocket {
-    static func connect(_ request: ConnectRequest) async throws -> Connection {
+    @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {
         let path = request.url.path
         let target = "unix://\(path)"
-        let (_, backend) = try await ClientSocket.connect(
-            request, describing: target,
+        let backend = try await ClientSocket.connect(
+            describing: target,
             mapError: { mapError($0, path: path, doing: "connecting to") }
-        ) { bootstrap in
-            try await bootstrap.connect(unixDomainSocketPath: path).get()
+        ) { bootstrap, initializer in
+            try await bootstrap.connect(unixDomainSocketPath: path, channelInitializer: initializer)
         }
         return Connection(url: request.url, backend: backend, metadata: ConnectionMetadata(name: target, remoteAddress: path))
     }
@@ -39,11 +40,11 @@ enum UnixSocket {
         }
     }
 
-    static func listen(_ request: ConnectRequest) async throws -> Listener {
+    @Sendable static func listen(_ request: ConnectRequest) async throws -> Listener {
         let path = request.url.path
         try await removeStaleSocket(at: path)
         let listener = try await SocketListener.bind(
-            backlog: request.options.int("backlog") ?? 128,
+            backlog: request[SocketsPlugin.backlog],
             configure: { _ in },
             describePeer: { _ in "unix://\(path)" },
             bind: { bootstrap in
@@ -72,12 +73,12 @@ enum UnixSocket {
                 .connect(unixDomainSocketPath: path).get()
             try? await probe.close().get()
             throw TransportError(.busy, "another process is listening on \(path); stop it or choose another path",
-                                 errno: ErrnoName.EADDRINUSE, syscall: "bind")
+                                 errno: .addressInUse, syscall: "bind")
         } catch let error as TransportError {
             throw error
         } catch {
             if unlink(path) != 0 {
-                throw TransportError.posix("unlink", errno: errno, what: path, hint: "remove the stale socket file by hand")
+                throw TransportError.posix("unlink", errno: Errno(rawValue: errno), what: path, hint: "remove the stale socket file by hand")
             }
         }
     }

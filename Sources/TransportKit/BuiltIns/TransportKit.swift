@@ -1,10 +1,12 @@
 // The TransportKit module: the core plus every built-in scheme, registered.
-// `import TransportKit` is all an application needs.
+// `import TransportKit` is all an application needs (`import TransportKitFoundation` adds the
+// InputStream/OutputStream bridge).
 
 @_exported import TransportKitCore
 @_exported import TransportKitLoop
 @_exported import TransportKitSerial
 @_exported import TransportKitSockets
+@_exported import TransportKitSpy
 
 extension TransportRegistry {
     /// A registry with every built-in plugin registered. `Transport` uses it; applications add
@@ -21,7 +23,8 @@ extension TransportRegistry {
     }()
 }
 
-/// The front door: connect, listen and list devices through ``TransportRegistry/standard``.
+/// The front door: connect, listen, list devices, watch them, and register schemes, all through
+/// ``TransportKitCore/TransportRegistry/standard``.
 ///
 /// ```swift
 /// import TransportKit
@@ -30,35 +33,58 @@ extension TransportRegistry {
 ///     try await connection.write("hello\n")
 ///     print(try await connection.read() ?? [])
 /// }
+/// for device in await Transport.devices().devices { print(device.url) }
 /// ```
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin(), SerialPlugin()]
+        [LoopPlugin(), SocketsPlugin(), SerialPlugin(), SpyPlugin()]
     }
 
     /// The registry behind these functions.
     public static var registry: TransportRegistry { .standard }
 
-    /// Connects to `url`; see ``TransportRegistry/connect(to:)-(String)``.
+    /// Connects to `url`; see ``TransportKitCore/TransportRegistry/connect(to:)-(String)``.
     public static func connect(to url: String) async throws -> Connection {
         try await registry.connect(to: url)
     }
 
-    /// Connects, runs `body`, and always closes; see ``TransportRegistry/withConnection(to:_:)``.
-    public static func withConnection<Result: Sendable>(
-        to url: String, _ body: (Connection) async throws -> Result
-    ) async throws -> Result {
-        try await registry.withConnection(to: url, body)
+    /// Connects, runs `body` (on the caller's actor), and always closes; see
+    /// ``TransportKitCore/TransportRegistry/withConnection(to:isolation:_:)``.
+    public static func withConnection<Result>(
+        to url: String,
+        isolation: isolated (any Actor)? = #isolation,
+        _ body: (Connection) async throws -> sending Result
+    ) async throws -> sending Result {
+        try await registry.withConnection(to: url, isolation: isolation, body)
     }
 
-    /// Starts listening on `url`; see ``TransportRegistry/listen(on:)-(String)``.
+    /// Starts listening on `url`; see ``TransportKitCore/TransportRegistry/listen(on:)-(String)``.
     public static func listen(on url: String) async throws -> Listener {
         try await registry.listen(on: url)
     }
 
-    /// Registers an application's plugin; see ``TransportRegistry/register(_:replacing:)``.
+    /// The devices every plugin can reach; see ``TransportKitCore/TransportRegistry/devices(includeAll:)``.
+    public static func devices(includeAll: Bool = false) async -> DeviceListing {
+        await registry.devices(includeAll: includeAll)
+    }
+
+    /// Hot-plug events of every plugin; see ``TransportKitCore/TransportRegistry/deviceEvents(includeAll:)``.
+    public static func deviceEvents(includeAll: Bool = false) -> AsyncThrowingStream<DeviceEvent, any Error> {
+        registry.deviceEvents(includeAll: includeAll)
+    }
+
+    /// Registers an application's plugin; see ``TransportKitCore/TransportRegistry/register(_:replacing:)``.
     public static func register(_ plugin: any TransportPlugin, replacing: Bool = false) throws {
         try registry.register(plugin, replacing: replacing)
     }
+
+    /// Removes a scheme; see ``TransportKitCore/TransportRegistry/unregister(scheme:)``.
+    @discardableResult
+    public static func unregister(scheme: String) -> Bool {
+        registry.unregister(scheme: scheme)
+    }
+
+    /// Every registered scheme with its grammar and options.
+    public static var schemes: [SchemeDescriptor] { registry.schemes }
 }

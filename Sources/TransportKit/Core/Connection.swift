@@ -1,66 +1,8 @@
+import Logging
 import NIOCore
 import Synchronization
 
-/// What a plugin implements to carry bytes. ``Connection`` wraps it with everything else
-/// (counters, leftovers, timeouts, the inbound sequence, closing exactly once).
-///
-/// Contract:
-/// - `read()` returns the next chunk of inbound bytes, `nil` at the end of the stream, and throws a
-///   ``TransportError`` when the stream ended abnormally. It is called by one task at a time, must
-///   return bytes that already arrived before reporting an end or error, and must honour task
-///   cancellation (throw `CancellationError` without consuming bytes).
-/// - `write(_:)` suspends while the transport's bounded buffer is full; returning means the bytes
-///   were accepted into that buffer.
-/// - `closeWrite()` sends an end-of-stream to the peer after every accepted byte (TCP FIN);
-///   transports without half-close throw ``TransportError/Kind/unsupported``.
-/// - `close()` delivers bytes already accepted where the transport allows, then releases every
-///   resource. It is called once.
-public protocol ConnectionBackend: AnyObject, Sendable {
-    func read() async throws -> ByteBuffer?
-    func write(_ buffer: ByteBuffer) async throws
-    func closeWrite() async throws
-    func close() async throws
-    /// `true` when ``closeWrite()`` is supported.
-    var supportsHalfClose: Bool { get }
-    /// An executor that runs tasks where this backend does its I/O, if it has one; see
-    /// ``Connection/preferredExecutor``.
-    var preferredExecutor: (any TaskExecutor)? { get }
-}
-
-extension ConnectionBackend {
-    public var preferredExecutor: (any TaskExecutor)? { nil }
-}
-
-/// What a transport knows about the other end, like CornucopiaStreams' `CC_meta`.
-/// Every field is optional; `extra` holds transport-specific facts (a pty's peer path, …).
-public struct ConnectionMetadata: Sendable, Equatable, Codable {
-    public var name: String?
-    public var manufacturer: String?
-    public var model: String?
-    public var serialNumber: String?
-    public var firmwareVersion: String?
-    /// The largest write the transport carries in one unit (BLE ATT payload, L2CAP MTU).
-    public var mtu: Int?
-    public var localAddress: String?
-    public var remoteAddress: String?
-    public var extra: [String: String]
-
-    public init(name: String? = nil, manufacturer: String? = nil, model: String? = nil, serialNumber: String? = nil,
-                firmwareVersion: String? = nil, mtu: Int? = nil, localAddress: String? = nil,
-                remoteAddress: String? = nil, extra: [String: String] = [:]) {
-        self.name = name
-        self.manufacturer = manufacturer
-        self.model = model
-        self.serialNumber = serialNumber
-        self.firmwareVersion = firmwareVersion
-        self.mtu = mtu
-        self.localAddress = localAddress
-        self.remoteAddress = remoteAddress
-        self.extra = extra
-    }
-}
-
-/// A connected, bidirectional byte stream.
+/// A connected, bidirectional byte stream (or message stream, where the transport has messages).
 ///
 /// Get one from ``TransportRegistry/connect(to:)-(String)`` (or `Transport.connect(to:)` in the
 /// `TransportKit` module). Read with ``read(maxBytes:timeout:)`` or iterate ``inbound``; write with
@@ -76,22 +18,33 @@ public struct ConnectionMetadata: Sendable, Equatable, Codable {
 /// try await connection.close()
 /// ```
 ///
-/// Reading is for one task at a time; a second concurrent read throws. Writing from several tasks
-/// is allowed; each write's bytes stay together.
+/// Reading is for one task at a time; a second concurrent read throws
+/// ``TransportError/Kind/misuse``. Writing from several tasks is allowed; each write's bytes stay
+/// together, also where the transport's MTU splits them into several transfers.
+///
+/// A connection that wraps another (`spy+tcp://…`) is transparent: ``metadata``,
+/// ``preferredExecutor`` and transport controls (`serialPort`) reach the wrapped transport.
 public final class Connection: Sendable {
     /// The URL this connection was made for (for accepted connections: the peer's URL).
     public let url: TransportURL
     private let backend: any ConnectionBackend
+    /// The connection `backend` wraps, when it is a ``WrappingBackend``.
+    private let wrapped: Connection?
     private let state: Mutex<State>
     private let counters: Counters
+    /// Whose turn it is to write, on transports whose writes are chunked to an MTU (so the chunks
+    /// of one write are not interleaved with another's). Unused elsewhere.
+    private let writeTurn = AsyncCondition(false)
 
     private struct State {
         var metadata: ConnectionMetadata
-        /// Bytes read from the backend but not yet handed out (a chunk larger than `maxBytes`).
+        /// Bytes read from the backend but not yet handed out (a chunk larger than `maxBytes`, the
+        /// rest of a message, bytes a framing helper read past a frame's end).
         var leftover: ByteBuffer?
         var reading = false
         var closed = false
         var writeClosed = false
+        var logger: Logger?
     }
 
     private final class Counters: Sendable {
@@ -100,21 +53,27 @@ public final class Connection: Sendable {
     }
 
     /// Wraps a plugin's backend. Plugins call this; applications get connections from the registry.
+    ///
+    /// ```swift
+    /// return Connection(url: request.url, backend: backend, metadata: ConnectionMetadata(name: "echo"))
+    /// ```
+    @_spi(Plugins)
     public init(url: TransportURL, backend: any ConnectionBackend, metadata: ConnectionMetadata = ConnectionMetadata()) {
         self.url = url
         self.backend = backend
+        self.wrapped = (backend as? any WrappingBackend)?.wrapped
         self.state = Mutex(State(metadata: metadata))
         self.counters = Counters()
     }
 
-    /// What the transport knows about the peer.
-    public var metadata: ConnectionMetadata {
-        state.withLock { $0.metadata }
+    deinit {
+        // Dropped without close(): the backend releases its resources at once.
+        if !state.withLock({ $0.closed }) { backend.connectionDropped() }
     }
 
-    /// Lets a plugin update metadata that changes while connected (a negotiated MTU).
-    public func updateMetadata(_ update: (inout ConnectionMetadata) -> Void) {
-        state.withLock { update(&$0.metadata) }
+    /// What the transport knows about the peer (for a wrapper: what the wrapped transport knows).
+    public var metadata: ConnectionMetadata {
+        wrapped?.metadata ?? state.withLock { $0.metadata }
     }
 
     /// Bytes handed to the application so far.
@@ -123,18 +82,12 @@ public final class Connection: Sendable {
     public var bytesWritten: Int { counters.written.load(ordering: .relaxed) }
     /// `true` when ``closeWrite()`` is available on this transport.
     public var supportsHalfClose: Bool { backend.supportsHalfClose }
-
-    /// The plugin's backend as its concrete type, or `nil`. Plugins use this to offer controls
-    /// that only their transport has (a serial port's modem lines, for example).
-    public func backend<Backend: ConnectionBackend>(as type: Backend.Type) -> Backend? {
-        backend as? Backend
-    }
-
-    /// Drops bytes this connection holds that the application has not read (from ``unread(_:)``
-    /// or a chunk larger than `maxBytes`). A serial port's input flush calls this.
-    public func discardUnreadInput() {
-        state.withLock { $0.leftover = nil }
-    }
+    /// `true` when the transport carries messages: ``readMessage(timeout:)`` returns one whole
+    /// message and ``writeMessage(_:)-([UInt8])`` sends one.
+    public var carriesMessages: Bool { backend.carriesMessages }
+    /// The most bytes the transport takes in one write (its MTU), or `nil` for no limit; longer
+    /// writes are sent in chunks of this size, longer messages refused.
+    public var maximumWriteSize: Int? { backend.maximumWriteSize }
 
     /// An executor on the thread that does this connection's I/O, when the transport has one
     /// (tcp://, unix://, tty:// do; loop:// does not). A request/response loop that runs with this
@@ -158,7 +111,12 @@ public final class Connection: Sendable {
     ///
     /// Returns `nil` at the end of the stream (the peer closed or half-closed). Throws
     /// ``TransportError`` with kind `.timedOut` when `timeout` passes with no byte; no byte is lost
-    /// then, the next read gets it. Throws `CancellationError` when the task is cancelled.
+    /// then, the next read gets it. Throws `CancellationError` when the task is cancelled. On a
+    /// transport with messages, bytes are read across message boundaries.
+    ///
+    /// ```swift
+    /// let reply = try await connection.read(timeout: .seconds(2))
+    /// ```
     public func read(maxBytes: Int = 65536, timeout: Duration? = nil) async throws -> [UInt8]? {
         guard let buffer = try await readBuffer(maxBytes: maxBytes, timeout: timeout) else { return nil }
         return Array(buffer.readableBytesView)
@@ -167,11 +125,40 @@ public final class Connection: Sendable {
     /// Like ``read(maxBytes:timeout:)`` without copying out of the transport's buffer.
     public func readBuffer(maxBytes: Int = 65536, timeout: Duration? = nil) async throws -> ByteBuffer? {
         precondition(maxBytes > 0, "maxBytes must be positive")
+        return try await readChunk(maxBytes: maxBytes, timeout: timeout)
+    }
+
+    /// Reads one whole message on a transport that carries messages (see ``carriesMessages``);
+    /// `nil` at the end. If a byte read took only part of a message, this returns the rest of it.
+    ///
+    /// ```swift
+    /// let connection = try await Transport.connect(to: "loop://?messages=true")
+    /// try await connection.writeMessage(Array("one".utf8))
+    /// let message = try await connection.readMessage()   // "one", whole
+    /// ```
+    ///
+    /// - Throws: ``TransportError/Kind/unsupported`` on a byte stream, which has no message
+    ///   boundaries (use ``readFrame(_:maxLength:timeout:)``); as ``read(maxBytes:timeout:)`` otherwise.
+    public func readMessage(timeout: Duration? = nil) async throws -> [UInt8]? {
+        guard let buffer = try await readMessageBuffer(timeout: timeout) else { return nil }
+        return Array(buffer.readableBytesView)
+    }
+
+    /// Like ``readMessage(timeout:)`` without copying out of the transport's buffer.
+    public func readMessageBuffer(timeout: Duration? = nil) async throws -> ByteBuffer? {
+        guard carriesMessages else {
+            throw TransportError(.unsupported, "\(url.scheme):// carries a byte stream without message boundaries; read bytes, or cut them with readFrame(_:)")
+        }
+        return try await readChunk(maxBytes: nil, timeout: timeout)
+    }
+
+    /// The leftover, or the backend's next chunk; cut to `maxBytes` (nil: whole) with the rest kept.
+    private func readChunk(maxBytes: Int?, timeout: Duration?) async throws -> ByteBuffer? {
         // One lock: check the state, mark this task as the reader and take bytes put back earlier.
         let leftover = try state.withLock { state -> ByteBuffer? in
-            if state.closed { throw TransportError(.io, "read on a closed connection to \(url)") }
+            if state.closed { throw TransportError.misuse("read on a connection to \(url) after close()") }
             if state.reading {
-                throw TransportError(.io, "two tasks read \(url) at once; read from one task, or share the bytes with an AsyncChannel")
+                throw TransportError.misuse("two tasks read \(url) at once; read from one task, and hand the bytes to others")
             }
             state.reading = true
             defer { state.leftover = nil }
@@ -189,7 +176,7 @@ public final class Connection: Sendable {
             guard let next = try await backend.read() else { return nil }
             chunk = next
         }
-        if chunk.readableBytes > maxBytes, let head = chunk.readSlice(length: maxBytes) {
+        if let maxBytes, chunk.readableBytes > maxBytes, let head = chunk.readSlice(length: maxBytes) {
             state.withLock { $0.leftover = chunk }
             chunk = head
         }
@@ -197,9 +184,9 @@ public final class Connection: Sendable {
         return chunk
     }
 
-    /// Puts bytes back in front of the stream; the next read returns them first. Used by framing
-    /// helpers that read past a frame's end.
-    public func unread(_ bytes: ByteBuffer) {
+    /// Puts bytes back in front of the stream; the next read returns them first. Framing helpers
+    /// use it for bytes they read past a frame's end.
+    func unread(_ bytes: ByteBuffer) {
         guard bytes.readableBytes > 0 else { return }
         counters.read.subtract(bytes.readableBytes, ordering: .relaxed)
         state.withLock { state in
@@ -274,6 +261,10 @@ public final class Connection: Sendable {
     // MARK: Writing
 
     /// Writes `bytes`, suspending while the transport's buffer is full.
+    ///
+    /// ```swift
+    /// try await connection.write([0x02, 0x10, 0x03])
+    /// ```
     public func write(_ bytes: [UInt8]) async throws {
         try await write(ByteBuffer(bytes: bytes))
     }
@@ -290,21 +281,83 @@ public final class Connection: Sendable {
         try await write(ByteBuffer(string: text))
     }
 
-    /// Writes a `ByteBuffer` without copying it.
+    /// Writes a `ByteBuffer` without copying it. On a transport with an MTU
+    /// (``ConnectionBackend/maximumWriteSize``) the bytes go out in chunks of at most that size,
+    /// and no other write comes between them.
     public func write(_ buffer: ByteBuffer) async throws {
-        try state.withLock { state in
-            if state.closed { throw TransportError(.io, "write on a closed connection to \(url)") }
-            if state.writeClosed { throw TransportError(.io, "write after closeWrite() on \(url)") }
-        }
+        try checkWritable()
         guard buffer.readableBytes > 0 else { return }
-        try await backend.write(buffer)
-        counters.written.add(buffer.readableBytes, ordering: .relaxed)
+        if backend.maximumWriteSize != nil {
+            try await inTurn {
+                var rest = buffer
+                while rest.readableBytes > 0 {
+                    let limit = max(1, backend.maximumWriteSize ?? rest.readableBytes)
+                    guard let chunk = rest.readSlice(length: min(limit, rest.readableBytes)) else { break }
+                    try await backend.write(chunk)
+                    counters.written.add(chunk.readableBytes, ordering: .relaxed)
+                }
+            }
+        } else {
+            try await backend.write(buffer)
+            counters.written.add(buffer.readableBytes, ordering: .relaxed)
+        }
+    }
+
+    /// Sends `message` as one message on a transport that carries messages (empty messages too).
+    ///
+    /// ```swift
+    /// try await connection.writeMessage(Array("{\"cmd\":\"status\"}".utf8))
+    /// ```
+    ///
+    /// - Throws: ``TransportError/Kind/unsupported`` on a byte stream; ``TransportError/Kind/misuse``
+    ///   when the message is larger than the transport's MTU (``ConnectionMetadata/mtu``).
+    public func writeMessage(_ message: [UInt8]) async throws {
+        try await writeMessage(ByteBuffer(bytes: message))
+    }
+
+    /// Sends a `ByteBuffer` as one message; see ``writeMessage(_:)-([UInt8])``.
+    public func writeMessage(_ message: ByteBuffer) async throws {
+        guard carriesMessages else {
+            throw TransportError(.unsupported, "\(url.scheme):// carries a byte stream without message boundaries; write bytes, or frame them with writeFrame(_:prefix:)")
+        }
+        try checkWritable()
+        try await inTurn {
+            if let limit = backend.maximumWriteSize, message.readableBytes > limit {
+                throw TransportError.misuse("a \(message.readableBytes)-byte message does not fit the \(limit)-byte MTU of \(url); keep messages within metadata.mtu")
+            }
+            try await backend.write(message)
+            counters.written.add(message.readableBytes, ordering: .relaxed)
+        }
+    }
+
+    private func checkWritable() throws {
+        try state.withLock { state in
+            if state.closed { throw TransportError.misuse("write on a connection to \(url) after close()") }
+            if state.writeClosed { throw TransportError.misuse("write on a connection to \(url) after closeWrite()") }
+        }
+    }
+
+    /// Runs `body` while no other chunked write runs.
+    private func inTurn(_ body: () async throws -> Void) async throws {
+        try await writeTurn.wait { (taken: inout Bool) -> Void? in
+            if taken { return nil }
+            taken = true
+            return ()
+        }
+        defer { writeTurn.update { $0 = false } }
+        try await body()
     }
 
     // MARK: Closing
 
     /// Half-close: tells the peer no more bytes will come (after the ones already written) while
     /// reading goes on. Throws `.unsupported` on transports without half-close.
+    ///
+    /// ```swift
+    /// try await connection.write(request)
+    /// try await connection.closeWrite()
+    /// let answer = try await connection.readFrame(.delimiter("\n"))
+    /// ```
     public func closeWrite() async throws {
         guard backend.supportsHalfClose else {
             throw TransportError(.unsupported, "\(url.scheme):// has no half-close; call close() when done")
@@ -319,29 +372,120 @@ public final class Connection: Sendable {
     /// Closes the connection, delivering bytes already written where the transport allows.
     /// Calling it again does nothing.
     public func close() async throws {
-        let first = state.withLock { state in
+        let (first, logger) = state.withLock { state in
             defer { state.closed = true }
-            return !state.closed
+            return (!state.closed, state.logger)
         }
-        if first { try await backend.close() }
+        guard first else { return }
+        do {
+            try await backend.close()
+            logger?.debug("closed", metadata: ["read": "\(bytesRead)", "written": "\(bytesWritten)"])
+        } catch {
+            logger?.debug("close failed", metadata: ["error": "\(error)"])
+            throw error
+        }
     }
 
     /// `true` once ``close()`` was called.
     public var isClosed: Bool { state.withLock { $0.closed } }
-}
 
-extension Duration {
-    /// "1.5 s", for messages.
-    var secondsText: String {
-        let (seconds, attoseconds) = components
-        let value = Double(seconds) + Double(attoseconds) / 1e18
-        return "\(value.formatted3) s"
+    func setLogger(_ logger: Logger) {
+        state.withLock { $0.logger = logger }
     }
-}
 
-extension Double {
-    var formatted3: String {
-        let rounded = (self * 1000).rounded() / 1000
-        return rounded == rounded.rounded() ? String(Int(rounded)) : String(rounded)
+    // MARK: For plugins
+
+    /// Lets a plugin update metadata that changes while connected (a negotiated MTU).
+    ///
+    /// ```swift
+    /// connection.updateMetadata { $0.mtu = negotiated - 3 }
+    /// ```
+    @_spi(Plugins)
+    public func updateMetadata(_ update: (inout ConnectionMetadata) -> Void) {
+        state.withLock { update(&$0.metadata) }
+    }
+
+    /// The backend as its concrete type, looking through wrapping layers, or `nil`. Plugins use
+    /// this to offer controls only their transport has (`connection.serialPort`).
+    ///
+    /// ```swift
+    /// extension Connection {
+    ///     public var sensor: SensorControl? { backend(as: SensorBackend.self).map { SensorControl($0, self) } }
+    /// }
+    /// ```
+    @_spi(Plugins)
+    public func backend<Backend: ConnectionBackend>(as type: Backend.Type) -> Backend? {
+        (backend as? Backend) ?? wrapped?.backend(as: type)
+    }
+
+    /// Drops bytes this connection holds that the application has not read (a chunk larger than
+    /// `maxBytes`, the rest of a message). A serial port's input flush calls this.
+    @_spi(Plugins)
+    public func discardUnreadInput() {
+        state.withLock { $0.leftover = nil }
+        wrapped?.discardUnreadInput()
+    }
+
+    /// Runs a transport control call, announcing it to every wrapping layer first and its outcome
+    /// after (what `spy+tty://` traces). `describe` turns the result into text for them.
+    ///
+    /// ```swift
+    /// try connection.performControl(ControlOperation("DTR", on ? "on" : "off")) { try lines.set(.dtr, on) }
+    /// ```
+    @_spi(Plugins)
+    public func performControl<Result>(_ operation: ControlOperation, describe: (Result) -> String? = { _ in nil },
+                                       _ body: () throws -> Result) rethrows -> Result {
+        let announced = announce(operation)
+        do {
+            return announced.succeeded(try body(), describe)
+        } catch {
+            throw announced.failed(error)
+        }
+    }
+
+    /// ``performControl(_:describe:_:)`` for a call that suspends (a break, a drain).
+    @_spi(Plugins)
+    public func performControl<Result>(_ operation: ControlOperation, describe: (Result) -> String? = { _ in nil },
+                                       _ body: () async throws -> Result) async rethrows -> Result {
+        let announced = announce(operation)
+        do {
+            return announced.succeeded(try await body(), describe)
+        } catch {
+            throw announced.failed(error)
+        }
+    }
+
+    /// A control call announced to the wrapping layers, to be reported to them when it ends.
+    private struct Announced {
+        let layers: [any WrappingBackend]
+        let operation: ControlOperation
+
+        func succeeded<Result>(_ result: Result, _ describe: (Result) -> String?) -> Result {
+            let text = layers.isEmpty ? nil : describe(result)
+            for layer in layers { layer.didPerform(operation, outcome: .success(text)) }
+            return result
+        }
+
+        func failed(_ error: any Error) -> any Error {
+            for layer in layers { layer.didPerform(operation, outcome: .failure(error)) }
+            return error
+        }
+    }
+
+    private func announce(_ operation: ControlOperation) -> Announced {
+        let layers = wrappingLayers
+        for layer in layers { layer.willPerform(operation) }
+        return Announced(layers: layers, operation: operation)
+    }
+
+    /// The wrapping backends from this connection down, outermost first.
+    private var wrappingLayers: [any WrappingBackend] {
+        var layers: [any WrappingBackend] = []
+        var current: Connection? = self
+        while let connection = current, let layer = connection.backend as? any WrappingBackend {
+            layers.append(layer)
+            current = connection.wrapped
+        }
+        return layers
     }
 }

@@ -1,7 +1,8 @@
 /// What a scheme accepts: its grammar, the meaning of host, port and path, and its options.
 ///
-/// The registry validates every URL against its scheme's descriptor before the plugin sees it,
-/// so a malformed URL fails before any I/O, with the grammar in the message.
+/// The registry checks the descriptor when its plugin is registered, and validates every URL
+/// against it before the plugin sees it, so a malformed URL fails before any I/O, with the grammar
+/// in the message.
 ///
 /// ```swift
 /// let echo = SchemeDescriptor(
@@ -9,7 +10,7 @@
 ///     summary: "Echoes what is written",
 ///     grammar: "echo://[?delay=SECONDS]",
 ///     host: .forbidden, port: .forbidden, path: .forbidden,
-///     options: [OptionSpec("delay", .duration, default: "0", help: "Delay before each echo")]
+///     options: [URLOption.duration("delay", seconds: 0...60, default: 0, help: "Delay before each echo")]
 /// )
 /// ```
 public struct SchemeDescriptor: Sendable, Codable, Equatable {
@@ -18,12 +19,22 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         case required, optional, forbidden
     }
 
+    /// How the part between `//` and the path reads.
+    public enum AuthorityForm: String, Sendable, Codable {
+        /// `HOST[:PORT]`, the port decimal (a Bluetooth address is a host too).
+        case hostPort
+        /// `VID:PID`, a USB device's vendor and product id as four hexadecimal digits each
+        /// (``TransportURL/usbDeviceID``). Required.
+        case usbDevice
+    }
+
     public var scheme: String
     public var summary: String
     /// The URL grammar in one line, such as `tcp://HOST:PORT[?OPTIONS]`.
     public var grammar: String
     /// Working examples of the grammar.
     public var examples: [String]
+    public var authority: AuthorityForm
     public var host: Presence
     public var port: Presence
     /// Accepted range of the port number (a TCP port, a bit rate, a PSM).
@@ -31,63 +42,110 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     public var path: Presence
     /// Options the scheme accepts, besides the ones every scheme has (``OptionSpec/common``).
     public var options: [OptionSpec]
-    /// `true` when the scheme can accept incoming connections (``TransportPlugin/listen(_:)``).
-    public var canListen: Bool
+    /// `true` when the scheme can accept incoming connections (it has a listen handler).
+    public internal(set) var canListen: Bool = false
+    /// `true` for a wrapper layer, such as `spy`: its URLs wrap another (`spy+tcp://…`), carry no
+    /// host, port or path of their own, and take their deadline from the wrapped URL.
+    public internal(set) var wraps: Bool = false
 
-    public init(scheme: String, summary: String, grammar: String, examples: [String] = [],
+    /// A descriptor. `options` are the ``URLOption`` constants the plugin reads values with.
+    public init(scheme: String, summary: String, grammar: String, examples: [String] = [], authority: AuthorityForm = .hostPort,
                 host: Presence, port: Presence, portRange: ClosedRange<Int>? = nil, path: Presence,
-                options: [OptionSpec] = [], canListen: Bool = false) {
+                options: [any OptionDeclaration] = []) {
         self.scheme = scheme.lowercased()
         self.summary = summary
         self.grammar = grammar
         self.examples = examples
+        self.authority = authority
         self.host = host
         self.port = port
         self.portRange = portRange
         self.path = path
-        self.options = options
-        self.canListen = canListen
+        self.options = options.map(\.spec)
     }
 
-    /// The scheme's own options followed by the common ones.
-    public var allOptions: [OptionSpec] { options + OptionSpec.common }
+    /// The scheme's own options followed by the common ones (wrappers have no common option).
+    public var allOptions: [OptionSpec] { wraps ? options : options + OptionSpec.common }
 
     /// A multi-line help text: grammar, options with type and default, examples.
     public var helpText: String {
         var lines = ["\(grammar)  \(summary)"]
         for option in allOptions {
-            lines.append("  \(option.name) (\(option.kind.label)\(option.defaultValue.map { ", default \($0)" } ?? "")): \(option.help)")
+            lines.append("  \(wraps ? scheme + "." : "")\(option.name) (\(option.kind.label)\(option.defaultValue.map { ", default \($0)" } ?? "")): \(option.help)")
         }
         if !examples.isEmpty { lines.append("  e.g. " + examples.joined(separator: ", ")) }
         return lines.joined(separator: "\n")
     }
 
+    /// What is wrong with this declaration, if anything: the scheme name, option names (valid and
+    /// unique, common ones included), ranges, and defaults the options would themselves refuse.
+    /// The registry refuses to register a plugin whose descriptor has problems.
+    public func declarationProblems() -> [String] {
+        var problems: [String] = []
+        if !URLParser.isSchemeName(scheme) {
+            problems.append("'\(scheme)' is not a valid scheme name: a letter, then letters, digits, '-' and '.' ('+' joins wrapper layers)")
+        }
+        if let portRange, portRange.lowerBound < 0 {
+            problems.append("the port range \(portRange.lowerBound)…\(portRange.upperBound) starts below 0")
+        }
+        var seen = Set<String>()
+        for option in allOptions {
+            problems += option.declarationProblems()
+            if !seen.insert(option.key).inserted {
+                problems.append("the option '\(option.name)' is declared twice (names are case-insensitive; 'timeout' is common to every scheme)")
+            }
+        }
+        return problems.map { "\(scheme)://: \($0)" }
+    }
+
     /// Checks `url` against this descriptor and returns its typed option values.
+    ///
+    /// ```swift
+    /// let values = try descriptor.validate(TransportURL("echo://?delay=0.5"))
+    /// ```
     public func validate(_ url: TransportURL) throws -> OptionValues {
         func reject(_ reason: String) -> TransportError {
             TransportError(.invalidURL, "invalid \(scheme) URL '\(url)': \(reason). Grammar: \(grammar)")
         }
-        try check(url.host != nil, host, "a host", reject)
-        try check(url.port != nil, port, "a port", reject)
-        try check(!url.path.isEmpty && url.path != "/", path, "a path", reject)
-        if let portValue = url.port, let portRange, !portRange.contains(portValue) {
-            throw reject("the port \(portValue) is outside \(portRange.lowerBound)…\(portRange.upperBound)")
+        if wraps {
+            guard url.inner != nil else {
+                throw reject("\(scheme) wraps another URL; write it in front of one, as \(scheme)+tcp://127.0.0.1:4000")
+            }
+        } else if let inner = url.inner {
+            throw reject("\(scheme):// does not wrap other URLs (\(inner.scheme)://…); only wrapper schemes go in front of a '+'")
         }
+        switch authority {
+        case .hostPort:
+            try check(url.host != nil, host, "a host", reject)
+            try check(url.portText != nil, port, "a port", reject)
+            if let portText = url.portText {
+                guard let portValue = url.port else { throw reject("the port '\(portText)' must be a decimal number") }
+                if let portRange, !portRange.contains(portValue) {
+                    throw reject("the port \(portValue) is outside \(portRange.lowerBound)…\(portRange.upperBound)")
+                }
+            }
+        case .usbDevice:
+            guard url.usbDeviceID != nil else {
+                throw reject("expected VID:PID, the vendor and product id as four hexadecimal digits each, such as \(scheme)://0403:6001 (`lsusb` or `transportkit list` shows them)")
+            }
+        }
+        try check(!url.path.isEmpty && url.path != "/", path, "a path", reject)
         var values: [String: OptionValue] = [:]
         for item in url.query {
-            guard let spec = allOptions.first(where: { $0.name.lowercased() == item.name.lowercased() }) else {
-                let names = allOptions.map(\.name).joined(separator: ", ")
-                throw reject("unknown option '\(item.name)' (\(scheme) accepts: \(names))")
+            guard let spec = allOptions.first(where: { URLParser.sameName($0.name, item.name) }) else {
+                let names = allOptions.map { (wraps ? scheme + "." : "") + $0.name }.joined(separator: ", ")
+                throw reject("unknown option '\(wraps ? scheme + "." : "")\(item.name)' (\(scheme) accepts: \(names.isEmpty ? "none" : names))")
             }
             do {
-                values[spec.name] = try spec.kind.parse(item.value)
+                values[spec.key] = try spec.kind.parse(item.value)
             } catch let problem as OptionKind.Problem {
-                throw reject("option '\(spec.name)=\(item.value)': \(problem.reason)")
+                throw reject("option '\(wraps ? scheme + "." : "")\(spec.name)=\(item.value)': \(problem.reason)")
             }
         }
-        for spec in allOptions where values[spec.name] == nil {
-            if let defaultValue = spec.defaultValue {
-                values[spec.name] = try? spec.kind.parse(defaultValue)
+        for spec in allOptions where values[spec.key] == nil {
+            // Declarations were checked at registration, so a default always parses.
+            if let defaultValue = spec.defaultValue, let value = try? spec.kind.parse(defaultValue) {
+                values[spec.key] = value
             }
         }
         return OptionValues(values)
@@ -100,127 +158,5 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         case (.forbidden, true): throw reject("\(what) is not allowed here")
         default: break
         }
-    }
-}
-
-/// One option a scheme accepts in its URL query.
-public struct OptionSpec: Sendable, Codable, Equatable {
-    public var name: String
-    public var kind: OptionKind
-    /// The default, written as it would appear in a URL; `nil` when the option is simply absent.
-    public var defaultValue: String?
-    public var help: String
-
-    public init(_ name: String, _ kind: OptionKind, default defaultValue: String? = nil, help: String) {
-        self.name = name
-        self.kind = kind
-        self.defaultValue = defaultValue
-        self.help = help
-    }
-
-    /// Options every scheme accepts.
-    public static let common: [OptionSpec] = [
-        OptionSpec("timeout", .duration, default: "10",
-                   help: "Seconds to wait for the connection to be established (0 waits forever)"),
-    ]
-}
-
-/// The type of an option value, with its constraints.
-public enum OptionKind: Sendable, Codable, Equatable {
-    case bool
-    case integer(min: Int, max: Int)
-    case number(min: Double, max: Double)
-    /// Seconds, fractions allowed, such as `2.5`.
-    case duration
-    case string
-    case choice([String])
-
-    struct Problem: Error { var reason: String }
-
-    /// A short label for help texts.
-    public var label: String {
-        switch self {
-        case .bool: "bool"
-        case .integer(let min, let max): "integer \(min)…\(max)"
-        case .number(let min, let max): "number \(min)…\(max)"
-        case .duration: "seconds"
-        case .string: "text"
-        case .choice(let values): values.joined(separator: "|")
-        }
-    }
-
-    func parse(_ text: String) throws -> OptionValue {
-        switch self {
-        case .bool:
-            switch text.lowercased() {
-            case "", "1", "true", "yes", "on": return .bool(true)
-            case "0", "false", "no", "off": return .bool(false)
-            default: throw Problem(reason: "expected true or false")
-            }
-        case .integer(let min, let max):
-            guard let value = Int(text) else { throw Problem(reason: "expected an integer") }
-            guard (min...max).contains(value) else { throw Problem(reason: "must be between \(min) and \(max)") }
-            return .integer(value)
-        case .number(let min, let max):
-            guard let value = Double(text), value.isFinite else { throw Problem(reason: "expected a number") }
-            guard (min...max).contains(value) else { throw Problem(reason: "must be between \(min) and \(max)") }
-            return .number(value)
-        case .duration:
-            guard let value = Double(text), value.isFinite, value >= 0 else {
-                throw Problem(reason: "expected a number of seconds, such as 2 or 0.5")
-            }
-            return .number(value)
-        case .string:
-            return .string(text)
-        case .choice(let values):
-            guard let match = values.first(where: { $0.lowercased() == text.lowercased() }) else {
-                throw Problem(reason: "expected one of \(values.joined(separator: ", "))")
-            }
-            return .string(match)
-        }
-    }
-}
-
-/// A parsed option value.
-public enum OptionValue: Sendable, Equatable {
-    case bool(Bool)
-    case integer(Int)
-    case number(Double)
-    case string(String)
-}
-
-/// The typed options of one URL: what the URL gave, completed with the declared defaults.
-public struct OptionValues: Sendable, Equatable {
-    public private(set) var values: [String: OptionValue]
-
-    public init(_ values: [String: OptionValue] = [:]) { self.values = values }
-
-    public func bool(_ name: String) -> Bool? {
-        if case .bool(let value)? = values[name] { return value }
-        return nil
-    }
-
-    public func int(_ name: String) -> Int? {
-        if case .integer(let value)? = values[name] { return value }
-        return nil
-    }
-
-    public func double(_ name: String) -> Double? {
-        switch values[name] {
-        case .number(let value)?: value
-        case .integer(let value)?: Double(value)
-        default: nil
-        }
-    }
-
-    public func string(_ name: String) -> String? {
-        if case .string(let value)? = values[name] { return value }
-        return nil
-    }
-
-    /// A `.duration` option as a `Duration`; `0` means "no limit" and gives `nil`.
-    public func duration(_ name: String) -> Duration? {
-        guard let seconds = double(name), seconds > 0 else { return nil }
-        return .nanoseconds(Int64((seconds * 1e9).rounded()))
     }
 }

@@ -1,3 +1,5 @@
+import SystemPackage
+
 /// The one error type TransportKit throws (besides `CancellationError` when a task is cancelled).
 ///
 /// It carries a portable ``Kind`` to switch on, the `errno` and system call where one failed, and a
@@ -7,7 +9,8 @@
 /// do {
 ///     let connection = try await Transport.connect(to: "tcp://127.0.0.1:1")
 /// } catch let error as TransportError where error.kind == .refused {
-///     print(error.message)   // "connection refused by 127.0.0.1:1: is the server running? ..."
+///     print(error.message)   // "tcp://127.0.0.1:1 refused the connection: is the server running …"
+///     print(error.errno == .connectionRefused, error.syscall ?? "")   // true connect
 /// }
 /// ```
 public struct TransportError: Error, Sendable, Equatable, CustomStringConvertible {
@@ -30,8 +33,12 @@ public struct TransportError: Error, Sendable, Equatable, CustomStringConvertibl
         /// A deadline passed.
         case timedOut
         /// The transport cannot do what was asked (half-close on a transport without it, listen on a
-        /// client-only scheme, a missing kernel feature).
+        /// client-only scheme, message reads on a byte stream, a missing kernel feature).
         case unsupported
+        /// The program used the API in a way it does not allow: two tasks reading one connection at
+        /// once, reading or writing after `close()`, a message larger than the transport's MTU, a
+        /// plugin that declares a malformed scheme. Fix the calling code; retrying does not help.
+        case misuse
         /// Any other I/O failure.
         case io
     }
@@ -41,36 +48,50 @@ public struct TransportError: Error, Sendable, Equatable, CustomStringConvertibl
     /// A sentence for a person: what failed and what to do.
     public var message: String
     /// The `errno` value, when a system call failed.
-    public var errno: Int32?
+    public var errno: Errno?
     /// The system call (or C library function) that failed, such as `"connect"`.
     public var syscall: String?
 
-    public init(_ kind: Kind, _ message: String, errno: Int32? = nil, syscall: String? = nil) {
+    /// An error of `kind` with a message for a person.
+    ///
+    /// ```swift
+    /// throw TransportError(.notFound, "no device at \(path): is it plugged in?", errno: .noSuchFileOrDirectory, syscall: "open")
+    /// ```
+    public init(_ kind: Kind, _ message: String, errno: Errno? = nil, syscall: String? = nil) {
         self.kind = kind
         self.message = message
         self.errno = errno
         self.syscall = syscall
     }
 
+    /// The message, followed by the system call and errno when there are any:
+    /// `"… [connect: ECONNREFUSED (Connection refused)]"`.
     public var description: String {
-        var text = message
-        if let syscall, let errno {
-            text += " [\(syscall): \(ErrnoName.describe(errno))]"
-        } else if let errno {
-            text += " [\(ErrnoName.describe(errno))]"
-        }
-        return text
+        guard let errno else { return syscall.map { "\(message) [\($0)]" } ?? message }
+        return "\(message) [\(syscall.map { $0 + ": " } ?? "")\(errno.symbolicDescription)]"
     }
 
     /// Builds an error from a failed system call, choosing the kind from `errno`.
     ///
     /// `what` names the object (a path, an address) and `hint` is appended when the kind alone
     /// does not tell a person what to do.
-    public static func posix(_ syscall: String, errno: Int32, what: String, hint: String? = nil) -> TransportError {
-        let kind = Kind(errno: errno)
-        var message = "\(syscall) on \(what) failed: \(ErrnoName.describe(errno))"
+    ///
+    /// ```swift
+    /// throw TransportError.posix("ioctl(TIOCMGET)", errno: .notATerminal, what: "/dev/ttyUSB0")
+    /// ```
+    public static func posix(_ syscall: String, errno: Errno, what: String, hint: String? = nil) -> TransportError {
+        var message = "\(syscall) on \(what) failed: \(errno.symbolicDescription)"
         if let hint { message += ". " + hint }
-        return TransportError(kind, message, errno: errno, syscall: syscall)
+        return TransportError(Kind(errno: errno), message, errno: errno, syscall: syscall)
+    }
+
+    /// A ``Kind/misuse`` error: the calling code broke a rule of the API.
+    ///
+    /// ```swift
+    /// throw TransportError.misuse("\(url) wraps no URL; only a wrapper scheme may call connectInner()")
+    /// ```
+    public static func misuse(_ message: String) -> TransportError {
+        TransportError(.misuse, message)
     }
 }
 
@@ -78,75 +99,49 @@ extension TransportError.Kind {
     /// The portable kind for an `errno` value. Mappings that are not obvious:
     /// EIO and ENXIO/ENODEV mean a device went away (a pty whose other side closed reports EIO);
     /// EADDRINUSE is "busy" because another socket holds the address.
-    public init(errno: Int32) {
+    ///
+    /// ```swift
+    /// TransportError.Kind(errno: .connectionReset)   // .disconnected
+    /// ```
+    public init(errno: Errno) {
         switch errno {
-        case ErrnoName.ENOENT, ErrnoName.EHOSTUNREACH, ErrnoName.ENETUNREACH: self = .notFound
-        case ErrnoName.EACCES, ErrnoName.EPERM: self = .permissionDenied
-        case ErrnoName.EBUSY, ErrnoName.EADDRINUSE, ErrnoName.EAGAIN: self = .busy
-        case ErrnoName.ECONNREFUSED: self = .refused
-        case ErrnoName.ECONNRESET, ErrnoName.EPIPE, ErrnoName.EIO, ErrnoName.ENXIO, ErrnoName.ENODEV,
-             ErrnoName.ECONNABORTED, ErrnoName.ENOTCONN, ErrnoName.ESHUTDOWN:
+        case .noSuchFileOrDirectory, .noRouteToHost, .networkUnreachable: self = .notFound
+        case .permissionDenied, .notPermitted: self = .permissionDenied
+        case .resourceBusy, .addressInUse, .resourceTemporarilyUnavailable: self = .busy
+        case .connectionRefused: self = .refused
+        case .connectionReset, .brokenPipe, .ioError, .noSuchAddressOrDevice, .operationNotSupportedByDevice,
+             .connectionAbort, .socketNotConnected, .socketShutdown:
             self = .disconnected
-        case ErrnoName.ETIMEDOUT: self = .timedOut
-        case ErrnoName.EOPNOTSUPP, ErrnoName.EAFNOSUPPORT, ErrnoName.EPROTONOSUPPORT, ErrnoName.ENOSYS,
-             ErrnoName.ENOTTY:
+        case .timedOut: self = .timedOut
+        case .notSupportedOnSocket, .addressFamilyNotSupported, .protocolNotSupported, .noFunction, .inappropriateIOCTLForDevice:
             self = .unsupported
         default: self = .io
         }
     }
 }
 
-/// Linux errno values and names. The core imports no C module, so the few values it reasons
-/// about are spelled here (asm-generic/errno-base.h and errno.h; identical on every Linux arch
-/// Swift supports).
-public enum ErrnoName {
-    public static let EPERM: Int32 = 1
-    public static let ENOENT: Int32 = 2
-    public static let EINTR: Int32 = 4
-    public static let EIO: Int32 = 5
-    public static let ENXIO: Int32 = 6
-    public static let EBADF: Int32 = 9
-    public static let EAGAIN: Int32 = 11
-    public static let EACCES: Int32 = 13
-    public static let EBUSY: Int32 = 16
-    public static let ENODEV: Int32 = 19
-    public static let EINVAL: Int32 = 22
-    public static let ENOTTY: Int32 = 25
-    public static let EPIPE: Int32 = 32
-    public static let ENOSYS: Int32 = 38
-    public static let EPROTONOSUPPORT: Int32 = 93
-    public static let EOPNOTSUPP: Int32 = 95
-    public static let EAFNOSUPPORT: Int32 = 97
-    public static let EADDRINUSE: Int32 = 98
-    public static let ENETUNREACH: Int32 = 101
-    public static let ECONNABORTED: Int32 = 103
-    public static let ECONNRESET: Int32 = 104
-    public static let ENOBUFS: Int32 = 105
-    public static let ENOTCONN: Int32 = 107
-    public static let ESHUTDOWN: Int32 = 108
-    public static let ETIMEDOUT: Int32 = 110
-    public static let ECONNREFUSED: Int32 = 111
-    public static let EHOSTUNREACH: Int32 = 113
-
-    static let names: [Int32: String] = [
-        EPERM: "EPERM (operation not permitted)", ENOENT: "ENOENT (no such file or directory)",
-        EINTR: "EINTR (interrupted)", EIO: "EIO (input/output error)", ENXIO: "ENXIO (no such device or address)",
-        EBADF: "EBADF (bad file descriptor)", EAGAIN: "EAGAIN (resource temporarily unavailable)",
-        EACCES: "EACCES (permission denied)", EBUSY: "EBUSY (device or resource busy)",
-        ENODEV: "ENODEV (no such device)", EINVAL: "EINVAL (invalid argument)",
-        ENOTTY: "ENOTTY (not a terminal)", EPIPE: "EPIPE (broken pipe)", ENOSYS: "ENOSYS (not implemented)",
-        EPROTONOSUPPORT: "EPROTONOSUPPORT (protocol not supported)",
-        EOPNOTSUPP: "EOPNOTSUPP (operation not supported)",
-        EAFNOSUPPORT: "EAFNOSUPPORT (address family not supported)",
-        EADDRINUSE: "EADDRINUSE (address already in use)", ENETUNREACH: "ENETUNREACH (network unreachable)",
-        ECONNABORTED: "ECONNABORTED (connection aborted)", ECONNRESET: "ECONNRESET (connection reset by peer)",
-        ENOBUFS: "ENOBUFS (no buffer space)", ENOTCONN: "ENOTCONN (not connected)",
-        ESHUTDOWN: "ESHUTDOWN (endpoint shut down)", ETIMEDOUT: "ETIMEDOUT (timed out)",
-        ECONNREFUSED: "ECONNREFUSED (connection refused)", EHOSTUNREACH: "EHOSTUNREACH (host unreachable)",
-    ]
-
-    /// "ENOENT (no such file or directory)", or "errno 77" for values not in the table.
-    public static func describe(_ errno: Int32) -> String {
-        names[errno] ?? "errno \(errno)"
+extension Errno {
+    /// The C name and the C library's text, such as `"ECONNRESET (Connection reset by peer)"`; values
+    /// without a name here read `"errno 77 (…)"`. The values come from the platform (swift-system), only
+    /// the names are spelled here, for the errors transports meet.
+    ///
+    /// ```swift
+    /// Errno.connectionRefused.symbolicDescription   // "ECONNREFUSED (Connection refused)"
+    /// ```
+    public var symbolicDescription: String {
+        "\(Errno.names[self] ?? "errno \(rawValue)") (\(description))"
     }
+
+    private static let names: [Errno: String] = [
+        .notPermitted: "EPERM", .noSuchFileOrDirectory: "ENOENT", .interrupted: "EINTR", .ioError: "EIO",
+        .noSuchAddressOrDevice: "ENXIO", .badFileDescriptor: "EBADF", .resourceTemporarilyUnavailable: "EAGAIN",
+        .noMemory: "ENOMEM", .permissionDenied: "EACCES", .resourceBusy: "EBUSY", .fileExists: "EEXIST",
+        .operationNotSupportedByDevice: "ENODEV", .notDirectory: "ENOTDIR", .isDirectory: "EISDIR", .invalidArgument: "EINVAL",
+        .inappropriateIOCTLForDevice: "ENOTTY", .brokenPipe: "EPIPE", .noFunction: "ENOSYS", .messageTooLong: "EMSGSIZE",
+        .protocolNotSupported: "EPROTONOSUPPORT", .notSupportedOnSocket: "EOPNOTSUPP",
+        .addressFamilyNotSupported: "EAFNOSUPPORT", .addressInUse: "EADDRINUSE", .networkUnreachable: "ENETUNREACH",
+        .connectionAbort: "ECONNABORTED", .connectionReset: "ECONNRESET", .noBufferSpace: "ENOBUFS",
+        .socketNotConnected: "ENOTCONN", .socketShutdown: "ESHUTDOWN", .timedOut: "ETIMEDOUT",
+        .connectionRefused: "ECONNREFUSED", .noRouteToHost: "EHOSTUNREACH", .protocolNotAvailable: "ENOPROTOOPT",
+    ]
 }

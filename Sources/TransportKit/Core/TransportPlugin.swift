@@ -1,65 +1,155 @@
+import Logging
+
 /// A scheme family: what a plugin implements to be reachable through a ``TransportRegistry``.
 ///
-/// Only ``schemes`` and ``connect(_:)`` are required. The registry has already parsed the URL and
-/// validated it against the scheme's ``SchemeDescriptor`` (so `request.options` holds typed
-/// values and defaults), and it enforces the `timeout` option and task cancellation around
-/// `connect`. A plugin should still stop promptly when its task is cancelled.
+/// A plugin lists its ``Scheme``s, each a descriptor with its own connect (and listen) handler,
+/// so no code switches on the scheme's name. The registry has already parsed the URL and validated
+/// it against the scheme's ``SchemeDescriptor`` (so `request.options` holds typed values and
+/// defaults) before a handler runs, and it enforces the connect deadline and task cancellation
+/// around it. A handler should still stop promptly when its task is cancelled.
 ///
 /// ```swift
 /// struct EchoPlugin: TransportPlugin {
-///     let schemes = [SchemeDescriptor(scheme: "echo", summary: "Echoes what is written",
-///                                     grammar: "echo://", host: .forbidden, port: .forbidden, path: .forbidden)]
-///
-///     func connect(_ request: ConnectRequest) async throws -> Connection {
-///         Connection(url: request.url, backend: MyEchoBackend())
+///     var schemes: [Scheme] {
+///         [Scheme(SchemeDescriptor(scheme: "echo", summary: "Echoes what is written", grammar: "echo://",
+///                                  host: .forbidden, port: .forbidden, path: .forbidden)) { request in
+///             Connection(url: request.url, backend: EchoBackend())
+///         }]
 ///     }
 /// }
-/// try Transport.registry.register(EchoPlugin())
+/// try Transport.register(EchoPlugin())
 /// ```
 public protocol TransportPlugin: Sendable {
-    /// The schemes this plugin serves, with their grammar and options.
-    var schemes: [SchemeDescriptor] { get }
-
-    /// Opens a connection.
-    func connect(_ request: ConnectRequest) async throws -> Connection
-
-    /// Starts accepting connections; only for schemes whose descriptor says `canListen`.
-    func listen(_ request: ConnectRequest) async throws -> Listener
+    /// The schemes this plugin serves, with their grammar, options and handlers.
+    var schemes: [Scheme] { get }
 
     /// The devices this plugin can reach now, each with a URL ready to connect.
     func devices(includeAll: Bool) async throws -> [DeviceRecord]
 
     /// Arrivals and removals of devices, or `nil` when the plugin has none to report. A plugin
     /// subscribes before it returns, so an event that happens after this call is not missed;
-    /// `includeAll` as in ``devices(includeAll:)``.
+    /// `includeAll` as in ``devices(includeAll:)``. The stream should be driven by its consumer
+    /// (pull), or buffer boundedly and repair an overflow itself (re-list, report the difference).
     func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>?
 }
 
 extension TransportPlugin {
-    public func listen(_ request: ConnectRequest) async throws -> Listener {
-        throw TransportError(.unsupported, "\(request.url.scheme):// cannot listen for connections")
-    }
-
     public func devices(includeAll: Bool) async throws -> [DeviceRecord] { [] }
 
     public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? { nil }
 }
 
-/// One validated connect or listen request, as a plugin receives it.
-public struct ConnectRequest: Sendable {
-    public var url: TransportURL
-    public var scheme: SchemeDescriptor
-    /// The URL's options, typed and completed with defaults.
-    public var options: OptionValues
+/// One scheme: its descriptor and the handlers that connect (and listen) for its URLs.
+///
+/// ```swift
+/// Scheme(descriptor, connect: { request in try await UnixSocket.connect(request) },
+///                    listen: { request in try await UnixSocket.listen(request) })
+/// Scheme.wrapper(spyDescriptor) { request in
+///     let inner = try await request.connectInner()
+///     return Connection(url: request.url, backend: SpyBackend(wrapping: inner))
+/// }
+/// ```
+public struct Scheme: Sendable {
+    public typealias ConnectHandler = @Sendable (ConnectRequest) async throws -> Connection
+    public typealias ListenHandler = @Sendable (ConnectRequest) async throws -> Listener
 
-    public init(url: TransportURL, scheme: SchemeDescriptor, options: OptionValues) {
+    /// The grammar and options (``SchemeDescriptor/canListen`` and ``SchemeDescriptor/wraps``
+    /// follow from how the scheme was made).
+    public private(set) var descriptor: SchemeDescriptor
+    let connect: ConnectHandler
+    let listen: ListenHandler?
+
+    /// A scheme that connects, and listens when `listen` is given.
+    public init(_ descriptor: SchemeDescriptor, connect: @escaping ConnectHandler, listen: ListenHandler? = nil) {
+        self.descriptor = descriptor
+        self.descriptor.canListen = listen != nil
+        self.connect = connect
+        self.listen = listen
+    }
+
+    /// A wrapper layer: its URLs are `SCHEME+URL` (`spy+tcp://…`); `connect` opens the wrapped URL
+    /// with ``ConnectRequest/connectInner()`` and puts a ``WrappingBackend`` around it. The
+    /// descriptor's host, port and path are forbidden and its options are written `SCHEME.NAME`.
+    public static func wrapper(_ descriptor: SchemeDescriptor, connect: @escaping ConnectHandler) -> Scheme {
+        var descriptor = descriptor
+        descriptor.host = .forbidden
+        descriptor.port = .forbidden
+        descriptor.path = .forbidden
+        descriptor.wraps = true
+        return Scheme(descriptor, connect: connect)
+    }
+}
+
+/// One validated connect or listen request, as a scheme's handler receives it.
+public struct ConnectRequest: Sendable {
+    /// The URL of this layer: for `spy+tcp://…` the spy layer, whose ``TransportURL/inner`` is the
+    /// tcp URL.
+    public let url: TransportURL
+    public let scheme: SchemeDescriptor
+    /// The URL's options, typed and completed with defaults; read them with the ``URLOption``
+    /// constants the descriptor lists.
+    public let options: OptionValues
+    /// When the whole connect must be done (``timeout`` after it began), shared by every URL the
+    /// handler opens through this request; `nil`: no limit.
+    public let deadline: ContinuousClock.Instant?
+    /// The connect time limit: the `timeout` option of the URL at the bottom of the wrapper layers;
+    /// `nil` means no limit.
+    public let timeout: Duration?
+    /// The registry's logger, with the URL and scheme as metadata.
+    public let logger: Logger
+    let registry: TransportRegistry
+
+    init(url: TransportURL, scheme: SchemeDescriptor, options: OptionValues, timeout: Duration?, deadline: ContinuousClock.Instant?,
+         logger: Logger, registry: TransportRegistry) {
         self.url = url
         self.scheme = scheme
         self.options = options
+        self.timeout = timeout
+        self.deadline = deadline
+        self.logger = logger
+        self.registry = registry
     }
 
-    /// The `timeout` option; `nil` means no limit.
-    public var timeout: Duration? { options.duration("timeout") }
+    /// The value of `option` for this URL.
+    ///
+    /// ```swift
+    /// let noDelay: Bool = request[SocketsPlugin.noDelay]
+    /// ```
+    public subscript<Value>(_ option: URLOption<Value>) -> Value {
+        options[option]
+    }
+
+    /// The host, for a scheme whose descriptor requires one (the registry checked it is there).
+    public var host: String {
+        guard let host = url.host else { preconditionFailure("\(scheme.scheme):// declares no required host; read url.host instead") }
+        return host
+    }
+
+    /// The port, for a scheme whose descriptor requires one (the registry checked it is there and
+    /// in range).
+    public var port: Int {
+        guard let port = url.port else { preconditionFailure("\(scheme.scheme):// declares no required port; read url.port instead") }
+        return port
+    }
+
+    /// Opens another URL through the registry that is connecting this one, within this request's
+    /// deadline and cancellation: a plugin built on another transport (a protocol over tcp://, an
+    /// echo over loop://). The returned connection is the caller's to close.
+    ///
+    /// ```swift
+    /// let carrier = try await request.connect(to: TransportURL("loop://?buffer=65536"))
+    /// ```
+    public func connect(to url: TransportURL) async throws -> Connection {
+        try await registry.connectWithin(url, deadline: deadline)
+    }
+
+    /// Opens the URL this wrapper layer wraps (``TransportURL/inner``), with its own options.
+    public func connectInner() async throws -> Connection {
+        guard let inner = url.inner else {
+            throw TransportError.misuse("\(url) wraps no URL; only a wrapper scheme's handler may call connectInner()")
+        }
+        return try await connect(to: inner)
+    }
 }
 
 /// What a plugin implements to accept connections. ``Listener`` wraps it.
@@ -83,6 +173,11 @@ public final class Listener: Sendable {
     public let url: TransportURL
     private let backend: any ListenerBackend
 
+    /// Wraps a plugin's listener backend; plugins call this from their listen handler.
+    ///
+    /// ```swift
+    /// return Listener(url: boundURL, backend: socketListener)
+    /// ```
     public init(url: TransportURL, backend: any ListenerBackend) {
         self.url = url
         self.backend = backend
@@ -101,6 +196,7 @@ public final class Listener: Sendable {
     /// Incoming connections as an `AsyncSequence`; it ends when the listener is closed.
     public var connections: Connections { Connections(listener: self) }
 
+    /// The incoming connections of a ``Listener``.
     public struct Connections: AsyncSequence, Sendable {
         public typealias Element = Connection
         let listener: Listener
@@ -138,6 +234,11 @@ public struct DeviceRecord: Sendable, Equatable, Hashable, Codable {
     /// Anything else the plugin knows.
     public var properties: [String: String]
 
+    /// A record; only the URL and the scheme are required.
+    ///
+    /// ```swift
+    /// DeviceRecord(url: "tty://usb/0403:6001?serial=A5", scheme: "tty", devnode: "/dev/ttyUSB0")
+    /// ```
     public init(url: String, scheme: String, devnode: String? = nil, name: String? = nil, vendorId: String? = nil,
                 productId: String? = nil, serialNumber: String? = nil, manufacturer: String? = nil,
                 product: String? = nil, interface: Int? = nil, driver: String? = nil, links: [String] = [],
@@ -166,8 +267,34 @@ public struct DeviceEvent: Sendable, Equatable, Codable {
     public var action: Action
     public var device: DeviceRecord
 
+    /// An event about `device`.
+    ///
+    /// ```swift
+    /// DeviceEvent(.added, record)
+    /// ```
     public init(_ action: Action, _ device: DeviceRecord) {
         self.action = action
         self.device = device
     }
+}
+
+/// What ``TransportRegistry/devices(includeAll:)`` found: the devices of every plugin that could
+/// list them, and why the others could not. One failing plugin (no Bluetooth adapter, no udev)
+/// never hides the devices of the rest.
+///
+/// ```swift
+/// let listing = await Transport.devices()
+/// for device in listing.devices { print(device.url) }
+/// for failure in listing.failures { print("\(failure.schemes): \(failure.error)") }
+/// ```
+public struct DeviceListing: Sendable {
+    /// A plugin whose listing failed.
+    public struct Failure: Sendable {
+        /// The schemes of the plugin, such as `["tty", "pty"]`.
+        public var schemes: [String]
+        public var error: TransportError
+    }
+
+    public var devices: [DeviceRecord]
+    public var failures: [Failure]
 }

@@ -1,3 +1,4 @@
+import Logging
 import Synchronization
 
 /// Maps schemes to plugins and connects by URL.
@@ -12,41 +13,64 @@ import Synchronization
 /// try registry.register(BetterPlugin(), replacing: true)
 /// let connection = try await registry.connect(to: "my://device")
 /// ```
+///
+/// Logging goes through swift-log at `debug` level (connects, listens, closes, failures, with the
+/// URL and scheme as metadata), so it is silent unless the application's logging backend asks for
+/// `debug`.
 public final class TransportRegistry: Sendable {
-    private let plugins: Mutex<[String: Entry]>
+    private let table: Mutex<Table>
+    /// The logger connections and plugins log through.
+    public let logger: Logger
+
+    private struct Table {
+        var schemes: [String: Entry] = [:]
+        var nextPluginID = 0
+    }
 
     private struct Entry: Sendable {
-        var descriptor: SchemeDescriptor
+        var scheme: Scheme
+        /// Which registration the scheme came with: a plugin's schemes share it.
+        var pluginID: Int
         var plugin: any TransportPlugin
     }
 
-    public init(plugins: [any TransportPlugin] = []) throws {
-        self.plugins = Mutex([:])
+    /// A registry with `plugins` registered.
+    ///
+    /// ```swift
+    /// let registry = try TransportRegistry(plugins: Transport.builtInPlugins, logger: Logger(label: "myapp.transport"))
+    /// ```
+    public init(plugins: [any TransportPlugin] = [], logger: Logger = Logger(label: "TransportKit")) throws {
+        self.table = Mutex(Table())
+        self.logger = logger
         for plugin in plugins { try register(plugin) }
     }
 
     // MARK: Registration
 
-    /// Registers every scheme of `plugin`. Refuses (kind `.busy`) when a scheme already has a
-    /// handler, unless `replacing` is `true`. Nothing is registered when any scheme is refused.
+    /// Registers every scheme of `plugin`. Refuses with ``TransportError/Kind/busy`` when a scheme
+    /// already has a handler, unless `replacing` is `true`, and with ``TransportError/Kind/misuse``
+    /// when a descriptor is malformed (a bad name, an option declared twice, a default outside its
+    /// range). Nothing is registered when any scheme is refused.
     public func register(_ plugin: any TransportPlugin, replacing: Bool = false) throws {
-        let descriptors = plugin.schemes
-        guard !descriptors.isEmpty else {
-            throw TransportError(.invalidURL, "\(type(of: plugin)) declares no scheme")
+        let schemes = plugin.schemes
+        guard !schemes.isEmpty else {
+            throw TransportError.misuse("\(type(of: plugin)) declares no scheme")
         }
-        try plugins.withLock { table in
-            for descriptor in descriptors {
-                guard descriptor.scheme.first?.isLetter == true,
-                      descriptor.scheme.allSatisfy({ $0.isASCII && ($0.isLetter || $0.isNumber || "+-.".contains($0)) })
-                else {
-                    throw TransportError(.invalidURL, "'\(descriptor.scheme)' is not a valid scheme name")
-                }
-                if !replacing, table[descriptor.scheme] != nil {
-                    throw TransportError(.busy, "the scheme \(descriptor.scheme):// is already registered; pass replacing: true to replace its handler")
-                }
+        let problems = schemes.flatMap { $0.descriptor.declarationProblems() }
+        guard problems.isEmpty else {
+            throw TransportError.misuse("\(type(of: plugin)) cannot be registered: " + problems.joined(separator: "; "))
+        }
+        let names = schemes.map(\.descriptor.scheme)
+        if let twice = names.first(where: { name in names.filter { $0 == name }.count > 1 }) {
+            throw TransportError.misuse("\(type(of: plugin)) declares \(twice):// twice")
+        }
+        try table.withLock { table in
+            if !replacing, let taken = names.first(where: { table.schemes[$0] != nil }) {
+                throw TransportError(.busy, "the scheme \(taken):// is already registered; pass replacing: true to replace its handler")
             }
-            for descriptor in descriptors {
-                table[descriptor.scheme] = Entry(descriptor: descriptor, plugin: plugin)
+            table.nextPluginID += 1
+            for scheme in schemes {
+                table.schemes[scheme.descriptor.scheme] = Entry(scheme: scheme, pluginID: table.nextPluginID, plugin: plugin)
             }
         }
     }
@@ -54,74 +78,130 @@ public final class TransportRegistry: Sendable {
     /// Removes the handler of `scheme`. Returns `false` when none was registered.
     @discardableResult
     public func unregister(scheme: String) -> Bool {
-        plugins.withLock { $0.removeValue(forKey: scheme.lowercased()) != nil }
+        table.withLock { $0.schemes.removeValue(forKey: scheme.lowercased()) != nil }
     }
 
     /// Every registered scheme, sorted by name.
     public var schemes: [SchemeDescriptor] {
-        plugins.withLock { table in table.values.map(\.descriptor) }.sorted { $0.scheme < $1.scheme }
+        table.withLock { table in table.schemes.values.map(\.scheme.descriptor) }.sorted { $0.scheme < $1.scheme }
     }
 
     /// The descriptor of `scheme`, if registered.
     public func descriptor(for scheme: String) -> SchemeDescriptor? {
-        plugins.withLock { $0[scheme.lowercased()]?.descriptor }
+        table.withLock { $0.schemes[scheme.lowercased()]?.scheme.descriptor }
     }
 
     // MARK: Resolving
 
     /// Parses and validates `url` without any I/O.
+    ///
+    /// ```swift
+    /// let request = try registry.resolve("tcp://localhost:4000?noDelay=false")
+    /// ```
     public func resolve(_ url: String) throws -> ConnectRequest {
         try resolve(TransportURL(url))
     }
 
-    /// Validates `url` against its scheme without any I/O.
+    /// Validates `url` (every layer of a wrapped URL) against its scheme without any I/O.
     public func resolve(_ url: TransportURL) throws -> ConnectRequest {
-        try resolveEntry(url).request
+        try resolveEntry(url, deadline: nil).request
     }
 
-    private func resolveEntry(_ url: TransportURL) throws -> (request: ConnectRequest, plugin: any TransportPlugin) {
-        guard let entry = plugins.withLock({ $0[url.scheme] }) else {
+    private func entry(for url: TransportURL) throws -> Entry {
+        guard let entry = table.withLock({ $0.schemes[url.scheme] }) else {
             let known = schemes.map { $0.scheme + "://" }.joined(separator: ", ")
             throw TransportError(.unsupportedScheme, "no plugin handles \(url.scheme)://; registered schemes: \(known.isEmpty ? "none" : known)")
         }
-        let options = try entry.descriptor.validate(url)
-        return (ConnectRequest(url: url, scheme: entry.descriptor, options: options), entry.plugin)
+        return entry
+    }
+
+    /// Validates every layer and returns this layer's request; `deadline` nil means "from the
+    /// bottom URL's timeout, starting now".
+    private func resolveEntry(_ url: TransportURL, deadline: ContinuousClock.Instant?, fromNow: Bool = false)
+        throws -> (request: ConnectRequest, entry: Entry) {
+        let entry = try entry(for: url)
+        let options = try entry.scheme.descriptor.validate(url)
+        let timeout: Duration?
+        if let inner = url.inner {
+            timeout = try resolveEntry(inner, deadline: nil).request.timeout
+        } else {
+            timeout = options[OptionSpec.timeout]
+        }
+        var logger = self.logger
+        logger[metadataKey: "url"] = "\(url)"
+        logger[metadataKey: "scheme"] = "\(url.scheme)"
+        let deadline = deadline ?? (fromNow ? timeout.map { ContinuousClock.now + $0 } : nil)
+        let request = ConnectRequest(url: url, scheme: entry.scheme.descriptor, options: options, timeout: timeout,
+                                     deadline: deadline, logger: logger, registry: self)
+        return (request, entry)
     }
 
     // MARK: Connecting
 
-    /// Connects to `url`, such as `"tcp://127.0.0.1:4000"` or `"loop://"`.
+    /// Connects to `url`, such as `"tcp://127.0.0.1:4000"`, `"loop://"` or `"spy+tcp://127.0.0.1:4000"`.
     ///
     /// Fails before any I/O when the URL is malformed or its scheme unknown. Honours the
     /// `timeout` option (default 10 s) and task cancellation; a connection that completes after
     /// either is closed, never leaked.
+    ///
+    /// ```swift
+    /// let connection = try await registry.connect(to: "tcp://127.0.0.1:4000?timeout=2")
+    /// ```
     public func connect(to url: String) async throws -> Connection {
         try await connect(to: TransportURL(url))
     }
 
     /// Connects to a parsed URL.
     public func connect(to url: TransportURL) async throws -> Connection {
-        let (request, plugin) = try resolveEntry(url)
-        return try await Deadline.run(
-            timeout: request.timeout,
-            timeoutError: TransportError(.timedOut, "connecting to \(url) took longer than \(request.timeout?.secondsText ?? "the limit"); check that the device or peer is there, or raise ?timeout="),
-            discard: { connection in try? await connection.close() }
-        ) {
-            try await plugin.connect(request)
+        let (request, entry) = try resolveEntry(url, deadline: nil, fromNow: true)
+        let logger = request.logger
+        logger.debug("connecting")
+        let timeoutText = request.timeout?.secondsText ?? "the limit"
+        do {
+            let connection = try await Deadline.run(
+                until: request.deadline,
+                timeoutError: TransportError(.timedOut, "connecting to \(url) took longer than \(timeoutText); check that the device or peer is there, or raise ?timeout="),
+                discard: { connection in try? await connection.close() }
+            ) {
+                try await entry.scheme.connect(request)
+            }
+            connection.setLogger(logger)
+            logger.debug("connected")
+            return connection
+        } catch {
+            logger.debug("connect failed", metadata: ["error": "\(error)"])
+            throw error
         }
     }
 
-    /// Connects, runs `body`, and closes the connection however `body` ends.
+    /// Connects `url` for a plugin's request: same deadline, in the calling task, no timer of its
+    /// own (the outer connect's timer cancels this task, and reports the one timeout).
+    func connectWithin(_ url: TransportURL, deadline: ContinuousClock.Instant?) async throws -> Connection {
+        let (request, entry) = try resolveEntry(url, deadline: deadline)
+        let connection = try await entry.scheme.connect(request)
+        connection.setLogger(request.logger)
+        return connection
+    }
+
+    /// Connects, runs `body`, and closes the connection however `body` ends. Callable from any
+    /// isolation: `body` runs on the caller's actor.
     ///
     /// ```swift
-    /// let reply = try await registry.withConnection(to: "tcp://127.0.0.1:7") { connection in
-    ///     try await connection.write("ping")
-    ///     return try await connection.read()
+    /// actor Poller {
+    ///     var last: [UInt8]?
+    ///     func poll(_ registry: TransportRegistry) async throws {
+    ///         last = try await registry.withConnection(to: "tcp://127.0.0.1:7") { connection in
+    ///             try await connection.write("ping")
+    ///             return try await connection.read()
+    ///         }
+    ///     }
     /// }
     /// ```
-    public func withConnection<Result: Sendable>(
-        to url: String, _ body: (Connection) async throws -> Result
-    ) async throws -> Result {
+    public func withConnection<Result>(
+        to url: String,
+        isolation: isolated (any Actor)? = #isolation,
+        _ body: (Connection) async throws -> sending Result
+    ) async throws -> sending Result {
         let connection = try await connect(to: url)
         let result: Result
         do {
@@ -135,73 +215,131 @@ public final class TransportRegistry: Sendable {
     }
 
     /// Starts listening on `url`, such as `"tcp://127.0.0.1:0"` or `"unix:///tmp/app.sock"`.
+    ///
+    /// ```swift
+    /// let listener = try await registry.listen(on: "tcp://127.0.0.1:0")
+    /// ```
     public func listen(on url: String) async throws -> Listener {
         try await listen(on: TransportURL(url))
     }
 
     /// Starts listening on a parsed URL.
     public func listen(on url: TransportURL) async throws -> Listener {
-        let (request, plugin) = try resolveEntry(url)
-        guard request.scheme.canListen else {
-            throw TransportError(.unsupported, "\(url.scheme):// cannot listen for connections; schemes that can: \(schemes.filter(\.canListen).map { $0.scheme + "://" }.joined(separator: ", "))")
+        let (request, entry) = try resolveEntry(url, deadline: nil)
+        guard let listen = entry.scheme.listen else {
+            let able = schemes.filter(\.canListen).map { $0.scheme + "://" }.joined(separator: ", ")
+            throw TransportError(.unsupported, "\(url.scheme):// cannot listen for connections; schemes that can: \(able)")
         }
-        return try await plugin.listen(request)
+        let listener = try await listen(request)
+        request.logger.debug("listening", metadata: ["bound": "\(listener.url)"])
+        return listener
     }
 
     // MARK: Devices
 
-    /// The devices every plugin can reach, merged.
-    public func devices(includeAll: Bool = false) async throws -> [DeviceRecord] {
-        var seen = Set<ObjectIdentifierBox>()
-        var result: [DeviceRecord] = []
-        for plugin in uniquePlugins(&seen) {
-            result += try await plugin.devices(includeAll: includeAll)
+    /// The devices every plugin can reach, merged; a plugin that fails is reported in
+    /// ``DeviceListing/failures`` and the others are still listed.
+    ///
+    /// ```swift
+    /// let listing = await registry.devices()
+    /// ```
+    public func devices(includeAll: Bool = false) async -> DeviceListing {
+        var listing = DeviceListing(devices: [], failures: [])
+        for (plugin, schemes) in uniquePlugins() {
+            do {
+                listing.devices += try await plugin.devices(includeAll: includeAll)
+            } catch {
+                let failure = TransportError.from(error, context: "listing the devices of \(schemes.map { $0 + "://" }.joined(separator: ", "))")
+                logger.debug("device listing failed", metadata: ["schemes": "\(schemes)", "error": "\(failure)"])
+                listing.failures.append(.init(schemes: schemes, error: failure))
+            }
         }
-        return result
+        return listing
     }
 
     /// Hot-plug events of every plugin that reports them, merged into one stream.
+    ///
+    /// Nothing is dropped: a plugin's stream is read only as fast as the merged stream is, so a
+    /// slow consumer holds the sources back (the kernel's buffers, and a plugin's resync, take the
+    /// rest) instead of filling a buffer that would overflow. The stream ends with an error when a
+    /// source fails; the error names the plugin.
+    ///
+    /// ```swift
+    /// for try await event in registry.deviceEvents() { print(event.action, event.device.url) }
+    /// ```
     public func deviceEvents(includeAll: Bool = false) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        var seen = Set<ObjectIdentifierBox>()
-        let sources = uniquePlugins(&seen).compactMap { $0.deviceEvents(includeAll: includeAll) }
-        // One source (the usual case): hand it out as it is, pull-driven, with no extra hop.
-        if sources.count == 1, let only = sources.first { return only }
-        let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream(bufferingPolicy: .bufferingOldest(4096))
-        let task = Task {
-            await withThrowingTaskGroup(of: Void.self) { group in
-                for source in sources {
-                    group.addTask {
-                        for try await event in source { continuation.yield(event) }
-                    }
-                }
-                do {
-                    try await group.waitForAll()
-                    continuation.finish()
-                } catch {
-                    continuation.finish(throwing: error)
-                }
-            }
+        let sources = uniquePlugins().compactMap { plugin, schemes in
+            plugin.deviceEvents(includeAll: includeAll).map { (schemes, $0) }
         }
-        continuation.onTermination = { _ in task.cancel() }
-        return stream
+        // One source (the usual case): hand it out as it is, pull-driven, with no extra hop.
+        if sources.count == 1, let only = sources.first { return only.1 }
+        return EventMerge.merge(sources)
     }
 
-    private func uniquePlugins(_ seen: inout Set<ObjectIdentifierBox>) -> [any TransportPlugin] {
-        let entries = plugins.withLock { table in table.values.sorted { $0.descriptor.scheme < $1.descriptor.scheme } }
-        var result: [any TransportPlugin] = []
-        for entry in entries where seen.insert(ObjectIdentifierBox(entry.plugin)).inserted {
-            result.append(entry.plugin)
+    /// Each registered plugin once, with its schemes, in scheme order.
+    private func uniquePlugins() -> [(plugin: any TransportPlugin, schemes: [String])] {
+        let entries = table.withLock { table in table.schemes.values.sorted { $0.scheme.descriptor.scheme < $1.scheme.descriptor.scheme } }
+        var order: [Int] = []
+        var byID: [Int: (plugin: any TransportPlugin, schemes: [String])] = [:]
+        for entry in entries {
+            if byID[entry.pluginID] == nil {
+                order.append(entry.pluginID)
+                byID[entry.pluginID] = (entry.plugin, [])
+            }
+            byID[entry.pluginID]?.schemes.append(entry.scheme.descriptor.scheme)
         }
-        return result
+        return order.compactMap { byID[$0] }
     }
 }
 
-/// Identity of a plugin registered under several schemes: by the type and its schemes.
-private struct ObjectIdentifierBox: Hashable {
-    let type: ObjectIdentifier
-    let schemes: [String]
-    init(_ plugin: any TransportPlugin) {
-        type = ObjectIdentifier(Swift.type(of: plugin))
-        schemes = plugin.schemes.map(\.scheme)
+/// Merges event streams with backpressure: each source has one slot, and a source task waits
+/// until its slot was taken before it asks its source for the next event.
+enum EventMerge {
+    private struct Slots: Sendable {
+        var events: [Int: DeviceEvent] = [:]
+        var order: [Int] = []
+        var running: Int
+        var failure: (any Error)?
+    }
+
+    static func merge(_ sources: [(schemes: [String], events: AsyncThrowingStream<DeviceEvent, any Error>)])
+        -> AsyncThrowingStream<DeviceEvent, any Error> {
+        let slots = AsyncCondition(Slots(running: sources.count))
+        let tasks = sources.enumerated().map { index, source in
+            Task {
+                do {
+                    for try await event in source.events {
+                        slots.update { $0.events[index] = event; $0.order.append(index) }
+                        // Backpressure: the next event is read only once this one was taken.
+                        try await slots.wait { $0.events[index] == nil ? () : nil }
+                    }
+                    slots.update { $0.running -= 1 }
+                } catch is CancellationError {
+                    // The consumer went away.
+                } catch {
+                    let failure = TransportError.from(error, context: "watching the devices of \(source.schemes.map { $0 + "://" }.joined(separator: ", "))")
+                    slots.update { $0.failure = $0.failure ?? failure }
+                }
+            }
+        }
+        let owner = TaskOwner(tasks)
+        return AsyncThrowingStream {
+            _ = owner  // kept while the stream is; released (and its tasks cancelled) with it
+            return try await slots.wait { slots -> DeviceEvent?? in
+                if !slots.order.isEmpty {
+                    let index = slots.order.removeFirst()
+                    return .some(slots.events.removeValue(forKey: index))
+                }
+                if let failure = slots.failure { throw failure }
+                return slots.running == 0 ? .some(nil) : nil
+            }
+        }
+    }
+
+    /// Cancels its tasks when released.
+    private final class TaskOwner: Sendable {
+        let tasks: [Task<Void, Never>]
+        init(_ tasks: [Task<Void, Never>]) { self.tasks = tasks }
+        deinit { for task in tasks { task.cancel() } }
     }
 }

@@ -1,11 +1,18 @@
 /// A transport URL, parsed once, here, for every scheme.
 ///
-/// The grammar is `scheme://[user@]host[:port][/path][?name=value&name2…]`, with three extensions
-/// that the schemes of this field need and RFC 3986 parsers reject:
+/// The grammar is `scheme://[host][:port][/path][?name=value&name2…]`, with extensions that the
+/// schemes of this field need and RFC 3986 parsers reject:
 /// - a Bluetooth address as host: `rfcomm://00:0a:3a:22:68:73` (host = MAC), and
 ///   `rfcomm://00:0a:3a:22:68:73:3` (port = channel 3);
 /// - IPv6 literals in brackets: `tcp://[::1]:4000` (host = `::1`);
-/// - any number as port: `tty://adapter:19200/dev/ttyUSB0` (port = bit rate), `ble://FFF0:128` (PSM).
+/// - any number as port: `tty://adapter:19200/dev/ttyUSB0` (port = bit rate), `ble://FFF0:128` (PSM);
+/// - a USB device as `VID:PID` in hexadecimal: `usb://1546:01a7` (``usbDeviceID``; not host and port);
+/// - wrappers around any URL: `spy+tcp://127.0.0.1:4000?spy.format=raw`. Each `+` adds a layer; a
+///   layer's options carry its scheme as a prefix (`spy.format`), so they never collide with the
+///   wrapped URL's own options, which keep their meaning. ``inner`` is the wrapped URL.
+///
+/// Rejected before any plugin sees them: user info (`tcp://admin@host:22`), fragments, and control
+/// characters (raw or percent-encoded, `%00` included) in the host, path and options.
 ///
 /// What host, port and path mean is the scheme's business; ``SchemeDescriptor`` documents it.
 ///
@@ -14,40 +21,78 @@
 /// url.host   // "FFF0"  (service UUID)
 /// url.port   // 128     (L2CAP PSM)
 /// url.path   // "/E3:2E:44:66:A2:4A"
+///
+/// let spied = try TransportURL("spy+tty:///dev/ttyUSB0?baud=115200&spy.format=raw")
+/// spied.scheme                  // "spy"
+/// spied.queryValue("format")    // "raw"
+/// spied.inner?.description      // "tty:///dev/ttyUSB0?baud=115200"
 /// ```
 public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
-    /// Lower-cased scheme, such as `"tcp"`.
+    /// Lower-cased scheme of this layer, such as `"tcp"`, or `"spy"` for `spy+tcp://…`.
     public var scheme: String
-    /// The user part before `@`, if any (percent-decoded).
-    public var user: String?
     /// Host without brackets, percent-decoded; `nil` when the authority is empty (`unix:///path`).
     public var host: String?
-    /// The number after the host's last `:`.
-    public var port: Int?
+    /// The text after the host's last `:`, as written: a decimal port, a Bluetooth channel, or for
+    /// `usb://VID:PID` the product id in hexadecimal. ``port`` is its decimal reading.
+    public internal(set) var portText: String?
     /// Percent-decoded path including its leading `/`, or `""`.
     public var path: String
-    /// Query options in the order given, names as written, values percent-decoded. A bare
-    /// `?name` has the value `""`.
+    /// Query options of this layer in the order given, names as written (without a wrapper's
+    /// prefix), values percent-decoded. A bare `?name` has the value `""`.
     public var query: [(name: String, value: String)]
+    /// Empty, or the one URL this layer wraps (an array only to give the struct indirection).
+    private var wrapped: [TransportURL]
 
-    public init(scheme: String, user: String? = nil, host: String? = nil, port: Int? = nil, path: String = "",
-                query: [(name: String, value: String)] = []) {
+    /// A URL from its parts; `inner` makes it a wrapper layer around another URL.
+    ///
+    /// ```swift
+    /// let url = TransportURL(scheme: "tcp", host: "127.0.0.1", port: 4000, query: [("noDelay", "false")])
+    /// ```
+    public init(scheme: String, host: String? = nil, port: Int? = nil, path: String = "",
+                query: [(name: String, value: String)] = [], inner: TransportURL? = nil) {
         self.scheme = scheme.lowercased()
-        self.user = user
         self.host = host
-        self.port = port
+        self.portText = port.map(String.init)
         self.path = path
         self.query = query
+        self.wrapped = inner.map { [$0] } ?? []
     }
 
     /// Parses `string`, throwing ``TransportError/Kind/invalidURL`` with the reason.
+    ///
+    /// ```swift
+    /// let url = try TransportURL("tcp://[::1]:4000?noDelay=false")
+    /// ```
     public init(_ string: String) throws {
         self = try URLParser.parse(string)
     }
 
+    /// The port as a decimal number; `nil` when absent or not decimal (a hexadecimal USB product id).
+    public var port: Int? {
+        get {
+            guard let portText, !portText.isEmpty, portText.utf8.count <= 9,
+                  portText.utf8.allSatisfy({ $0 >= 0x30 && $0 <= 0x39 }) else { return nil }
+            return Int(portText)
+        }
+        set { portText = newValue.map(String.init) }
+    }
+
+    /// The URL this layer wraps: `tcp://127.0.0.1:4000` for `spy+tcp://127.0.0.1:4000`.
+    public var inner: TransportURL? {
+        get { wrapped.first }
+        set { wrapped = newValue.map { [$0] } ?? [] }
+    }
+
+    /// The URL at the bottom of the wrapper layers (this URL when it wraps nothing).
+    public var innermost: TransportURL {
+        var url = self
+        while let next = url.inner { url = next }
+        return url
+    }
+
     /// The value of query option `name` (compared case-insensitively), if present.
     public func queryValue(_ name: String) -> String? {
-        query.first { $0.name.lowercased() == name.lowercased() }?.value
+        query.first { URLParser.sameName($0.name, name) }?.value
     }
 
     /// `true` when the host is a Bluetooth device address such as `00:0A:3A:22:68:73`.
@@ -55,22 +100,36 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
         host.map(URLParser.isMACAddress) ?? false
     }
 
+    /// The authority read as a USB device's vendor and product id, four hexadecimal digits each
+    /// (`usb://1546:01a7`); `nil` when it is not of that form.
+    public var usbDeviceID: (vendor: UInt16, product: UInt16)? {
+        guard let host, let portText, host.utf8.count == 4, portText.utf8.count == 4,
+              let vendor = UInt16(host, radix: 16), let product = UInt16(portText, radix: 16) else { return nil }
+        return (vendor, product)
+    }
+
     public var description: String {
-        var text = scheme + "://"
-        if let user { text += URLParser.percentEncode(user, allowing: URLParser.unreserved) + "@" }
-        if let host {
+        var layers = [self]
+        while let next = layers[layers.count - 1].inner { layers.append(next) }
+        let bottom = layers[layers.count - 1]
+        var text = layers.map(\.scheme).joined(separator: "+") + "://"
+        if let host = bottom.host {
             if host.contains(":") && !URLParser.isMACAddress(host) {
                 text += "[" + host + "]"
             } else {
                 text += URLParser.percentEncode(host, allowing: URLParser.unreserved + ":")
             }
         }
-        if let port { text += ":\(port)" }
-        text += URLParser.percentEncode(path, allowing: URLParser.unreserved + "/:@")
-        if !query.isEmpty {
-            text += "?" + query.map { item in
-                let name = URLParser.percentEncode(item.name, allowing: URLParser.unreserved)
-                return item.value.isEmpty ? name : name + "=" + URLParser.percentEncode(item.value, allowing: URLParser.unreserved + ":/")
+        if let portText = bottom.portText { text += ":" + portText }
+        text += URLParser.percentEncode(bottom.path, allowing: URLParser.unreserved + "/:@")
+        var items = bottom.query.map { ($0.name, $0.value) }
+        for layer in layers.dropLast() {
+            items += layer.query.map { (layer.scheme + "." + $0.name, $0.value) }
+        }
+        if !items.isEmpty {
+            text += "?" + items.map { name, value in
+                let name = URLParser.percentEncode(name, allowing: URLParser.unreserved)
+                return value.isEmpty ? name : name + "=" + URLParser.percentEncode(value, allowing: URLParser.unreserved + ":/")
             }.joined(separator: "&")
         }
         return text
@@ -89,18 +148,41 @@ enum URLParser {
     static let unreserved = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~"
 
     static func fail(_ string: String, _ reason: String) -> TransportError {
-        TransportError(.invalidURL, "invalid URL '\(string)': \(reason)")
+        TransportError(.invalidURL, "invalid URL '\(printable(string))': \(reason)")
+    }
+
+    /// The URL as it may appear in a message: control characters shown as `\u{…}`.
+    static func printable(_ string: String) -> String {
+        guard string.unicodeScalars.contains(where: isControl) else { return string }
+        return String(string.unicodeScalars.map { isControl($0) ? "\\u{\(String($0.value, radix: 16))}" : String($0) }.joined())
+    }
+
+    static func isControl(_ scalar: Unicode.Scalar) -> Bool {
+        scalar.value < 0x20 || scalar.value == 0x7F
+    }
+
+    /// Case-insensitive comparison of option names (ASCII; names are declared in ASCII).
+    static func sameName(_ a: String, _ b: String) -> Bool {
+        a.utf8.count == b.utf8.count && a.lowercased() == b.lowercased()
+    }
+
+    /// `true` for a name a scheme may be registered under: a letter, then letters, digits, `-`, `.`.
+    /// `+` is not allowed: it separates wrapper layers.
+    static func isSchemeName<S: StringProtocol>(_ name: S) -> Bool {
+        guard let first = name.unicodeScalars.first, first.isASCIILetter else { return false }
+        return name.unicodeScalars.allSatisfy { $0.isASCIILetter || ("0"..."9").contains($0) || $0 == "-" || $0 == "." }
     }
 
     static func parse(_ string: String) throws -> TransportURL {
         guard let colon = string.firstIndex(of: ":"), string[colon...].hasPrefix("://") else {
             throw fail(string, "expected scheme://…, for example tcp://127.0.0.1:4000 or loop://")
         }
-        let scheme = String(string[..<colon])
-        guard let first = scheme.first, first.isASCII, first.isLetter,
-              scheme.allSatisfy({ $0.isASCII && ($0.isLetter || $0.isNumber || "+-.".contains($0)) })
-        else {
-            throw fail(string, "the scheme '\(scheme)' must start with a letter and contain only letters, digits, '+', '-' and '.'")
+        let layers = string[..<colon].split(separator: "+", omittingEmptySubsequences: false)
+        for scheme in layers where !isSchemeName(scheme) {
+            throw fail(string, "the scheme '\(scheme)' must start with a letter and contain only letters, digits, '-' and '.' (a '+' separates a wrapper from the URL it wraps, as in spy+tcp://…)")
+        }
+        if string.unicodeScalars.contains(where: isControl) {
+            throw fail(string, "it contains a control character; percent-encoding does not make one acceptable either")
         }
         var rest = string[string.index(colon, offsetBy: 3)...]
         if let hash = rest.firstIndex(of: "#") {
@@ -112,33 +194,58 @@ enum URLParser {
             rest = rest[..<mark]
         }
         let slash = rest.firstIndex(of: "/") ?? rest.endIndex
-        var authority = rest[..<slash]
-        let path = try decode(rest[slash...], in: string)
+        let authority = rest[..<slash]
+        let path = try decode(rest[slash...], in: string, what: "the path")
 
-        var user: String?
-        if let at = authority.lastIndex(of: "@") {
-            user = try decode(authority[..<at], in: string)
-            authority = authority[authority.index(after: at)...]
+        if authority.contains("@") {
+            throw fail(string, "user information ('name@') has no meaning in a transport URL; put credentials in options, or percent-encode '@' as %40 where it belongs to the host")
         }
-        let (host, port) = try parseHostPort(authority, in: string)
+        let (host, portText) = try parseHostPort(authority, in: string)
+        var query = try parseQuery(queryText, in: string)
 
-        var query: [(name: String, value: String)] = []
-        if let queryText, !queryText.isEmpty {
-            for item in queryText.split(separator: "&", omittingEmptySubsequences: true) {
-                let parts = item.split(separator: "=", maxSplits: 1, omittingEmptySubsequences: false)
-                let name = try decode(parts[0], in: string)
-                guard !name.isEmpty else { throw fail(string, "an option has no name ('\(item)')") }
-                let value = parts.count > 1 ? try decode(parts[1], in: string) : ""
-                if query.contains(where: { $0.name.lowercased() == name.lowercased() }) {
-                    throw fail(string, "option '\(name)' is given twice")
+        // Wrapper layers, outermost first, take the options named "LAYER.NAME"; the rest belong to
+        // the wrapped URL at the bottom.
+        var layerOptions = Array(repeating: [(name: String, value: String)](), count: layers.count)
+        if layers.count > 1 {
+            var own: [(name: String, value: String)] = []
+            for item in query {
+                if let dot = item.name.firstIndex(of: "."),
+                   let layer = layers.dropLast().firstIndex(where: { sameName(String($0), String(item.name[..<dot])) }) {
+                    layerOptions[layer].append((String(item.name[item.name.index(after: dot)...]), item.value))
+                } else {
+                    own.append(item)
                 }
-                query.append((name, value))
             }
+            query = own
         }
-        return TransportURL(scheme: scheme, user: user, host: host, port: port, path: path, query: query)
+        var url = TransportURL(scheme: String(layers[layers.count - 1]), host: host, path: path, query: query)
+        url.portText = portText
+        for index in layers.indices.dropLast().reversed() {
+            url = TransportURL(scheme: String(layers[index]), query: layerOptions[index], inner: url)
+        }
+        return url
     }
 
-    static func parseHostPort(_ authority: Substring, in string: String) throws -> (String?, Int?) {
+    /// Options in order; duplicate names (case-insensitive) are refused. Linear in their number.
+    static func parseQuery(_ queryText: Substring?, in string: String) throws -> [(name: String, value: String)] {
+        guard let queryText, !queryText.isEmpty else { return [] }
+        var query: [(name: String, value: String)] = []
+        var seen = Set<String>()
+        for item in queryText.split(separator: "&", omittingEmptySubsequences: true) {
+            let parts = item.split(separator: "=", maxSplits: 1, omittingEmptySubsequences: false)
+            let name = try decode(parts[0], in: string, what: "an option name")
+            guard !name.isEmpty else { throw fail(string, "an option has no name ('\(item)')") }
+            let value = parts.count > 1 ? try decode(parts[1], in: string, what: "the value of '\(name)'") : ""
+            guard seen.insert(name.lowercased()).inserted else {
+                throw fail(string, "option '\(name)' is given twice")
+            }
+            query.append((name, value))
+        }
+        return query
+    }
+
+    /// The host and the raw text after its last colon (see ``TransportURL/portText``).
+    static func parseHostPort(_ authority: Substring, in string: String) throws -> (String?, String?) {
         if authority.isEmpty { return (nil, nil) }
         let hostPart: Substring
         var portPart: Substring?
@@ -157,38 +264,28 @@ enum URLParser {
                 throw fail(string, "'\(hostPart)' is not an IPv6 address")
             }
             // A zone such as fe80::1%eth0 is taken verbatim, not percent-decoded.
-            return (String(hostPart), try parsePort(portPart, in: string))
-        } else {
-            let colons = authority.filter { $0 == ":" }.count
-            if colons <= 1 {
-                if let colon = authority.firstIndex(of: ":") {
-                    hostPart = authority[..<colon]
-                    portPart = authority[authority.index(after: colon)...]
-                } else {
-                    hostPart = authority
-                }
+            return (String(hostPart), portPart.map(String.init))
+        }
+        let colons = authority.utf8.count { $0 == UInt8(ascii: ":") }
+        if colons <= 1 {
+            if let colon = authority.firstIndex(of: ":") {
+                hostPart = authority[..<colon]
+                portPart = authority[authority.index(after: colon)...]
             } else {
-                // Only a Bluetooth address may carry bare colons: six hex pairs, then an optional ":PORT".
-                let groups = authority.split(separator: ":", omittingEmptySubsequences: false)
-                guard groups.count == 6 || groups.count == 7,
-                      isMACAddress(groups.prefix(6).joined(separator: ":")) else {
-                    throw fail(string, "'\(authority)' is neither HOST:PORT nor a Bluetooth address (AA:BB:CC:DD:EE:FF[:CHANNEL]); write IPv6 addresses in brackets, as [::1]:4000")
-                }
-                hostPart = Substring(groups.prefix(6).joined(separator: ":"))
-                portPart = groups.count == 7 ? groups[6] : nil
+                hostPart = authority
             }
+        } else {
+            // Only a Bluetooth address may carry bare colons: six hex pairs, then an optional ":PORT".
+            let groups = authority.split(separator: ":", omittingEmptySubsequences: false)
+            guard groups.count == 6 || groups.count == 7,
+                  isMACAddress(groups.prefix(6).joined(separator: ":")) else {
+                throw fail(string, "'\(authority)' is neither HOST:PORT nor a Bluetooth address (AA:BB:CC:DD:EE:FF[:CHANNEL]); write IPv6 addresses in brackets, as [::1]:4000")
+            }
+            hostPart = Substring(groups.prefix(6).joined(separator: ":"))
+            portPart = groups.count == 7 ? groups[6] : nil
         }
-        let host = try decode(hostPart, in: string)
-        return (host.isEmpty ? nil : host, try parsePort(portPart, in: string))
-    }
-
-    static func parsePort(_ portPart: Substring?, in string: String) throws -> Int? {
-        guard let portPart else { return nil }
-        guard !portPart.isEmpty, portPart.count <= 9, portPart.allSatisfy({ $0.isASCII && $0.isNumber }),
-              let value = Int(portPart) else {
-            throw fail(string, "the port '\(portPart)' must be a decimal number")
-        }
-        return value
+        let host = try decode(hostPart, in: string, what: "the host")
+        return (host.isEmpty ? nil : host, portPart.map(String.init))
     }
 
     static func isMACAddress(_ text: String) -> Bool {
@@ -196,16 +293,22 @@ enum URLParser {
         return groups.count == 6 && groups.allSatisfy { $0.count == 2 && $0.allSatisfy(\.isHexDigit) }
     }
 
-    static func decode(_ text: Substring, in string: String) throws -> String {
+    /// Percent-decodes `text`; refuses malformed escapes, invalid UTF-8 and control characters.
+    static func decode(_ text: Substring, in string: String, what: String) throws -> String {
         guard text.contains("%") else { return String(text) }
         var bytes: [UInt8] = []
+        bytes.reserveCapacity(text.utf8.count)
         var utf8 = text.utf8[...]
         while let byte = utf8.first {
             utf8 = utf8.dropFirst()
             if byte == UInt8(ascii: "%") {
-                guard utf8.count >= 2,
-                      let value = UInt8(String(decoding: utf8.prefix(2), as: UTF8.self), radix: 16) else {
+                guard utf8.count >= 2, let high = hexValue(utf8[utf8.startIndex]),
+                      let low = hexValue(utf8[utf8.index(after: utf8.startIndex)]) else {
                     throw fail(string, "'%' must be followed by two hex digits")
+                }
+                let value = high << 4 | low
+                if value < 0x20 || value == 0x7F {
+                    throw fail(string, "\(what) contains a control character (%\(String(format2: value))); such bytes are never valid here")
                 }
                 bytes.append(value)
                 utf8 = utf8.dropFirst(2)
@@ -219,6 +322,15 @@ enum URLParser {
         return decoded
     }
 
+    private static func hexValue(_ byte: UInt8) -> UInt8? {
+        switch byte {
+        case UInt8(ascii: "0")...UInt8(ascii: "9"): byte - UInt8(ascii: "0")
+        case UInt8(ascii: "a")...UInt8(ascii: "f"): byte - UInt8(ascii: "a") + 10
+        case UInt8(ascii: "A")...UInt8(ascii: "F"): byte - UInt8(ascii: "A") + 10
+        default: nil
+        }
+    }
+
     static func percentEncode(_ text: String, allowing allowed: String) -> String {
         let allowedBytes = Set(allowed.utf8)
         var out = ""
@@ -226,10 +338,21 @@ enum URLParser {
             if allowedBytes.contains(byte) {
                 out.unicodeScalars.append(Unicode.Scalar(byte))
             } else {
-                let hex = String(byte, radix: 16, uppercase: true)
-                out += "%" + (hex.count == 1 ? "0" + hex : hex)
+                out += "%" + String(format2: byte)
             }
         }
         return out
     }
+}
+
+extension String {
+    /// Two upper-case hex digits.
+    init(format2 byte: UInt8) {
+        let hex = String(byte, radix: 16, uppercase: true)
+        self = hex.count == 1 ? "0" + hex : hex
+    }
+}
+
+extension Unicode.Scalar {
+    var isASCIILetter: Bool { ("a"..."z").contains(self) || ("A"..."Z").contains(self) }
 }

@@ -1,5 +1,9 @@
+// TransportKitFoundation: a bound (InputStream, OutputStream) pair over a Connection, for code
+// written for Foundation streams. Its own target, so the core stays free of Foundation.
+
 import Foundation
 import Synchronization
+import TransportKitCore
 
 extension Connection {
     /// A bound (InputStream, OutputStream) pair over this connection, for code written for
@@ -11,15 +15,65 @@ extension Connection {
     /// and `write` blocks while the buffer is full, as Foundation's blocking streams do; code driven
     /// by the events never blocks. Closing the output stream half-closes the connection where the
     /// transport allows; closing both closes it. `property(forKey:)` answers
-    /// ``metadataPropertyKey`` with the connection's ``ConnectionMetadata``.
+    /// ``metadataPropertyKey`` with the connection's ``ConnectionMetadata``. Closing (or releasing)
+    /// a stream ends its task: the input side's at once, the output side's once the bytes written
+    /// to it went out (or the connection failed).
+    ///
+    /// Streams are scheduled on a thread's run loop, so they are made and used on that thread: in
+    /// Swift 6 `RunLoop.current` is not available in an `async` function. Connect in async code,
+    /// then hand the (Sendable) connection to the thread:
     ///
     /// ```swift
-    /// let (input, output) = try await Transport.connect(to: "tcp://127.0.0.1:35000").makeStreamPair()
-    /// for stream in [input, output] as [Stream] {
-    ///     stream.delegate = self
-    ///     stream.schedule(in: .current, forMode: .default)
-    ///     stream.open()
+    /// final class Exchange: NSObject, StreamDelegate {
+    ///     private(set) var received: [UInt8] = []
+    ///     private(set) var ended = false
+    ///
+    ///     /// Call on the thread whose run loop delivers the events.
+    ///     func start(_ connection: Connection) {
+    ///         let (input, output) = connection.makeStreamPair()
+    ///         for stream in [input, output] as [Stream] {
+    ///             stream.delegate = self
+    ///             stream.schedule(in: .current, forMode: .default)
+    ///             stream.open()
+    ///         }
+    ///     }
+    ///
+    ///     func stream(_ stream: Stream, handle event: Stream.Event) {
+    ///         switch event {
+    ///         case .hasSpaceAvailable:
+    ///             guard let output = stream as? OutputStream else { return }
+    ///             _ = output.write(Array("ping\n".utf8), maxLength: 5)
+    ///             output.close()
+    ///         case .hasBytesAvailable:
+    ///             guard let input = stream as? InputStream else { return }
+    ///             var buffer = [UInt8](repeating: 0, count: 1024)
+    ///             let count = input.read(&buffer, maxLength: buffer.count)
+    ///             if count > 0 { received += buffer[..<count] }
+    ///         case .endEncountered, .errorOccurred:
+    ///             ended = true
+    ///             stream.close()
+    ///         default:
+    ///             break
+    ///         }
+    ///     }
     /// }
+    ///
+    /// /// Runs an exchange on the calling thread's run loop until the input ends.
+    /// func exchange(over connection: Connection) -> [UInt8] {
+    ///     let exchange = Exchange()
+    ///     exchange.start(connection)
+    ///     // A scheduled stream adds no run-loop source on Linux: keep the run loop waiting with a timer.
+    ///     let keepAlive = Timer(timeInterval: 3600, repeats: true) { _ in }
+    ///     RunLoop.current.add(keepAlive, forMode: .default)
+    ///     defer { keepAlive.invalidate() }
+    ///     while !exchange.ended {
+    ///         _ = RunLoop.current.run(mode: .default, before: Date(timeIntervalSinceNow: 0.1))
+    ///     }
+    ///     return exchange.received
+    /// }
+    ///
+    /// let connection = try await Transport.connect(to: "loop://")
+    /// Thread { print(exchange(over: connection)) }.start()   // "ping\n", echoed by loop://
     /// ```
     public func makeStreamPair(bufferSize: Int = 64 * 1024) -> (InputStream, OutputStream) {
         let pair = StreamPairOwner(connection: self)
@@ -33,22 +87,28 @@ extension Connection {
     public static let metadataPropertyKey = Stream.PropertyKey("TransportKit.metadata")
 }
 
-/// Closes the connection once both streams of a pair are closed.
+/// Closes the connection once both streams of a pair are closed, and cancels what is left of
+/// their tasks then.
 final class StreamPairOwner: Sendable {
     let connection: Connection
-    private let openSides = Mutex(2)
+    private let state = Mutex<(openSides: Int, tasks: [Task<Void, Never>])>((2, []))
 
     init(connection: Connection) { self.connection = connection }
 
+    /// Keeps a side's task, to cancel it when the pair is done.
+    func adopt(_ task: Task<Void, Never>) {
+        state.withLock { $0.tasks.append(task) }
+    }
+
     func sideClosed() {
-        let last = openSides.withLock { sides in
-            sides -= 1
-            return sides == 0
+        let finished = state.withLock { state -> [Task<Void, Never>]? in
+            state.openSides -= 1
+            return state.openSides == 0 ? state.tasks : nil
         }
-        if last {
-            let connection = self.connection
-            Task { try? await connection.close() }
-        }
+        guard let finished else { return }
+        for task in finished { task.cancel() }
+        let connection = self.connection
+        Task { try? await connection.close() }
     }
 }
 
@@ -91,6 +151,9 @@ class BridgeCoreBase: @unchecked Sendable {
     let bufferSize: Int
     let condition = NSCondition()
     let common = Mutex(Common())
+    /// Where the side's task waits (for room, for bytes to send); every `signal` re-checks it.
+    /// Lock order: `pumpWake`'s lock, then `common`'s; never the other way round.
+    let pumpWake = AsyncCondition(())
 
     struct Common: @unchecked Sendable {
         // @unchecked Sendable: guarded by the Mutex that holds it.
@@ -102,6 +165,12 @@ class BridgeCoreBase: @unchecked Sendable {
         var ended = false
         /// hasBytesAvailable/hasSpaceAvailable events posted and not yet delivered (at most one each).
         var pending: Set<UInt> = []
+        /// Outbound only: the application closed the stream; send what is buffered, then stop.
+        var closing = false
+        /// The stream itself while it is scheduled and not closed, as a run loop retains its
+        /// sources: an application need not keep its own reference for events to arrive. Released
+        /// outside the lock (releasing it may run the stream's deinit, which closes this core).
+        var retained: Stream?
     }
 
     init(pair: StreamPairOwner, bufferSize: Int) {
@@ -144,23 +213,47 @@ class BridgeCoreBase: @unchecked Sendable {
     func schedule(in runLoop: RunLoop, forMode mode: RunLoop.Mode, available: Stream.Event) {
         let holds = common.withLock { common in
             common.target.schedules.append((runLoop, mode))
+            if common.status != .closed { common.retained = common.target.stream.stream }
             return common.status == .open && stillHolds(available, common)
         }
         if holds { post(available) }
     }
 
     func remove(from runLoop: RunLoop, forMode mode: RunLoop.Mode) {
-        common.withLock { $0.target.schedules.removeAll { $0.runLoop === runLoop && $0.mode == mode } }
+        let released = common.withLock { common -> Stream? in
+            common.target.schedules.removeAll { $0.runLoop === runLoop && $0.mode == mode }
+            guard common.target.schedules.isEmpty else { return nil }
+            defer { common.retained = nil }
+            return common.retained
+        }
+        withExtendedLifetime(released) {}
     }
 
-    /// Runs `change` under the condition's lock and wakes blocked readers and writers.
+    /// Marks the stream closed and hands out the stream's own reference, to be dropped by the caller
+    /// outside the locks.
+    func markClosed(_ common: inout Common) -> (previous: Stream.Status, retained: Stream?) {
+        let previous = common.status
+        common.status = .closed
+        defer { common.retained = nil }
+        return (previous, common.retained)
+    }
+
+    /// Runs `change` under the condition's lock and wakes blocked readers and writers, and the
+    /// side's task.
+    @discardableResult
     func signal<T>(_ change: (inout Common) -> T) -> T {
         condition.lock()
-        defer {
-            condition.broadcast()
-            condition.unlock()
-        }
-        return common.withLock { change(&$0) }
+        let result = common.withLock { change(&$0) }
+        condition.broadcast()
+        condition.unlock()
+        pumpWake.update { _ in }
+        return result
+    }
+
+    /// Suspends the side's task until `predicate` holds; throws `CancellationError` when the task
+    /// is cancelled (the stream was closed).
+    func pumpWait(until predicate: @escaping @Sendable (Common) -> Bool) async throws {
+        try await pumpWake.wait { [self] _ in common.withLock { predicate($0) } ? () : nil }
     }
 
     /// Blocks while `predicate` holds, then runs `body`, all under the condition's lock.
@@ -173,52 +266,40 @@ class BridgeCoreBase: @unchecked Sendable {
 }
 
 final class InboundCore: BridgeCoreBase, @unchecked Sendable {
+    // @unchecked Sendable: as BridgeCoreBase; the task handle is behind its own Mutex.
     override func stillHolds(_ event: Stream.Event, _ common: Common) -> Bool {
         event != .hasBytesAvailable || (common.status == .open && !common.buffer.isEmpty)
     }
 
-    private let pump = Mutex<(task: Task<Void, Never>?, room: CheckedContinuation<Void, Never>?, endPosted: Bool)>((nil, nil, false))
+    private let endPosted = Mutex(false)
+    /// The task that reads from the connection; cancelled when the stream is closed.
+    private let task = Mutex<Task<Void, Never>?>(nil)
 
     func open() {
         guard beginOpen() else { return }
         post(.openCompleted)
         let task = Task { [self] in await run() }
-        pump.withLock { $0.task = task }
+        self.task.withLock { $0 = task }
+        pair.adopt(task)
     }
 
     private func run() async {
         let connection = pair.connection
-        while !Task.isCancelled {
-            await waitForRoom()
-            do {
-                let room = max(1, bufferSize - common.withLock { $0.buffer.count })
+        let bufferSize = self.bufferSize
+        do {
+            while true {
+                try await pumpWait { $0.buffer.count < bufferSize || $0.status != .open }
+                let room = common.withLock { $0.status == .open ? max(1, bufferSize - $0.buffer.count) : 0 }
+                guard room > 0 else { return }
                 guard let chunk = try await connection.read(maxBytes: room) else { return finish(nil) }
                 signal { $0.buffer += chunk }
                 post(.hasBytesAvailable)
-            } catch {
-                return finish(error is CancellationError ? nil : error)
             }
+        } catch is CancellationError {
+            // The stream was closed.
+        } catch {
+            finish(error)
         }
-    }
-
-    private func waitForRoom() async {
-        await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
-            let full = common.withLock { $0.buffer.count >= bufferSize && $0.status == .open }
-            let parked = full && pump.withLock { pump in
-                pump.room = continuation
-                return true
-            }
-            if !parked { continuation.resume() }
-            // A reader that made room between the check and parking resumes `room` itself.
-            else if common.withLock({ $0.buffer.count < bufferSize || $0.status != .open }) { resumeRoom() }
-        }
-    }
-
-    private func resumeRoom() {
-        pump.withLock { pump in
-            defer { pump.room = nil }
-            return pump.room
-        }?.resume()
     }
 
     private func finish(_ error: (any Error)?) {
@@ -238,9 +319,9 @@ final class InboundCore: BridgeCoreBase, @unchecked Sendable {
     }
 
     private func postEndOnce() {
-        let post = pump.withLock { pump in
-            defer { pump.endPosted = true }
-            return !pump.endPosted
+        let post = endPosted.withLock { posted in
+            defer { posted = true }
+            return !posted
         } && common.withLock { common in
             guard common.status == .open else { return false }
             common.status = .atEnd
@@ -264,7 +345,7 @@ final class InboundCore: BridgeCoreBase, @unchecked Sendable {
             return count
         }
         guard count >= 0 else { return -1 }
-        resumeRoom()
+        pumpWake.update { _ in }  // room for the task
         let (left, ended) = common.withLock { ($0.buffer.count, $0.ended) }
         if left == 0 && ended {
             postEndOnce()
@@ -275,81 +356,65 @@ final class InboundCore: BridgeCoreBase, @unchecked Sendable {
     }
 
     func close() {
-        let wasOpen = signal { common in
-            defer { common.status = .closed }
-            return common.status != .closed
-        }
-        guard wasOpen else { return }
-        pump.withLock { $0.task }?.cancel()
-        resumeRoom()
+        let (previous, retained) = signal { markClosed(&$0) }
+        withExtendedLifetime(retained) {}
+        guard previous != .closed else { return }
+        task.withLock { $0 }?.cancel()
         pair.sideClosed()
     }
 }
 
 final class OutboundCore: BridgeCoreBase, @unchecked Sendable {
+    // @unchecked Sendable: as BridgeCoreBase.
     override func stillHolds(_ event: Stream.Event, _ common: Common) -> Bool {
         event != .hasSpaceAvailable || (common.status == .open && common.buffer.count < bufferSize)
     }
-
-    private let pump = Mutex<(data: CheckedContinuation<Void, Never>?, closing: Bool)>((nil, false))
 
     func open() {
         guard beginOpen() else { return }
         post(.openCompleted)
         post(.hasSpaceAvailable)
-        Task { [self] in await run() }
+        pair.adopt(Task { [self] in await run() })
     }
 
     private func run() async {
         let connection = pair.connection
-        while true {
-            await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
-                let ready = common.withLock { !$0.buffer.isEmpty } || pump.withLock { pump in
-                    if pump.closing { return true }
-                    pump.data = continuation
-                    return false
+        do {
+            while true {
+                try await pumpWait { !$0.buffer.isEmpty || $0.closing }
+                let (chunk, closing) = common.withLock { ($0.buffer, $0.closing) }
+                if !chunk.isEmpty {
+                    do {
+                        try await connection.write(chunk)
+                    } catch {
+                        return fail(error)
+                    }
+                    let wasFull = signal { common -> Bool in
+                        let full = common.buffer.count >= bufferSize
+                        common.buffer.removeFirst(chunk.count)
+                        return full
+                    }
+                    if wasFull && !closing { post(.hasSpaceAvailable) }
+                } else if closing {
+                    if connection.supportsHalfClose { try? await connection.closeWrite() }
+                    return pair.sideClosed()
                 }
-                if ready { continuation.resume() }
-                // A writer that added bytes between the check and parking resumes `data` itself.
-                else if common.withLock({ !$0.buffer.isEmpty }) { resumeData() }
             }
-            let chunk = common.withLock { $0.buffer }
-            let closing = pump.withLock { $0.closing }
-            if !chunk.isEmpty {
-                do {
-                    try await connection.write(chunk)
-                } catch {
-                    return fail(error)
-                }
-                let wasFull = signal { common -> Bool in
-                    let full = common.buffer.count >= bufferSize
-                    common.buffer.removeFirst(chunk.count)
-                    return full
-                }
-                if wasFull && !closing { post(.hasSpaceAvailable) }
-            } else if closing {
-                if connection.supportsHalfClose { try? await connection.closeWrite() }
-                return pair.sideClosed()
-            }
+        } catch {
+            // Cancelled: the pair is done, or the connection closed under it.
         }
     }
 
-    private func resumeData() {
-        pump.withLock { pump in
-            defer { pump.data = nil }
-            return pump.data
-        }?.resume()
-    }
-
     private func fail(_ error: any Error) {
-        signal { common in
+        let closing = signal { common -> Bool in
             if common.status == .open {
                 common.status = .error
                 common.error = error
             }
+            return common.closing
         }
         post(.errorOccurred)
-        if pump.withLock({ $0.closing }) { pair.sideClosed() }
+        if closing { pair.sideClosed() }
     }
 
     var hasSpaceAvailable: Bool {
@@ -365,25 +430,23 @@ final class OutboundCore: BridgeCoreBase, @unchecked Sendable {
             return count
         }
         guard count > 0 else { return count }
-        resumeData()
+        pumpWake.update { _ in }  // bytes for the task
         if hasSpaceAvailable { post(.hasSpaceAvailable) }
         return count
     }
 
     func close() {
-        let previous = signal { common in
-            defer { common.status = .closed }
-            return common.status
+        let (previous, retained) = signal { common -> (Stream.Status, Stream?) in
+            // The task sends what is buffered, half-closes, and reports this side closed.
+            if common.status == .open { common.closing = true }
+            return markClosed(&common)
         }
+        withExtendedLifetime(retained) {}
         switch previous {
-        case .open:
-            // The pump drains what was written, half-closes, and reports this side closed.
-            pump.withLock { $0.closing = true }
-            resumeData()
-        case .closed:
+        case .open, .closed:
             break
         default:
-            // Never opened, or the pump already stopped on an error.
+            // Never opened, or the task already stopped on an error.
             pair.sideClosed()
         }
     }
@@ -391,12 +454,17 @@ final class OutboundCore: BridgeCoreBase, @unchecked Sendable {
 
 /// Forwards every `InputStream` entry point to an ``InboundCore``.
 final class ConnectionInputStream: InputStream {
-    private let core: InboundCore
+    let core: InboundCore
 
     init(core: InboundCore) {
         self.core = core
         super.init(data: Data())
         core.common.withLock { $0.target.stream = StreamReference(stream: self) }
+    }
+
+    deinit {
+        // Released without close(): end the side's task, as close() would.
+        core.close()
     }
 
     override var delegate: (any StreamDelegate)? {
@@ -432,12 +500,17 @@ final class ConnectionInputStream: InputStream {
 
 /// Forwards every `OutputStream` entry point to an ``OutboundCore``.
 final class ConnectionOutputStream: OutputStream {
-    private let core: OutboundCore?
+    let core: OutboundCore?
 
     init(core: OutboundCore) {
         self.core = core
         super.init(toMemory: ())
         core.common.withLock { $0.target.stream = StreamReference(stream: self) }
+    }
+
+    deinit {
+        // Released without close(): send what was written, then end the side's task.
+        core?.close()
     }
 
     /// Foundation requires this initializer; a stream made this way has no connection and

@@ -1,0 +1,79 @@
+// DescriptorChannel.swift: putting a descriptor someone else opened on SwiftNIO's event loop, with a
+// ChannelBackend at the end of its pipeline.
+//   - a connected stream socket (AF_UNIX, AF_BLUETOOTH RFCOMM or L2CAP, one BlueZ handed over):
+//     ClientBootstrap.withConnectedSocket, so closeWrite() is a real shutdown(SHUT_WR);
+//   - a tty or a pipe: NIOPipeBootstrap on a duplicate, so the caller keeps the original for
+//     ioctls (termios, modem lines). Pipes and ttys have no half-close.
+
+import Glibc
+import NIOCore
+import NIOPosix
+import SystemPackage
+import TransportKitCore
+
+/// Adopts descriptors as SwiftNIO channels that end in a ``TransportKitCore/ChannelBackend``.
+///
+/// ```swift
+/// let fd = try Syscall.descriptor("socket", on: "rfcomm") { socket(AF_BLUETOOTH, SOCK_STREAM | SOCK_CLOEXEC, BTPROTO_RFCOMM) }
+/// // … connect(2) …
+/// let backend = try await DescriptorChannel.adoptSocket(fd, describing: "rfcomm://00:0A:3A:22:68:73:3")
+/// return Connection(url: request.url, backend: backend)
+/// ```
+public enum DescriptorChannel {
+    /// Takes ownership of a connected stream socket: the channel closes it, and when it cannot be
+    /// adopted (not an open stream socket) it is closed here. `closeWrite()` shuts down the sending
+    /// direction (the peer reads an end). A SOCK_SEQPACKET socket is refused: SwiftNIO's reads
+    /// would cut records larger than its buffer; read those with `FileDescriptor.wait(until:)`.
+    public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String, messages: Bool = false,
+                                   watermarks: InboundQueue.Watermarks = .standard) async throws -> ChannelBackend {
+        // SwiftNIO traps on a descriptor it cannot use (EBADF); check first.
+        var type: Int32 = 0
+        var length = socklen_t(MemoryLayout<Int32>.size)
+        do {
+            try Syscall.run("getsockopt(SO_TYPE)", on: describing) { getsockopt(fd.rawValue, SOL_SOCKET, SO_TYPE, &type, &length) }
+            guard type == Int32(SOCK_STREAM.rawValue) else {
+                throw TransportError.misuse("\(describing) is not a stream socket (SO_TYPE \(type)); only SOCK_STREAM sockets go on the event loop")
+            }
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
+        do {
+            return try await ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
+                .channelOption(.allowRemoteHalfClosure, value: true)
+                .withConnectedSocket(fd.rawValue) { channel in
+                    channel.eventLoop.makeCompletedFuture {
+                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: true,
+                                                   messages: messages, watermarks: watermarks)
+                    }
+                }
+        } catch {
+            throw TransportError.from(error, context: "putting \(describing) on the event loop")
+        }
+    }
+
+    /// Puts duplicates of a tty or pipe descriptor on the event loop (one for reading, one for
+    /// writing, as SwiftNIO's pipe channel wants); the caller keeps `fd` (and closes it), the
+    /// channel owns and closes the duplicates.
+    public static func adoptDuplicate(of fd: SystemPackage.FileDescriptor, describing: String,
+                                      watermarks: InboundQueue.Watermarks = .standard) async throws -> ChannelBackend {
+        let input = try fd.duplicateCloseOnExec(describing: describing)
+        let output: SystemPackage.FileDescriptor
+        do {
+            output = try fd.duplicateCloseOnExec(describing: describing)
+        } catch {
+            input.closeOwned()
+            throw error
+        }
+        do {
+            return try await NIOPipeBootstrap(group: MultiThreadedEventLoopGroup.singleton)
+                .takingOwnershipOfDescriptors(input: input.rawValue, output: output.rawValue) { channel in
+                    channel.eventLoop.makeCompletedFuture {
+                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: false, watermarks: watermarks)
+                    }
+                }
+        } catch {
+            throw TransportError.from(error, context: "putting \(describing) on the event loop")
+        }
+    }
+}

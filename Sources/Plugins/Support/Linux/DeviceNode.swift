@@ -1,0 +1,105 @@
+// DeviceNode.swift: explaining why a device node (/dev/ttyUSB0, /dev/bus/usb/001/004) cannot be
+// used — stat(2), getgroups(2), getpwuid(3)/getgrgid(3) for "permission denied", and /proc/locks
+// (proc(5)) with /proc/PID/comm to name the process holding a lock. Shared by every plugin that
+// opens device nodes, so each error tells a person what to do.
+
+import Glibc
+import SystemPackage
+
+/// Facts about a device node for error messages.
+public enum DeviceNode {
+    /// "permission denied opening /dev/ttyUSB0: owned by root:dialout, mode crw-rw----; this process
+    /// (uid 1000) is not in group dialout. Fixes: …", ending with `udevRule` as the rule to install.
+    ///
+    /// ```swift
+    /// DeviceNode.permissionMessage(path: "/dev/bus/usb/001/004") { group in
+    ///     #"SUBSYSTEM=="usb", ATTR{idVendor}=="1d6b", ATTR{idProduct}=="0104", MODE="0660", GROUP="\#(group)""#
+    /// }
+    /// ```
+    public static func permissionMessage(path: String, udevRule: (_ group: String) -> String) -> String {
+        var message = "permission denied opening \(path)"
+        var info = stat()
+        guard stat(path, &info) == 0 else { return message + ": check its permissions" }
+        let owner = userName(info.st_uid)
+        let group = groupName(info.st_gid)
+        message += ": owned by \(owner):\(group), mode \(modeString(info.st_mode))"
+        let member = getegid() == info.st_gid || supplementaryGroups().contains(info.st_gid)
+        message += member
+            ? "; this process (uid \(geteuid())) is in group \(group), so something else refuses access (an LSM policy, or a group added after login: log in again)"
+            : "; this process (uid \(geteuid())) is not in group \(group)"
+        message += ". Fixes: add the user to the group (`sudo usermod -aG \(group) $USER`, then log in again), or install a udev rule such as \(udevRule(group)) in /etc/udev/rules.d/"
+        return message
+    }
+
+    /// "process 1234 (minicom)" when /proc/locks shows who holds a flock(2) on the node.
+    public static func lockHolder(path: String) -> String? {
+        var info = stat()
+        guard stat(path, &info) == 0, let locks = readText("/proc/locks") else { return nil }
+        // Lines look like "1: FLOCK  ADVISORY  WRITE 1234 00:05:87 0 EOF" (device as major:minor in hex).
+        let dev = UInt64(info.st_dev)
+        let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & ~UInt64(0xfff))   // glibc's gnu_dev_major, a macro in C
+        let minor = (dev & 0xff) | ((dev >> 12) & ~UInt64(0xff))
+        let device = "\(hex2(major)):\(hex2(minor)):\(UInt64(info.st_ino))"
+        for line in locks.split(separator: "\n") {
+            let fields = line.split(separator: " ", omittingEmptySubsequences: true)
+            guard fields.count >= 6, fields[1] == "FLOCK", fields[5] == device, let pid = Int(fields[4]) else { continue }
+            return describeProcess(pid)
+        }
+        return nil
+    }
+
+    /// "process 1234 (minicom)", or "process 1234" when its name cannot be read.
+    public static func describeProcess(_ pid: Int) -> String {
+        let command = readText("/proc/\(pid)/comm").map { String($0.prefix { $0 != "\n" }) }
+        return "process \(pid)" + (command.map { " (\($0))" } ?? "")
+    }
+
+    /// `crw-rw----`, as ls(1) shows a mode.
+    public static func modeString(_ mode: mode_t) -> String {
+        let type: Character = switch mode & S_IFMT {
+        case S_IFCHR: "c"
+        case S_IFDIR: "d"
+        case S_IFLNK: "l"
+        default: "-"
+        }
+        let letters: [(mode_t, Character)] = [(S_IRUSR, "r"), (S_IWUSR, "w"), (S_IXUSR, "x"), (S_IRGRP, "r"), (S_IWGRP, "w"),
+                                              (S_IXGRP, "x"), (S_IROTH, "r"), (S_IWOTH, "w"), (S_IXOTH, "x")]
+        return String(type) + String(letters.map { mode & $0.0 != 0 ? $0.1 : "-" })
+    }
+
+    /// A text file's contents (a /proc file, up to `limit` bytes), or nil.
+    public static func readText(_ path: String, limit: Int = 1 << 20) -> String? {
+        guard let fd = try? FileDescriptor.open(path, .readOnly, options: [.closeOnExec]) else { return nil }
+        defer { try? fd.close() }
+        var bytes: [UInt8] = []
+        var chunk = [UInt8](repeating: 0, count: 4096)
+        while bytes.count < limit {
+            guard let count = try? chunk.withUnsafeMutableBytes({ try fd.read(into: $0) }), count > 0 else { break }
+            bytes += chunk[..<count]
+        }
+        return String(decoding: bytes, as: UTF8.self)
+    }
+
+    private static func hex2(_ value: UInt64) -> String {
+        let text = String(value, radix: 16)
+        return text.count < 2 ? "0" + text : text
+    }
+
+    private static func supplementaryGroups() -> [gid_t] {
+        let count = getgroups(0, nil)
+        guard count > 0 else { return [] }
+        var groups = [gid_t](repeating: 0, count: Int(count))
+        let filled = getgroups(count, &groups)
+        return filled > 0 ? Array(groups.prefix(Int(filled))) : []
+    }
+
+    private static func groupName(_ gid: gid_t) -> String {
+        guard let entry = getgrgid(gid), let name = entry.pointee.gr_name else { return String(gid) }
+        return String(cString: name)
+    }
+
+    private static func userName(_ uid: uid_t) -> String {
+        guard let entry = getpwuid(uid), let name = entry.pointee.pw_name else { return String(uid) }
+        return String(cString: name)
+    }
+}

@@ -1,0 +1,146 @@
+import NIOCore
+
+/// What a plugin implements to carry bytes. ``Connection`` wraps it with everything else
+/// (counters, leftovers, read timeouts, message reads, chunking to the MTU, closing exactly once).
+///
+/// Contract:
+/// - `read()` returns the next chunk (or message) of inbound bytes, `nil` at the end of the
+///   stream, and throws a ``TransportError`` when the stream ended abnormally. It is called by one
+///   task at a time, must return bytes that already arrived before reporting an end or error, and
+///   must honour task cancellation (throw `CancellationError` without consuming bytes). An
+///   ``InboundQueue`` does all of this.
+/// - `write(_:)` suspends while the transport's bounded buffer is full (a ``WriterGate``); returning
+///   means the bytes were accepted into that buffer. It never gets more than
+///   ``maximumWriteSize`` bytes: the connection chunks larger writes.
+/// - `closeWrite()` sends an end-of-stream to the peer after every accepted byte (TCP FIN);
+///   transports without half-close throw ``TransportError/Kind/unsupported``.
+/// - `close()` delivers bytes already accepted where the transport allows, then releases every
+///   resource. It is called once.
+/// - `connectionDropped()` is called instead of `close()` when the application let the connection
+///   go without closing it: release what you hold without waiting.
+///
+/// ```swift
+/// final class SensorBackend: ConnectionBackend {
+///     let inbound = InboundQueue()
+///     let supportsHalfClose = false
+///     func read() async throws -> ByteBuffer? { try await inbound.next() }
+///     func write(_ buffer: ByteBuffer) async throws { try await device.send(buffer) }
+///     func closeWrite() async throws { throw TransportError(.unsupported, "sensor:// cannot half-close") }
+///     func close() async throws { device.stop(); inbound.finish() }
+/// }
+/// ```
+public protocol ConnectionBackend: AnyObject, Sendable {
+    func read() async throws -> ByteBuffer?
+    func write(_ buffer: ByteBuffer) async throws
+    func closeWrite() async throws
+    func close() async throws
+    /// `true` when ``closeWrite()`` is supported.
+    var supportsHalfClose: Bool { get }
+    /// An executor that runs tasks where this backend does its I/O, if it has one; see
+    /// ``Connection/preferredExecutor``.
+    var preferredExecutor: (any TaskExecutor)? { get }
+    /// `true` when every chunk ``read()`` returns is one message (a SEQPACKET record, a GATT value,
+    /// a WebSocket message, a USB packet) and every ``write(_:)`` sends one.
+    var carriesMessages: Bool { get }
+    /// The most bytes one ``write(_:)`` may carry (an L2CAP send MTU, an ATT payload), read before
+    /// every write, so it may change while connected; `nil` for no limit.
+    var maximumWriteSize: Int? { get }
+    /// The application dropped its connection without closing it.
+    func connectionDropped()
+}
+
+extension ConnectionBackend {
+    public var preferredExecutor: (any TaskExecutor)? { nil }
+    public var carriesMessages: Bool { false }
+    public var maximumWriteSize: Int? { nil }
+    public func connectionDropped() {}
+}
+
+/// A transport-specific control call (serial line settings, modem lines, break, flush), as the
+/// layers around a connection see it: ``WrappingBackend/willPerform(_:)`` before it runs.
+///
+/// ```swift
+/// ControlOperation("DTR", "on")
+/// ```
+public struct ControlOperation: Sendable, Equatable, CustomStringConvertible {
+    /// What is done, short: `"DTR"`, `"break"`, `"settings"`, `"modem lines?"`.
+    public var name: String
+    /// The arguments, readable: `"on"`, `"250 ms"`, `"115200 8N1"`.
+    public var detail: String
+
+    public init(_ name: String, _ detail: String = "") {
+        self.name = name
+        self.detail = detail
+    }
+
+    public var description: String { detail.isEmpty ? name : "\(name) \(detail)" }
+}
+
+/// A backend that wraps another connection (`spy+tcp://…`). The ``Connection`` around it is
+/// transparent: its ``Connection/metadata``, ``Connection/preferredExecutor`` and the plugin
+/// accessors that look for a backend type (`connection.serialPort`) reach through to the wrapped
+/// connection; control calls made through them are announced to every wrapping layer first.
+///
+/// ```swift
+/// final class CountingBackend: WrappingBackend {
+///     let wrapped: Connection
+///     init(wrapping connection: Connection) { wrapped = connection }
+///     func read() async throws -> ByteBuffer? { try await wrapped.readBuffer() }
+///     func write(_ buffer: ByteBuffer) async throws { try await wrapped.write(buffer) }
+///     func closeWrite() async throws { try await wrapped.closeWrite() }
+///     func close() async throws { try await wrapped.close() }
+/// }
+/// ```
+public protocol WrappingBackend: ConnectionBackend {
+    /// The connection this backend wraps. It owns it: `close()` closes it.
+    var wrapped: Connection { get }
+    /// A control call is about to run on the wrapped transport.
+    func willPerform(_ operation: ControlOperation)
+    /// A control call finished: its result, described (`"CTS DSR"`), or its error.
+    func didPerform(_ operation: ControlOperation, outcome: Result<String?, any Error>)
+}
+
+extension WrappingBackend {
+    public var supportsHalfClose: Bool { wrapped.supportsHalfClose }
+    public var preferredExecutor: (any TaskExecutor)? { wrapped.preferredExecutor }
+    public var carriesMessages: Bool { wrapped.carriesMessages }
+    /// The wrapped connection's limit: the outer connection chunks, so each chunk passes through
+    /// the wrapper as it will go out.
+    public var maximumWriteSize: Int? { wrapped.maximumWriteSize }
+    public func willPerform(_ operation: ControlOperation) {}
+    public func didPerform(_ operation: ControlOperation, outcome: Result<String?, any Error>) {}
+}
+
+/// What a transport knows about the other end, like CornucopiaStreams' `CC_meta`.
+/// Every field is optional; `extra` holds transport-specific facts (a pty's peer path, …).
+public struct ConnectionMetadata: Sendable, Equatable, Codable {
+    public var name: String?
+    public var manufacturer: String?
+    public var model: String?
+    public var serialNumber: String?
+    public var firmwareVersion: String?
+    /// The largest write the transport carries in one unit (BLE ATT payload, L2CAP MTU).
+    public var mtu: Int?
+    public var localAddress: String?
+    public var remoteAddress: String?
+    public var extra: [String: String]
+
+    /// Metadata; every field is optional.
+    ///
+    /// ```swift
+    /// ConnectionMetadata(name: "loopback", extra: ["buffer": "4096"])
+    /// ```
+    public init(name: String? = nil, manufacturer: String? = nil, model: String? = nil, serialNumber: String? = nil,
+                firmwareVersion: String? = nil, mtu: Int? = nil, localAddress: String? = nil,
+                remoteAddress: String? = nil, extra: [String: String] = [:]) {
+        self.name = name
+        self.manufacturer = manufacturer
+        self.model = model
+        self.serialNumber = serialNumber
+        self.firmwareVersion = firmwareVersion
+        self.mtu = mtu
+        self.localAddress = localAddress
+        self.remoteAddress = remoteAddress
+        self.extra = extra
+    }
+}

@@ -1,0 +1,285 @@
+import NIOCore
+import SystemPackage
+import Synchronization
+
+/// A ``ConnectionBackend`` over a SwiftNIO `Channel`: what every socket-like plugin shares (tcp,
+/// unix, tty, pty, and later Bluetooth sockets and TLS or WebSocket pipelines).
+///
+/// Backpressure both ways, nothing unbounded:
+/// - inbound: bytes go through an ``InboundQueue``; past its high watermark the backend holds NIO's
+///   `read()`, so the kernel's socket buffer fills and the peer's TCP window closes.
+/// - outbound: `write` hands bytes to NIO and counts them until NIO has written them to the kernel
+///   (or failed); past 64 KiB in flight it waits at a ``WriterGate`` until fewer than 32 KiB are,
+///   NIO's own write-buffer watermarks. Counted here rather than read from `channel.isWritable`,
+///   which a writer off the event loop would read before the loop has seen its writes: a starved
+///   loop would let it run megabytes ahead.
+///
+/// Built in one step: ``install(on:describing:supportsHalfClose:messages:watermarks:)`` adds the
+/// backend's handler at the end of the pipeline, on the channel's event loop, before a byte can
+/// arrive. Handlers a plugin adds first (TLS, a WebSocket codec) sit in front of it; the backend
+/// reads and writes `ByteBuffer`s, and with `messages: true` each inbound `ByteBuffer` is a message.
+///
+/// ```swift
+/// let backend = try await ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
+///     .connect(host: host, port: port) { channel in
+///         channel.eventLoop.makeCompletedFuture {
+///             try ChannelBackend.install(on: channel, describing: "tcp://\(host):\(port)", supportsHalfClose: true)
+///         }
+///     }
+/// return Connection(url: request.url, backend: backend)
+/// ```
+///
+/// Ownership: the backend owns the channel and closes it in ``close()``, or at once in
+/// ``connectionDropped()`` when the application let its connection go without closing.
+public final class ChannelBackend: ConnectionBackend {
+    /// The channel this backend reads and writes.
+    public let channel: any Channel
+    public let supportsHalfClose: Bool
+    public let carriesMessages: Bool
+    /// Names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
+    public let describing: String
+    private let inbound: InboundQueue
+    private let writers: WriterGate
+    private let executor: EventLoopTaskExecutor
+    private let writeState = Mutex(WriteState())
+    /// Bytes handed to the channel and not yet written to the kernel (or failed).
+    private let inFlight = Atomic(0)
+    /// NIO's default write-buffer watermarks: a writer waits above the high one until the bytes in
+    /// flight drop to the low one.
+    static let writeHighWatermark = 64 * 1024
+    static let writeLowWatermark = 32 * 1024
+
+    private struct WriteState {
+        var failure: TransportError?
+        var failureReported = false
+        var lastWrite: EventLoopFuture<Void>?
+    }
+
+    private init(channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool,
+                 watermarks: InboundQueue.Watermarks) {
+        self.channel = channel
+        self.describing = describing
+        self.supportsHalfClose = supportsHalfClose
+        self.carriesMessages = messages
+        let executor = EventLoopTaskExecutor(channel.eventLoop)
+        self.executor = executor
+        self.inbound = InboundQueue(watermarks: watermarks, messages: messages, resumingInlineOn: executor) { [channel] in
+            channel.read()
+        }
+        self.writers = WriterGate()
+    }
+
+    /// Creates the backend for `channel` and adds its handler at the end of the pipeline. Call it
+    /// on the channel's event loop, in a bootstrap's channel initializer, after the plugin's own
+    /// handlers.
+    ///
+    /// - Parameters:
+    ///   - describing: names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
+    ///   - supportsHalfClose: `true` when `close(mode: .output)` sends an end of stream (sockets).
+    ///   - messages: `true` when each `ByteBuffer` that reaches the handler is one message.
+    ///   - watermarks: bytes kept for the application before reading from the kernel pauses.
+    public static func install(on channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool = false,
+                               watermarks: InboundQueue.Watermarks = .standard) throws -> ChannelBackend {
+        let backend = ChannelBackend(channel: channel, describing: describing, supportsHalfClose: supportsHalfClose,
+                                     messages: messages, watermarks: watermarks)
+        try channel.pipeline.syncOperations.addHandler(Handler(backend: backend))
+        return backend
+    }
+
+    /// An executor on the channel's event loop; see ``EventLoopTaskExecutor``. A reader parked in a
+    /// task that prefers it is resumed inside the read that brought its bytes.
+    public var preferredExecutor: (any TaskExecutor)? { executor }
+
+    public func read() async throws -> ByteBuffer? {
+        try await inbound.next()
+    }
+
+    public func write(_ buffer: ByteBuffer) async throws {
+        if let failure = takeUnreportedWriteFailure() { throw failure }
+        let size = buffer.readableBytes
+        // Counted before the hand-over: on the event loop the write may complete inside it.
+        let inFlightNow = inFlight.add(size, ordering: .relaxed).newValue
+        let promise = channel.eventLoop.makePromise(of: Void.self)
+        channel.writeAndFlush(buffer, promise: promise)
+        // Bookkeeping after handing the bytes over, so that on the event loop it is not between the
+        // read that woke this task and the write syscall. A write that already completed runs the
+        // callback at once, so nothing is missed.
+        promise.futureResult.whenComplete { [self] result in
+            let before = inFlight.subtract(size, ordering: .relaxed).oldValue
+            if case .failure(let error) = result {
+                recordWriteFailure(TransportError.from(error, context: "writing to \(describing)"))
+            }
+            if before > Self.writeLowWatermark && before - size <= Self.writeLowWatermark { writers.signal() }
+        }
+        writeState.withLock { $0.lastWrite = promise.futureResult }
+        if inFlightNow > Self.writeHighWatermark {
+            // Checked again under the gate's lock; the completion that crosses the low mark signals.
+            try await writers.wait { [self] in inFlight.load(ordering: .relaxed) <= Self.writeLowWatermark }
+        }
+    }
+
+    /// Drops bytes received but not read yet (a serial port's input flush) and resumes reading
+    /// from the kernel if it was paused for them.
+    public func discardBufferedInbound() {
+        inbound.discardBuffered()
+    }
+
+    /// Waits until every byte written so far has been handed to the kernel (or failed).
+    public func flushPendingWrites() async {
+        await writeState.withLock { $0.lastWrite }?.flushed()
+    }
+
+    public func closeWrite() async throws {
+        await flushPendingWrites()
+        if let failure = takeUnreportedWriteFailure() { throw failure }
+        do {
+            try await channel.close(mode: .output).get()
+        } catch {
+            throw TransportError.from(error, context: "half-closing \(describing)")
+        }
+    }
+
+    public func close() async throws {
+        await flushPendingWrites()
+        do {
+            try await channel.close().get()
+        } catch ChannelError.alreadyClosed {
+            // The peer closed first; nothing left to release.
+        } catch {
+            throw TransportError.from(error, context: "closing \(describing)")
+        }
+        if let failure = takeUnreportedWriteFailure() {
+            throw TransportError(failure.kind, "bytes written to \(describing) were not delivered: \(failure.message)",
+                                 errno: failure.errno, syscall: failure.syscall)
+        }
+    }
+
+    public func connectionDropped() {
+        channel.close(promise: nil)
+    }
+
+    /// Why writing can no longer succeed: the error that ended the channel, or a plain "closed".
+    private static func disconnectedError(_ inbound: InboundQueue, _ describing: String) -> TransportError {
+        inbound.failure ?? TransportError(.disconnected, "the connection to \(describing) is closed")
+    }
+
+    /// Keeps the first write failure. A write that found the channel already closed knows no
+    /// errno; if a read error closed it (a reset, an unplugged device), that error is the cause.
+    private func recordWriteFailure(_ error: TransportError) {
+        let cause = inbound.failure
+        writeState.withLock { state in
+            guard state.failure == nil else { return }
+            if error.errno == nil, let cause, cause.errno != nil {
+                state.failure = cause
+            } else {
+                state.failure = error
+            }
+        }
+    }
+
+    private func takeUnreportedWriteFailure() -> TransportError? {
+        writeState.withLock { state in
+            guard let failure = state.failure, !state.failureReported else { return nil }
+            state.failureReported = true
+            return failure
+        }
+    }
+
+    /// The NIO side: feeds the inbound queue, holds `read()` while it is full, fails the writer gate
+    /// when the channel ends. It holds the queue and the gate, not the backend, so the backend does
+    /// not keep itself.
+    private final class Handler: ChannelDuplexHandler, Sendable {
+        typealias InboundIn = ByteBuffer
+        typealias OutboundIn = ByteBuffer
+        typealias OutboundOut = ByteBuffer
+
+        let inbound: InboundQueue
+        let writers: WriterGate
+        let describing: String
+
+        init(backend: ChannelBackend) {
+            inbound = backend.inbound
+            writers = backend.writers
+            describing = backend.describing
+        }
+
+        func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+            inbound.append(Self.unwrapInboundIn(data))
+        }
+
+        func read(context: ChannelHandlerContext) {
+            if inbound.shouldProduce() { context.read() }
+        }
+
+        func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+            if let event = event as? ChannelEvent, event == .inputClosed {
+                inbound.finish()
+            }
+            context.fireUserInboundEventTriggered(event)
+        }
+
+        func channelInactive(context: ChannelHandlerContext) {
+            inbound.finish()
+            writers.fail(ChannelBackend.disconnectedError(inbound, describing))
+            context.fireChannelInactive()
+        }
+
+        func errorCaught(context: ChannelHandlerContext, error: any Error) {
+            let failure = TransportError.from(error, context: "reading from \(describing)")
+            inbound.fail(failure)
+            writers.fail(failure)
+            context.close(promise: nil)
+        }
+
+    }
+}
+
+extension EventLoopFuture where Value == Void {
+    /// Waits for the write to finish either way; its failure is recorded elsewhere.
+    func flushed() async {
+        _ = try? await self.get()
+    }
+}
+
+extension TransportError {
+    /// Maps a SwiftNIO error to a ``TransportError``, keeping errno and the system call name.
+    /// `context` says what was being done, such as "connecting to tcp://host:port".
+    /// `syscall` names the call when the caller knows it better than the error does.
+    ///
+    /// ```swift
+    /// throw TransportError.from(error, context: "connecting to \(target)", syscall: "connect")
+    /// ```
+    public static func from(_ error: any Error, context: String, syscall knownSyscall: String? = nil) -> TransportError {
+        if let error = error as? TransportError { return error }
+        if let error = error as? IOError {
+            // IOError's description is "<syscall>(<args>): <strerror> (errno: N)" for system calls,
+            // and a phrase such as "connection reset (error set): …" otherwise.
+            let text = error.description
+            let prefix = text.firstIndex(of: "(").map { String(text[..<$0]) }
+            let syscall = knownSyscall ?? prefix.flatMap { $0.allSatisfy { $0.isLetter || $0.isNumber || $0 == "_" } ? $0 : nil }
+            let errno = Errno(rawValue: error.errnoCode)
+            let kind = TransportError.Kind(errno: errno)
+            return TransportError(kind, "\(context) failed: \(errno.symbolicDescription)\(hint(for: kind))",
+                                  errno: errno, syscall: syscall)
+        }
+        if let error = error as? ChannelError {
+            switch error {
+            case .connectTimeout(let timeout):
+                return TransportError(.timedOut, "\(context) did not finish within \(Duration.nanoseconds(timeout.nanoseconds).secondsText); check that the peer is reachable, or raise ?timeout=")
+            case .ioOnClosedChannel, .alreadyClosed, .outputClosed, .inputClosed, .eof:
+                return TransportError(.disconnected, "\(context) failed: the connection is closed")
+            default:
+                break
+            }
+        }
+        return TransportError(.io, "\(context) failed: \(error)")
+    }
+
+    static func hint(for kind: Kind) -> String {
+        switch kind {
+        case .disconnected: "; the peer closed the connection or the link dropped, reconnect to go on"
+        case .permissionDenied: "; check the permissions of the path or device"
+        default: ""
+        }
+    }
+}

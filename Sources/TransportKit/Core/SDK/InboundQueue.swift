@@ -1,0 +1,310 @@
+import NIOCore
+import Synchronization
+
+/// The inbound side of a backend: what the transport received and the application has not read
+/// yet, bounded, with one reader. ``ChannelBackend``, `loop://` and callback-driven plugins (USB
+/// transfers, GATT notifications) all deliver through it.
+///
+/// - **Bounded**: once ``Watermarks/high`` bytes wait unread, ``append(_:)`` answers
+///   ``Demand/pause`` (and ``shouldProduce()`` `false`): the producer stops taking data from its
+///   source (NIO holds its `read()`, a USB plugin stops resubmitting transfers), so the kernel's or
+///   the device's own flow control reaches the sender. When the reader has drained the backlog
+///   below ``Watermarks/low``, the queue calls `onResume` once, and the producer goes on. Data that
+///   was already in flight is still accepted: nothing is dropped.
+/// - **Ordered ends**: ``finish()`` and ``fail(_:)`` are seen by the reader only after every
+///   element appended before them.
+/// - **One reader**: ``next()`` parks at most one task; a second concurrent reader gets a
+///   ``TransportError/Kind/misuse`` error. Cancelling the parked reader resumes it with
+///   `CancellationError` and consumes nothing: the next ``next()`` gets the element.
+/// - **Messages**: with `messages: true` every appended buffer is one message (a SEQPACKET record, a
+///   GATT value, a WebSocket message, a USB packet), empty ones included, handed out whole; the
+///   connection then offers ``Connection/readMessage(timeout:)``. Byte streams drop empty buffers.
+///
+/// ```swift
+/// let queue = InboundQueue(watermarks: .init(low: 16 * 1024, high: 64 * 1024)) { device.resumeTransfers() }
+/// // producer (a C library's callback thread):
+/// if queue.append(ByteBuffer(bytes: packet)) == .pause { device.pauseTransfers() }
+/// // consumer (the backend's read()):
+/// let next = try await queue.next()   // nil after queue.finish()
+/// ```
+public final class InboundQueue: Sendable {
+    /// Where the producer is asked to pause and to resume, in bytes waiting unread.
+    public struct Watermarks: Sendable, Hashable {
+        /// A paused producer is resumed once fewer bytes than this wait.
+        public let low: Int
+        /// The producer is asked to pause once this many bytes wait.
+        public let high: Int
+
+        /// Watermarks with `0 < low <= high` (`low == high`: resume as soon as there is room).
+        ///
+        /// ```swift
+        /// let small = InboundQueue.Watermarks(low: 2048, high: 4096)
+        /// ```
+        public init(low: Int, high: Int) {
+            precondition(low > 0 && low <= high, "InboundQueue.Watermarks needs 0 < low <= high (got \(low), \(high))")
+            self.low = low
+            self.high = high
+        }
+
+        /// 128 KiB and 256 KiB: what a socket's own buffers hold, so a fast peer is not stalled by
+        /// the hand-over while a slow application still bounds memory.
+        public static let standard = Watermarks(low: 128 * 1024, high: 256 * 1024)
+    }
+
+    /// What the producer should do after ``append(_:)``.
+    public enum Demand: Sendable, Equatable {
+        /// Keep producing.
+        case more
+        /// Stop taking data from the source until `onResume` is called.
+        case pause
+    }
+
+    public let watermarks: Watermarks
+    /// `true` when every element is a message (see the type's documentation).
+    public let carriesMessages: Bool
+    private let onResume: @Sendable () -> Void
+    private let executor: EventLoopTaskExecutor?
+    private let state: Mutex<State>
+
+    private struct State {
+        var buffered = CircularBuffer<ByteBuffer>()
+        var bufferedBytes = 0
+        var reader: UnsafeContinuation<ByteBuffer?, any Error>?
+        var end: Result<Void, TransportError>?
+        /// The producer was told to pause and is owed an `onResume`.
+        var paused = false
+    }
+
+    /// - Parameters:
+    ///   - watermarks: where the producer pauses and resumes.
+    ///   - messages: `true` when every appended buffer is a message.
+    ///   - executor: the event loop the producer appends on, when it is one; a reader parked in a
+    ///     task that prefers it is then resumed inside ``append(_:)`` (see
+    ///     ``EventLoopTaskExecutor/resumeInline(_:)``).
+    ///   - onResume: called (on the reader's thread, outside any lock) when a paused producer may
+    ///     produce again.
+    public init(watermarks: Watermarks = .standard, messages: Bool = false, resumingInlineOn executor: EventLoopTaskExecutor? = nil,
+                onResume: @escaping @Sendable () -> Void = {}) {
+        self.watermarks = watermarks
+        self.carriesMessages = messages
+        self.executor = executor
+        self.onResume = onResume
+        self.state = Mutex(State())
+    }
+
+    /// The bytes an element counts against the watermarks: an empty message still counts one, so a
+    /// flood of them cannot grow the queue without bound.
+    private func weight(_ element: ByteBuffer) -> Int {
+        carriesMessages ? max(1, element.readableBytes) : element.readableBytes
+    }
+
+    // MARK: Producer
+
+    /// Hands `element` to the parked reader, or queues it. Elements appended after ``finish()`` or
+    /// ``fail(_:)`` are dropped (the stream has ended).
+    ///
+    /// ```swift
+    /// if queue.append(chunk) == .pause { stopReading() }
+    /// ```
+    @discardableResult
+    public func append(_ element: ByteBuffer) -> Demand {
+        if !carriesMessages && element.readableBytes == 0 { return .more }
+        let weight = self.weight(element)
+        let (reader, demand): (UnsafeContinuation<ByteBuffer?, any Error>?, Demand) = state.withLock { state in
+            guard state.end == nil else { return (nil, .pause) }
+            if let reader = state.reader {
+                state.reader = nil
+                return (reader, .more)
+            }
+            state.buffered.append(element)
+            state.bufferedBytes += weight
+            guard state.bufferedBytes >= watermarks.high else { return (nil, .more) }
+            state.paused = true
+            return (nil, .pause)
+        }
+        if let reader {
+            if let executor {
+                executor.resumeInline { reader.resume(returning: element) }
+            } else {
+                reader.resume(returning: element)
+            }
+        }
+        return demand
+    }
+
+    /// Asks before producing (SwiftNIO's `read()`): `false` while the high watermark is reached,
+    /// and `onResume` follows once the reader has made room.
+    public func shouldProduce() -> Bool {
+        state.withLock { state in
+            guard state.bufferedBytes >= watermarks.high else { return true }
+            state.paused = true
+            return false
+        }
+    }
+
+    /// Ends the stream after the elements already appended: the reader then gets `nil`.
+    public func finish() {
+        end(.success(()))
+    }
+
+    /// Ends the stream after the elements already appended: the reader then gets `error`. Only the
+    /// first end counts.
+    public func fail(_ error: TransportError) {
+        end(.failure(error))
+    }
+
+    private func end(_ result: Result<Void, TransportError>) {
+        let reader = state.withLock { state -> UnsafeContinuation<ByteBuffer?, any Error>? in
+            if state.end == nil { state.end = result }
+            guard let reader = state.reader else { return nil }
+            state.reader = nil
+            return reader
+        }
+        // A parked reader means nothing is buffered. Resumed here, not inline: see resumeInline.
+        reader?.resume(with: result.map { nil }.mapError { $0 })
+    }
+
+    // MARK: Consumer
+
+    /// The next element, `nil` once the stream has finished, or the error it failed with.
+    ///
+    /// ```swift
+    /// while let chunk = try await queue.next() { consume(chunk) }
+    /// ```
+    ///
+    /// - Throws: the stream's error; `CancellationError` when the task is cancelled while waiting
+    ///   (nothing is consumed); ``TransportError/Kind/misuse`` when another task is already waiting.
+    public func next() async throws -> ByteBuffer? {
+        if case .ready(let element) = try take() { return element }
+        return try await withTaskCancellationHandler {
+            // Unsafe rather than checked (the checked one allocates per read): every path that
+            // resumes the reader first takes it out of `State` under the lock, so it resumes once.
+            try await withUnsafeThrowingContinuation { (continuation: UnsafeContinuation<ByteBuffer?, any Error>) in
+                park(continuation)
+            }
+        } onCancel: {
+            state.withLock { state in
+                defer { state.reader = nil }
+                return state.reader
+            }?.resume(throwing: CancellationError())
+        }
+    }
+
+    private enum Taken {
+        /// An element, or `nil` for the end.
+        case ready(ByteBuffer?)
+        case wait
+    }
+
+    /// An element or the end, if one is there now.
+    private func take() throws -> Taken {
+        let (ready, resume): (Result<ByteBuffer?, TransportError>?, Bool) = state.withLock { state in
+            if let element = state.buffered.popFirst() {
+                state.bufferedBytes -= weight(element)
+                let resume = state.paused && state.bufferedBytes < watermarks.low
+                if resume { state.paused = false }
+                return (.success(element), resume)
+            }
+            if let end = state.end { return (end.map { nil }, false) }
+            return (nil, false)
+        }
+        if resume { onResume() }
+        guard let ready else { return .wait }
+        return .ready(try ready.get())
+    }
+
+    private func park(_ continuation: UnsafeContinuation<ByteBuffer?, any Error>) {
+        let (ready, resume): (Result<ByteBuffer?, any Error>?, Bool) = state.withLock { state in
+            if let element = state.buffered.popFirst() {
+                state.bufferedBytes -= weight(element)
+                return (.success(element), false)
+            }
+            if let end = state.end { return (end.map { nil }.mapError { $0 }, false) }
+            if state.reader != nil {
+                return (.failure(TransportError.misuse("two tasks read one connection at once; read from one task, and hand the bytes to others")), false)
+            }
+            // Checked under the lock: the cancellation handler either runs after this and finds the
+            // reader, or ran before and set the flag seen here.
+            if Task.isCancelled { return (.failure(CancellationError()), false) }
+            state.reader = continuation
+            // Nothing buffered: a paused producer must go on, or the reader would wait forever.
+            let resume = state.paused
+            state.paused = false
+            return (nil, resume)
+        }
+        if let ready { continuation.resume(with: ready) }
+        if resume { onResume() }
+    }
+
+    /// Drops every element not read yet (a serial port's input flush); a paused producer resumes.
+    public func discardBuffered() {
+        let resume = state.withLock { state in
+            state.buffered.removeAll()
+            state.bufferedBytes = 0
+            defer { state.paused = false }
+            return state.paused
+        }
+        if resume { onResume() }
+    }
+
+    /// The bytes waiting unread.
+    public var bufferedBytes: Int { state.withLock { $0.bufferedBytes } }
+
+    /// The error the stream failed with, once ``fail(_:)`` was called.
+    public var failure: TransportError? {
+        state.withLock { state in
+            if case .failure(let error)? = state.end { error } else { nil }
+        }
+    }
+
+    /// `true` once ``finish()`` or ``fail(_:)`` was called (elements may still wait unread).
+    public var hasEnded: Bool { state.withLock { $0.end != nil } }
+}
+
+/// Lets writers wait while a transport cannot take more (a full socket buffer, a full ring, every
+/// USB transfer in flight), without a queue of its own and without losing a wake-up.
+///
+/// The owner keeps the truth (a channel's writability, free transfer slots); a writer waits until
+/// a check of it passes. The check runs under the gate's lock when the writer arrives and again
+/// after every ``signal()``, so a change that happens between the check and the wait is not lost,
+/// as long as the owner changes its state first and signals after. ``fail(_:)`` ends every wait
+/// with the error: the connection is gone.
+///
+/// ```swift
+/// // Writer:
+/// try await gate.wait { channel.isWritable }
+/// // Owner, when the transport drained:
+/// gate.signal()
+/// // Owner, when the connection ended:
+/// gate.fail(TransportError(.disconnected, "…"))
+/// ```
+public final class WriterGate: Sendable {
+    private let failure = AsyncCondition<TransportError?>(nil)
+
+    /// An open gate with no failure.
+    public init() {}
+
+    /// Returns once `isOpen` holds; throws the gate's failure, or `CancellationError` when the
+    /// task is cancelled while waiting. `isOpen` must not call back into this gate.
+    public func wait(until isOpen: @escaping @Sendable () -> Bool) async throws {
+        try await failure.wait { failure in
+            if let failure { throw failure }
+            return isOpen() ? () : nil
+        }
+    }
+
+    /// Wakes the waiting writers to check again (after the transport drained).
+    public func signal() {
+        failure.update { _ in }
+    }
+
+    /// Fails every waiting and later writer with `error`; only the first failure counts.
+    public func fail(_ error: TransportError) {
+        failure.update { failure in
+            if failure == nil { failure = error }
+        }
+    }
+
+    /// The failure passed to ``fail(_:)``, if any.
+    public var failed: TransportError? { failure.withLock { $0 } }
+}

@@ -1,0 +1,165 @@
+import Foundation
+import Glibc
+import Synchronization
+import SystemPackage
+import TestSupport
+import Testing
+@_spi(Plugins) @testable import TransportKit
+import TransportKitLinux
+
+/// What `fd` refers to ("socket:[4711]", "pipe:[…]"); checking that no descriptor refers to it
+/// later is exact where testing the number is not (numbers are reused at once by parallel tests).
+private func target(of fd: Int32) -> String {
+    (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/\(fd)")) ?? "?"
+}
+
+private func isOpen(_ target: String) -> Bool {
+    Descriptors.open().contains { $0.target == target }
+}
+
+/// A connected pair of Unix sockets of `type`, close-on-exec.
+private func socketPair(_ type: __socket_type = SOCK_STREAM) throws -> (Int32, Int32) {
+    var fds: [Int32] = [-1, -1]
+    guard socketpair(AF_UNIX, Int32(type.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0, &fds) == 0 else {
+        throw TransportError.posix("socketpair", errno: Syscall.errno, what: "a test pair")
+    }
+    return (fds[0], fds[1])
+}
+
+@Suite("TransportKitLinux: the syscall funnel")
+struct SyscallTests {
+    @Test func aFailureNamesTheCallTheErrnoAndTheObject() {
+        let error = #expect(throws: TransportError.self) {
+            try Syscall.run("ioctl(TIOCMGET)", on: "/dev/null") { ioctl(-1, UInt(TIOCMGET)) }
+        }
+        #expect(error?.errno == .badFileDescriptor)
+        #expect(error?.syscall == "ioctl(TIOCMGET)")
+        #expect(error?.message.contains("/dev/null") == true)
+        #expect(error?.description.contains("EBADF") == true, "\(String(describing: error))")
+    }
+
+    @Test func interruptedCallsAreRetriedAndErrnoIsReadAtOnce() throws {
+        let attempts = Mutex(0)
+        let result = try Syscall.run("read", on: "a test") { () -> Int32 in
+            let attempt = attempts.withLock { count in
+                count += 1
+                return count
+            }
+            if attempt < 3 {
+                Glibc.errno = EINTR
+                return -1
+            }
+            return 42
+        }
+        #expect(result == 42)
+        #expect(attempts.withLock { $0 } == 3)
+        #expect(Syscall.attempt { () -> Int32 in Glibc.errno = EACCES; return -1 } == .failure(.permissionDenied))
+    }
+
+    @Test func errnoKindsAndNamesComeFromThePlatform() {
+        #expect(TransportError.Kind(errno: .connectionReset) == .disconnected)
+        #expect(TransportError.Kind(errno: .addressInUse) == .busy)
+        #expect(TransportError.Kind(errno: .inappropriateIOCTLForDevice) == .unsupported)
+        #expect(Errno.connectionRefused.symbolicDescription.hasPrefix("ECONNREFUSED ("))
+        #expect(Errno(rawValue: 4095).symbolicDescription.hasPrefix("errno 4095"))
+    }
+}
+
+@Suite("TransportKitLinux: descriptors on the event loop")
+struct DescriptorChannelTests {
+    @Test func anAdoptedSocketCarriesBytesAndHalfClosesForReal() async throws {
+        let (mine, peer) = try socketPair()
+        defer { _ = Glibc.close(peer) }
+        let socket = target(of: mine)
+        let backend = try await DescriptorChannel.adoptSocket(FileDescriptor(rawValue: mine), describing: "a socketpair")
+        let connection = Connection(url: try TransportURL("loop://"), backend: backend)
+        #expect(connection.supportsHalfClose)
+        #expect(connection.preferredExecutor != nil)
+        try await connection.write("to the peer")
+        try await connection.closeWrite()
+        #expect(await Support.readAll(peer) == Array("to the peer".utf8), "shutdown(SHUT_WR) reached the peer as an end")
+        Support.writeAll(peer, Array("back".utf8))
+        _ = Glibc.shutdown(peer, Int32(SHUT_WR))
+        var received: [UInt8] = []
+        while let chunk = try await connection.read(timeout: .seconds(5)) { received += chunk }
+        #expect(received == Array("back".utf8))
+        try await connection.close()
+        #expect(!isOpen(socket), "the channel closed the descriptor it owned")
+    }
+
+    @Test func whatIsNotAStreamSocketIsRefusedAndClosed() async throws {
+        let path = Support.temporaryPath("not-a-socket")
+        let file = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
+        defer { unlink(path) }
+        let fileTarget = target(of: file)
+        let notASocket = await expectTransportError(.io) {
+            try await DescriptorChannel.adoptSocket(FileDescriptor(rawValue: file), describing: "a file")
+        }
+        #expect(notASocket?.errno == .notSocket)
+        #expect(notASocket?.syscall == "getsockopt(SO_TYPE)")
+        #expect(!isOpen(fileTarget), "refused descriptors are closed: they were handed over")
+
+        let (records, other) = try socketPair(SOCK_SEQPACKET)
+        defer { _ = Glibc.close(other) }
+        let recordSocket = target(of: records)
+        let seqpacket = await expectTransportError(.misuse) {
+            try await DescriptorChannel.adoptSocket(FileDescriptor(rawValue: records), describing: "a SEQPACKET socket")
+        }
+        #expect(seqpacket?.message.contains("not a stream socket") == true)
+        #expect(!isOpen(recordSocket))
+    }
+
+    @Test func aDescriptorWaitsForReadinessWithoutAThreadAndCancels() async throws {
+        let (mine, peer) = try socketPair()
+        defer { _ = Glibc.close(mine); _ = Glibc.close(peer) }
+        let fd = FileDescriptor(rawValue: mine)
+        try await fd.wait(until: .writable)  // an empty socket buffer: at once
+        let waiter = Task { try await fd.wait(until: .readable) }
+        try await Task.sleep(for: .milliseconds(50))
+        waiter.cancel()
+        await #expect(throws: CancellationError.self) { try await waiter.value }
+        let reader = Task { try await fd.wait(until: .readable) }
+        try await Task.sleep(for: .milliseconds(20))
+        Support.writeAll(peer, [1])
+        try await reader.value
+    }
+}
+
+@Suite("TransportKitLinux: threads")
+struct WorkerThreadTests {
+    @Test func aWorkerRunsUntilInterruptedAndIsJoined() async throws {
+        var ends: [Int32] = [-1, -1]
+        #expect(pipe(&ends) == 0)
+        defer { _ = Glibc.close(ends[0]); _ = Glibc.close(ends[1]) }
+        let (readEnd, writeEnd) = (ends[0], ends[1])
+        let loops = Atomic(0)
+        let worker = try WorkerThread(name: "test worker") { isStopping in
+            while !isStopping() {
+                loops.add(1, ordering: .relaxed)
+                var byte: UInt8 = 0
+                _ = Glibc.read(readEnd, &byte, 1)  // blocks, as a C library's event loop would
+            }
+        } interrupt: {
+            var byte: UInt8 = 1
+            _ = Glibc.write(writeEnd, &byte, 1)
+        }
+        #expect(await eventually { loops.load(ordering: .relaxed) == 1 })
+        #expect(worker.isRunning)
+        #expect(PluginExampleTests.threads(named: "test worker") == 1, "the thread runs, and carries its name")
+        await worker.stop()
+        #expect(!worker.isRunning)
+        #expect(PluginExampleTests.threads(named: "test worker") == 0, "joined, not left behind")
+        await worker.stop()  // a second stop returns at once
+    }
+
+    @Test func blockingCallsRunOffTheCooperativePool() async throws {
+        let value = try await Blocking.run { () -> Int in
+            usleep(20_000)
+            return 7
+        }
+        #expect(value == 7)
+        await #expect(throws: TransportError.self) {
+            try await Blocking.run { throw TransportError(.io, "from the pool") }
+        }
+    }
+}
