@@ -118,7 +118,7 @@ let package = Package(
             name: "TransportKitTests",
             // CUdev: the libudev reference enumeration the sysfs listing is checked against.
             dependencies: ["TransportKit", "TransportKitFoundation", "TransportKitLinux", "TransportKitUdev", "TransportKitSerial",
-                           "CUdev", "TestSupport", nioPosix, system],
+                           "CUdev", "TestSupport", nioPosix, system, logging],
             swiftSettings: strict
         ),
         .testTarget(

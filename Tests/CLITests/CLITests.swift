@@ -142,6 +142,42 @@ struct CLITests {
         #expect(result.stdout == payload)
     }
 
+    @Test func connectThroughSpyKeepsStdoutExactAndTracesOnStderr() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let server = Task {
+            let connection = try #require(try await listener.accept())
+            var request: [UInt8] = []
+            while let chunk = try await connection.read() { request += chunk }
+            try await connection.write(request)   // echo, after the CLI's half-close
+            try await connection.close()
+        }
+        let payload: [UInt8] = Array(0...255) + Array("hello\n".utf8)
+        let result = try await CLI.run(["connect", "--linger", "10", "spy+tcp://127.0.0.1:\(listener.url.port ?? 0)"], stdin: payload, timeout: 30)
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(result.stdout == payload, "standard output carries the peer's bytes only")
+        #expect(result.stderr.contains(" OPEN  tcp://127.0.0.1:"), "\(result.stderr)")
+        #expect(result.stderr.contains(" TX    0000  00 01 02 03 04 05 06 07  08 09 0a 0b 0c 0d 0e 0f  |................|"), "\(result.stderr)")
+        #expect(result.stderr.contains(" RX    0100  68 65 6c 6c 6f 0a") || result.stderr.contains(" RX    0000  68 65 6c 6c 6f 0a"), "\(result.stderr)")
+        #expect(result.stderr.contains(" SHUT  "), "\(result.stderr)")
+        try await server.value
+        try await listener.close()
+    }
+
+    @Test func logLevelShowsWhatAConnectionDoesOnStderr() async throws {
+        let quiet = try await CLI.run(["connect", "loop://"], stdin: Array("x".utf8))
+        #expect(quiet.status == 0)
+        #expect(quiet.stderr.isEmpty, "quiet by default: \(quiet.stderr)")
+        let verbose = try await CLI.run(["connect", "--log-level", "debug", "loop://"], stdin: Array("x".utf8))
+        #expect(verbose.status == 0, "\(verbose.stderr)")
+        #expect(verbose.stdout == Array("x".utf8))
+        #expect(verbose.stderr.contains("connected"), "\(verbose.stderr)")
+        #expect(verbose.stderr.contains("url=loop://"), "\(verbose.stderr)")
+        #expect(verbose.stderr.contains("closed"), "\(verbose.stderr)")
+        let bad = try await CLI.run(["connect", "--log-level", "loud", "loop://"])
+        #expect(bad.status != 0)
+        #expect(bad.stderr.contains("--log-level takes one of: trace, debug"), "\(bad.stderr)")
+    }
+
     @Test func connectHalfClosesAndReadsTheAnswer() async throws {
         let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
         let server = Task {

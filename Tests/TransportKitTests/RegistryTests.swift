@@ -1,3 +1,4 @@
+import Logging
 import NIOCore
 import Synchronization
 import Testing
@@ -413,5 +414,96 @@ struct RegistryRobustnessTests {
         try await Task.sleep(for: .milliseconds(100))
         let ahead = first.produced.load(ordering: .relaxed) + second.produced.load(ordering: .relaxed) - 10
         #expect(ahead <= 4, "each source is at most a slot and one pending read ahead (\(ahead))")
+    }
+}
+
+/// A scheme whose authority is a USB device, as usb:// will declare it.
+private struct USBLikePlugin: TransportPlugin {
+    var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(scheme: "usbtest", summary: "test", grammar: "usbtest://VID:PID[/SERIAL]", authority: .usbDevice,
+                                 host: .forbidden, port: .forbidden, path: .optional)) { _ in
+            throw TransportError(.unsupported, "test plugin")
+        }]
+    }
+}
+
+@Suite("the usb:// authority through a registry")
+struct USBAuthorityTests {
+    @Test("VID:PID in hexadecimal is accepted, anything else refused before any I/O", arguments: [
+        ("usbtest://1546:01a7", true, ""),
+        ("usbtest://0403:6001/A50285BI", true, ""),
+        ("usbtest://ABCD:ef01", true, ""),
+        ("usbtest://1546", false, "expected VID:PID"),
+        ("usbtest://1546:1a7", false, "expected VID:PID"),
+        ("usbtest://zzzz:0001", false, "expected VID:PID"),
+        ("usbtest://", false, "expected VID:PID"),
+        ("usbtest://localhost:80", false, "expected VID:PID"),
+    ])
+    func authority(_ url: String, accepted: Bool, reason: String) throws {
+        let registry = try TransportRegistry(plugins: [USBLikePlugin()])
+        if accepted {
+            let request = try registry.resolve(url)
+            #expect(request.url.usbDeviceID != nil)
+        } else {
+            let error = #expect(throws: TransportError.self) { try registry.resolve(url) }
+            #expect(error?.kind == .invalidURL)
+            #expect(error?.message.contains(reason) == true, "\(error?.message ?? "")")
+        }
+    }
+}
+
+/// Collects what is logged, to check what the registry says and with which metadata.
+private final class LogCollector: Sendable {
+    let lines = Mutex<[String]>([])
+}
+
+private struct CollectingHandler: LogHandler {
+    let collector: LogCollector
+    var metadata: Logger.Metadata = [:]
+    var logLevel: Logger.Level = .trace
+    subscript(metadataKey key: String) -> Logger.Metadata.Value? {
+        get { metadata[key] }
+        set { metadata[key] = newValue }
+    }
+    func log(event: LogEvent) {
+        let all = metadata.merging(event.metadata ?? [:]) { $1 }
+        let text = all.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: " ")
+        collector.lines.withLock { $0.append("\(event.level) \(event.message) \(text)") }
+    }
+}
+
+@Suite("logging")
+struct LoggingTests {
+    @Test func connectsClosesAndFailuresAreLoggedAtDebugWithTheURL() async throws {
+        let collector = LogCollector()
+        let logger = Logger(label: "test") { _ in CollectingHandler(collector: collector) }
+        let registry = try TransportRegistry(plugins: [LoopPlugin(), StuckPlugin()], logger: logger)
+        try await registry.withConnection(to: "loop://?buffer=8") { connection in
+            try await connection.write("hi")
+            _ = try await connection.read()
+        }
+        await expectTransportError(.timedOut) { try await registry.connect(to: "stuck://?timeout=0.1") }
+        let lines = collector.lines.withLock { $0 }
+        #expect(lines.contains("debug connecting scheme=loop url=loop://?buffer=8"), "\(lines)")
+        #expect(lines.contains("debug connected scheme=loop url=loop://?buffer=8"), "\(lines)")
+        #expect(lines.contains("debug closed read=2 scheme=loop url=loop://?buffer=8 written=2"), "\(lines)")
+        #expect(lines.contains { $0.hasPrefix("debug connect failed error=connecting to stuck://?timeout=0.1 took longer than 0.1 s") }, "\(lines)")
+        #expect(lines.allSatisfy { $0.hasPrefix("debug ") }, "nothing above debug: quiet by default")
+    }
+
+    @Test func acceptedConnectionsLogThroughTheRegistry() async throws {
+        let collector = LogCollector()
+        let logger = Logger(label: "test") { _ in CollectingHandler(collector: collector) }
+        let registry = try TransportRegistry(plugins: [SocketsPlugin()], logger: logger)
+        let listener = try await registry.listen(on: "tcp://127.0.0.1:0")
+        let client = try await registry.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
+        let server = try #require(try await listener.accept())
+        try await server.close()
+        try await client.close()
+        try await listener.close()
+        let lines = collector.lines.withLock { $0 }
+        #expect(lines.contains { $0.hasPrefix("debug listening bound=tcp://127.0.0.1:") }, "\(lines)")
+        #expect(lines.contains { $0.hasPrefix("debug accepted listener=tcp://127.0.0.1:") }, "\(lines)")
+        #expect(lines.filter { $0.hasPrefix("debug closed ") }.count == 2, "both ends' close is logged: \(lines)")
     }
 }

@@ -1,7 +1,7 @@
 // transportkit-bench: loopback tcp:// throughput and 32-byte round trips through TransportKit,
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
 // Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--passes N] [--nio-executor] [--case KEY]
-//      transportkit-bench serial | serial-list (see SerialBench.swift) | costs (see UnitCosts.swift)
+//      transportkit-bench serial | serial-list (see SerialBench.swift) | costs (see UnitCosts.swift) | parse (URLParseBench.swift)
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
 import CBenchLoops
@@ -27,6 +27,8 @@ switch CommandLine.arguments.dropFirst().first {
 case "serial": try await SerialBench.run(); exit(0)
 case "serial-list": try await SerialBench.list(); exit(0)
 case "costs": try await UnitCosts.run(); exit(0)
+case "parse": try URLParseBench.run(); exit(0)
+
 default: break
 }
 

@@ -21,13 +21,18 @@ import Synchronization
 /// let echoed = try await loop.read()   // "ping"
 /// ```
 public struct LoopPlugin: TransportPlugin {
+    /// The plugin; `Transport.builtInPlugins` has one.
     public init() {}
 
+    /// `buffer`: bytes held between writer and reader, 1…64 MiB, default 4096.
     public static let buffer = URLOption.integer("buffer", in: 1...(64 << 20), default: 4096,
                                        help: "Bytes buffered between writer and reader; writers suspend when it is full")
+    /// `messages`: each write is read back as one message.
     public static let messages = URLOption.bool("messages", default: false, help: "Carry messages: each write is read back whole by readMessage()")
+    /// `mtu`: the largest write taken at once; longer writes are chunked.
     public static let mtu = URLOption.integer("mtu", in: 1...(64 << 20), help: "Largest write taken at once; longer writes are chunked (metadata.mtu)")
 
+    /// The `loop` scheme.
     public var schemes: [Scheme] {
         [Scheme(SchemeDescriptor(
             scheme: "loop",

@@ -27,6 +27,7 @@ import TransportKitLinux
 /// for try await line in gps.lines { print(line) }
 /// ```
 public struct SerialPlugin: TransportPlugin {
+    /// The plugin; `Transport.builtInPlugins` has one.
     public init() {}
 
     static let baud = URLOption.integer("baud", in: 1...20_000_000, help: "Bit rate, any value the adapter can generate (default 9600, or the URL's port)")
@@ -48,6 +49,7 @@ public struct SerialPlugin: TransportPlugin {
 
     static let lineOptions: [any OptionDeclaration] = [baud, dataBits, parity, stopBits, flowControl]
 
+    /// The `tty` and `pty` schemes.
     public var schemes: [Scheme] {
         [
             Scheme(SchemeDescriptor(
@@ -71,10 +73,12 @@ public struct SerialPlugin: TransportPlugin {
         ]
     }
 
+    /// The serial ports of this machine, each with an identity URL; without `includeAll` only those backed by hardware.
     public func devices(includeAll: Bool) async throws -> [DeviceRecord] {
         try SerialDiscovery.list(includeAll: includeAll)
     }
 
+    /// Arrivals and removals of serial ports, subscribed before this returns.
     public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
         SerialDiscovery.events(includeAll: includeAll)
     }

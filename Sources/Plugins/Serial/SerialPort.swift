@@ -13,7 +13,9 @@ import TransportKitLinux
 
 /// The modem control and status lines of a serial port.
 public struct ModemLines: OptionSet, Sendable, Hashable, CustomStringConvertible {
+    /// The `TIOCM_*` bits.
     public let rawValue: Int32
+    /// Lines from their `TIOCM_*` bits.
     public init(rawValue: Int32) { self.rawValue = rawValue }
 
     /// Data Terminal Ready (output).
@@ -43,6 +45,7 @@ public enum FlushQueue: String, Sendable, Equatable {
     case input
     /// Written but not yet sent by the driver.
     case output
+    /// Both queues.
     case both
 }
 

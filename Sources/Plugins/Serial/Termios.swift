@@ -19,18 +19,42 @@ import TransportKitLinux
 /// try connection.serialPort?.apply(settings)
 /// ```
 public struct SerialSettings: Sendable, Equatable, Codable {
-    public enum Parity: String, Sendable, Codable, CaseIterable { case none, even, odd, mark, space }
-    public enum FlowControl: String, Sendable, Codable, CaseIterable { case none, rtscts, xonxoff }
+    /// The parity bit.
+    public enum Parity: String, Sendable, Codable, CaseIterable {
+        /// No parity bit.
+        case none
+        /// Set so that the number of one bits is even.
+        case even
+        /// Set so that the number of one bits is odd.
+        case odd
+        /// Always one (`CMSPAR`).
+        case mark
+        /// Always zero (`CMSPAR`).
+        case space
+    }
+
+    /// Flow control.
+    public enum FlowControl: String, Sendable, Codable, CaseIterable {
+        /// None.
+        case none
+        /// Hardware: RTS/CTS (`CRTSCTS`).
+        case rtscts
+        /// Software: XON/XOFF characters (`IXON | IXOFF`).
+        case xonxoff
+    }
 
     /// Bits per second; any positive rate (non-standard rates go through BOTHER).
     public var baudRate: Int
     /// 5, 6, 7 or 8.
     public var dataBits: Int
+    /// The parity bit.
     public var parity: Parity
     /// 1 or 2.
     public var stopBits: Int
+    /// Flow control.
     public var flowControl: FlowControl
 
+    /// Settings; the defaults are 9600 8N1 without flow control.
     public init(baudRate: Int = 9600, dataBits: Int = 8, parity: Parity = .none, stopBits: Int = 1,
                 flowControl: FlowControl = .none) {
         self.baudRate = baudRate

@@ -23,6 +23,7 @@ import Synchronization
 /// let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)?noDelay=true")
 /// ```
 public struct SocketsPlugin: TransportPlugin {
+    /// The plugin; `Transport.builtInPlugins` has one.
     public init() {}
 
     /// `TCP_NODELAY`; a plugin over TCP may list it in its own descriptor.
@@ -35,6 +36,7 @@ public struct SocketsPlugin: TransportPlugin {
     /// The listen backlog.
     public static let backlog = URLOption.integer("backlog", in: 1...65535, default: 128, help: "Listen mode: pending connections the kernel queues")
 
+    /// The `tcp` and `unix` schemes, both able to listen.
     public var schemes: [Scheme] {
         [
             Scheme(SchemeDescriptor(

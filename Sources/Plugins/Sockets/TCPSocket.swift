@@ -12,7 +12,7 @@ public enum TCPSocket {
     /// keep-alive options, their defaults when the request's scheme does not declare them), within
     /// the request's deadline. `handlers` runs on the event loop before the byte handler is added:
     /// handlers it adds sit in front of it, as TLS or a WebSocket codec would. With `messages`, each
-    /// `ByteBuffer` they pass on is one message (``Connection/readMessage(timeout:)``).
+    /// `ByteBuffer` they pass on is one message (`Connection.readMessage(timeout:)`).
     ///
     /// ```swift
     /// // In a plugin's connect handler: a length-prefixed message protocol over TCP.

@@ -32,6 +32,7 @@ import SystemPackage
 /// try await port.write("AT\r")               // traced: "TX    0000  41 54 0d …"
 /// ```
 public struct SpyPlugin: TransportPlugin {
+    /// The plugin; `Transport.builtInPlugins` has one.
     public init() {}
 
     /// How the trace is written.
@@ -44,13 +45,19 @@ public struct SpyPlugin: TransportPlugin {
 
     /// Which data is traced.
     public enum Direction: String, CaseIterable, Sendable {
-        case both, rx, tx
+        /// What is sent and what is received.
+        case both
+        /// What is received only.
+        case rx
+        /// What is sent only.
+        case tx
     }
 
     static let format = URLOption.choice("format", default: Format.hex, help: "hex: timestamped hex + ASCII dump of every event; raw: the data bytes only")
     static let direction = URLOption.choice("direction", default: Direction.both, help: "Trace data in both directions, or only received (rx) or sent (tx)")
     static let file = URLOption.string("file", help: "Write the trace to this file (created or truncated) instead of standard error")
 
+    /// The `spy` wrapper scheme.
     public var schemes: [Scheme] {
         [Scheme.wrapper(SchemeDescriptor(
             scheme: "spy",

@@ -24,7 +24,7 @@ extension TransportRegistry {
 }
 
 /// The front door: connect, listen, list devices, watch them, and register schemes, all through
-/// ``TransportKitCore/TransportRegistry/standard``.
+/// `TransportRegistry.standard`.
 ///
 /// ```swift
 /// import TransportKit
@@ -44,13 +44,13 @@ public enum Transport {
     /// The registry behind these functions.
     public static var registry: TransportRegistry { .standard }
 
-    /// Connects to `url`; see ``TransportKitCore/TransportRegistry/connect(to:)-(String)``.
+    /// Connects to `url`; see `TransportRegistry.connect`.
     public static func connect(to url: String) async throws -> Connection {
         try await registry.connect(to: url)
     }
 
     /// Connects, runs `body` (on the caller's actor), and always closes; see
-    /// ``TransportKitCore/TransportRegistry/withConnection(to:isolation:_:)``.
+    /// `TransportRegistry.withConnection`.
     public static func withConnection<Result>(
         to url: String,
         isolation: isolated (any Actor)? = #isolation,
@@ -59,27 +59,27 @@ public enum Transport {
         try await registry.withConnection(to: url, isolation: isolation, body)
     }
 
-    /// Starts listening on `url`; see ``TransportKitCore/TransportRegistry/listen(on:)-(String)``.
+    /// Starts listening on `url`; see `TransportRegistry.listen`.
     public static func listen(on url: String) async throws -> Listener {
         try await registry.listen(on: url)
     }
 
-    /// The devices every plugin can reach; see ``TransportKitCore/TransportRegistry/devices(includeAll:)``.
+    /// The devices every plugin can reach; see `TransportRegistry.devices`.
     public static func devices(includeAll: Bool = false) async -> DeviceListing {
         await registry.devices(includeAll: includeAll)
     }
 
-    /// Hot-plug events of every plugin; see ``TransportKitCore/TransportRegistry/deviceEvents(includeAll:)``.
+    /// Hot-plug events of every plugin; see `TransportRegistry.deviceEvents`.
     public static func deviceEvents(includeAll: Bool = false) -> AsyncThrowingStream<DeviceEvent, any Error> {
         registry.deviceEvents(includeAll: includeAll)
     }
 
-    /// Registers an application's plugin; see ``TransportKitCore/TransportRegistry/register(_:replacing:)``.
+    /// Registers an application's plugin; see `TransportRegistry.register`.
     public static func register(_ plugin: any TransportPlugin, replacing: Bool = false) throws {
         try registry.register(plugin, replacing: replacing)
     }
 
-    /// Removes a scheme; see ``TransportKitCore/TransportRegistry/unregister(scheme:)``.
+    /// Removes a scheme; see `TransportRegistry.unregister`.
     @discardableResult
     public static func unregister(scheme: String) -> Bool {
         registry.unregister(scheme: scheme)

@@ -245,16 +245,20 @@ public final class Connection: Sendable {
 
     /// The inbound side of a ``Connection`` as an `AsyncSequence` of byte chunks.
     public struct InboundBytes: AsyncSequence, Sendable {
+        /// A chunk of bytes as it arrived.
         public typealias Element = [UInt8]
         let connection: Connection
 
+        /// Reads the next chunk on each call.
         public struct AsyncIterator: AsyncIteratorProtocol {
             let connection: Connection
+            /// The next chunk; `nil` at the end of the stream.
             public mutating func next() async throws -> [UInt8]? {
                 try await connection.read()
             }
         }
 
+        /// An iterator over the chunks; use one per connection.
         public func makeAsyncIterator() -> AsyncIterator { AsyncIterator(connection: connection) }
     }
 

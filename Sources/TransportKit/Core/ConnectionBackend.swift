@@ -30,9 +30,13 @@ import NIOCore
 /// }
 /// ```
 public protocol ConnectionBackend: AnyObject, Sendable {
+    /// The next chunk (or message) of inbound bytes; `nil` at the end of the stream.
     func read() async throws -> ByteBuffer?
+    /// Accepts `buffer` (at most ``maximumWriteSize`` bytes), suspending while the transport is full.
     func write(_ buffer: ByteBuffer) async throws
+    /// Sends an end of stream after every accepted byte, or throws ``TransportError/Kind/unsupported``.
     func closeWrite() async throws
+    /// Delivers accepted bytes where the transport allows, then releases everything; called once.
     func close() async throws
     /// `true` when ``closeWrite()`` is supported.
     var supportsHalfClose: Bool { get }
@@ -68,11 +72,13 @@ public struct ControlOperation: Sendable, Equatable, CustomStringConvertible {
     /// The arguments, readable: `"on"`, `"250 ms"`, `"115200 8N1"`.
     public var detail: String
 
+    /// An operation named `name` with its arguments as `detail`.
     public init(_ name: String, _ detail: String = "") {
         self.name = name
         self.detail = detail
     }
 
+    /// `"DTR on"`: the name and the detail.
     public var description: String { detail.isEmpty ? name : "\(name) \(detail)" }
 }
 
@@ -114,15 +120,23 @@ extension WrappingBackend {
 /// What a transport knows about the other end, like CornucopiaStreams' `CC_meta`.
 /// Every field is optional; `extra` holds transport-specific facts (a pty's peer path, …).
 public struct ConnectionMetadata: Sendable, Equatable, Codable {
+    /// A name for the peer: a product, a host, a path.
     public var name: String?
+    /// The maker, as the device reports it.
     public var manufacturer: String?
+    /// The model, as the device reports it.
     public var model: String?
+    /// The device's serial number.
     public var serialNumber: String?
+    /// The firmware's version, where the transport learns it.
     public var firmwareVersion: String?
     /// The largest write the transport carries in one unit (BLE ATT payload, L2CAP MTU).
     public var mtu: Int?
+    /// This end's address (a socket address, an adapter).
     public var localAddress: String?
+    /// The other end's address (a socket address, a device node, a Bluetooth address).
     public var remoteAddress: String?
+    /// Transport-specific facts, by name (a pty's `peer`, a port's `lowLatency`).
     public var extra: [String: String]
 
     /// Metadata; every field is optional.

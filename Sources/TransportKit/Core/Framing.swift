@@ -25,9 +25,18 @@ public enum Framing: Sendable, Equatable {
 
 /// The length field of ``Framing/lengthPrefixed(_:)``.
 public enum LengthPrefix: Sendable, Equatable {
-    public enum ByteOrder: Sendable { case big, little }
+    /// The order of the field's bytes: most significant first (`big`, network order) or last.
+    public enum ByteOrder: Sendable {
+        /// Most significant byte first (network order).
+        case big
+        /// Least significant byte first.
+        case little
+    }
+    /// One byte: frames of up to 255 bytes.
     case uint8
+    /// Two bytes: frames of up to 65,535 bytes.
     case uint16(ByteOrder)
+    /// Four bytes: frames of up to 4 GiB.
     case uint32(ByteOrder)
 
     var width: Int {
@@ -68,6 +77,7 @@ extension Connection {
     /// Reads one frame. Returns `nil` when the stream ended before a frame began.
     ///
     /// - Parameters:
+    ///   - framing: how the stream is cut into frames.
     ///   - maxLength: the longest frame accepted; a longer one throws `.io` and its bytes stay unread.
     ///   - timeout: a deadline for the whole frame. When it passes the partial frame stays unread
     ///     (the next read gets it) and `.timedOut` is thrown.
@@ -130,18 +140,22 @@ extension Connection {
 
     /// An `AsyncSequence` of frames; see ``Connection/frames(_:maxLength:)``.
     public struct Frames: AsyncSequence, Sendable {
+        /// One frame.
         public typealias Element = [UInt8]
         let connection: Connection
         let framing: Framing
         let maxLength: Int
 
+        /// Reads the next frame on each call.
         public struct AsyncIterator: AsyncIteratorProtocol {
             let frames: Frames
+            /// The next frame; `nil` at the end of the stream.
             public mutating func next() async throws -> [UInt8]? {
                 try await frames.connection.readFrame(frames.framing, maxLength: frames.maxLength)
             }
         }
 
+        /// An iterator over the frames; use one per connection.
         public func makeAsyncIterator() -> AsyncIterator { AsyncIterator(frames: self) }
     }
 
@@ -258,13 +272,18 @@ extension ByteBufferView {
 /// let voltage = try await elm.send("ATRV")      // "12.6V"
 /// ```
 public struct CommandSession: Sendable {
+    /// The device's connection.
     public let connection: Connection
+    /// The prompt that ends every response, such as `>`.
     public var terminator: [UInt8]
+    /// What ends every command, such as `\r`.
     public var lineEnding: String
+    /// How long a response may take.
     public var timeout: Duration
     /// Drop bytes that arrived unasked (a late answer to a timed-out command) before each command.
     public var discardStaleInput: Bool
 
+    /// A session on `connection` whose responses end with `terminator`.
     public init(_ connection: Connection, terminator: String = ">", lineEnding: String = "\r",
                 timeout: Duration = .seconds(5), discardStaleInput: Bool = false) {
         self.connection = connection

@@ -139,10 +139,13 @@ extension URLOption where Value: CaseIterable & RawRepresentable, Value.RawValue
 /// What one option accepts, without its value type: the declaration as the registry validates it,
 /// `transportkit schemes` prints it and JSON carries it. Plugins make these through ``URLOption``.
 public struct OptionSpec: Sendable, Codable, Equatable {
+    /// The option's name as written in URLs (matched case-insensitively).
     public var name: String
+    /// The value's type and range.
     public var kind: OptionKind
     /// The default, written as it would appear in a URL; `nil` when the option is simply absent.
     public var defaultValue: String?
+    /// One sentence for `transportkit schemes`.
     public var help: String
 
     /// A declaration; prefer the typed constructors of ``URLOption``, which keep the default typed.
@@ -157,8 +160,10 @@ public struct OptionSpec: Sendable, Codable, Equatable {
     var key: String { name.lowercased() }
 
     /// Options every scheme accepts (wrappers excepted: their deadline is the wrapped URL's).
+    /// `timeout`: seconds the whole connect may take, 0…31536000, default 10; `0` waits forever.
     public static let timeout = URLOption.timeLimit("timeout", seconds: 0...86_400 * 365, default: 10,
                                                  help: "Seconds to wait for the connection to be established (0 waits forever)")
+    /// The options every scheme but a wrapper accepts.
     public static let common: [OptionSpec] = [timeout.spec]
 
     /// Problems with this declaration: a malformed name, an empty or inverted range, a default the
@@ -203,12 +208,17 @@ public struct OptionSpec: Sendable, Codable, Equatable {
 
 /// The type of an option value, with its constraints.
 public enum OptionKind: Sendable, Codable, Equatable {
+    /// `true/false/1/0/yes/no/on/off`; a bare `?name` is true.
     case bool
+    /// Decimal digits within `min…max`.
     case integer(min: Int, max: Int)
+    /// A decimal number within `min…max`.
     case number(min: Double, max: Double)
     /// Seconds, fractions allowed, such as `2.5`, within `min…max`.
     case duration(min: Double, max: Double)
+    /// Any text.
     case string
+    /// One of these words (case-insensitive).
     case choice([String])
 
     /// The longest duration an option may allow: a hundred years, far inside what `Duration` holds.
@@ -268,9 +278,13 @@ public enum OptionKind: Sendable, Codable, Equatable {
 
 /// A parsed option value.
 public enum OptionValue: Sendable, Equatable {
+    /// A boolean option's value.
     case bool(Bool)
+    /// An integer option's value.
     case integer(Int)
+    /// A number's or a duration's value (seconds).
     case number(Double)
+    /// A text's or a choice's value.
     case string(String)
 
     var number: Double? {

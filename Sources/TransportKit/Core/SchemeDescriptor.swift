@@ -16,6 +16,7 @@
 public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// Whether a URL part must, may or must not be present.
     public enum Presence: String, Sendable, Codable {
+        /// `required`: the URL must have the part; `optional`: it may; `forbidden`: it must not.
         case required, optional, forbidden
     }
 
@@ -28,17 +29,23 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         case usbDevice
     }
 
+    /// The scheme's name, lower case, such as `tcp`.
     public var scheme: String
+    /// What the scheme is, in one sentence, for `transportkit schemes`.
     public var summary: String
     /// The URL grammar in one line, such as `tcp://HOST:PORT[?OPTIONS]`.
     public var grammar: String
     /// Working examples of the grammar.
     public var examples: [String]
+    /// How the part between `//` and the path reads.
     public var authority: AuthorityForm
+    /// Whether a host is required, optional or forbidden.
     public var host: Presence
+    /// Whether a port is required, optional or forbidden.
     public var port: Presence
     /// Accepted range of the port number (a TCP port, a bit rate, a PSM).
     public var portRange: ClosedRange<Int>?
+    /// Whether a path is required, optional or forbidden (`/` alone counts as none).
     public var path: Presence
     /// Options the scheme accepts, besides the ones every scheme has (``OptionSpec/common``).
     public var options: [OptionSpec]

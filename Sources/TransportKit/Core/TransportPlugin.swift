@@ -1,4 +1,5 @@
 import Logging
+import Synchronization
 
 /// A scheme family: what a plugin implements to be reachable through a ``TransportRegistry``.
 ///
@@ -50,7 +51,9 @@ extension TransportPlugin {
 /// }
 /// ```
 public struct Scheme: Sendable {
+    /// Opens a connection for a validated request.
     public typealias ConnectHandler = @Sendable (ConnectRequest) async throws -> Connection
+    /// Starts accepting connections for a validated request.
     public typealias ListenHandler = @Sendable (ConnectRequest) async throws -> Listener
 
     /// The grammar and options (``SchemeDescriptor/canListen`` and ``SchemeDescriptor/wraps``
@@ -85,6 +88,7 @@ public struct ConnectRequest: Sendable {
     /// The URL of this layer: for `spy+tcp://…` the spy layer, whose ``TransportURL/inner`` is the
     /// tcp URL.
     public let url: TransportURL
+    /// The descriptor the URL was validated against.
     public let scheme: SchemeDescriptor
     /// The URL's options, typed and completed with defaults; read them with the ``URLOption``
     /// constants the descriptor lists.
@@ -156,6 +160,7 @@ public struct ConnectRequest: Sendable {
 public protocol ListenerBackend: AnyObject, Sendable {
     /// The next incoming connection; `nil` once the listener is closed. Must honour cancellation.
     func accept() async throws -> Connection?
+    /// Stops accepting; a waiting ``accept()`` returns `nil`. Connections accepted before stay open.
     func close() async throws
 }
 
@@ -172,6 +177,9 @@ public final class Listener: Sendable {
     /// The address actually bound (port 0 replaced by the port the kernel chose).
     public let url: TransportURL
     private let backend: any ListenerBackend
+    /// The registry's logger, set when the registry hands the listener out; accepted connections
+    /// log through it.
+    private let logger = Mutex<Logger?>(nil)
 
     /// Wraps a plugin's listener backend; plugins call this from their listen handler.
     ///
@@ -185,7 +193,18 @@ public final class Listener: Sendable {
 
     /// Waits for the next connection; `nil` after ``close()``.
     public func accept() async throws -> Connection? {
-        try await backend.accept()
+        let connection = try await backend.accept()
+        if let connection, var logger = logger.withLock({ $0 }) {
+            logger[metadataKey: "url"] = "\(connection.url)"
+            logger[metadataKey: "listener"] = "\(url)"
+            connection.setLogger(logger)
+            logger.debug("accepted")
+        }
+        return connection
+    }
+
+    func setLogger(_ logger: Logger) {
+        self.logger.withLock { $0 = logger }
     }
 
     /// Stops listening. Connections already accepted stay open.
@@ -198,14 +217,18 @@ public final class Listener: Sendable {
 
     /// The incoming connections of a ``Listener``.
     public struct Connections: AsyncSequence, Sendable {
+        /// Each accepted connection.
         public typealias Element = Connection
         let listener: Listener
 
+        /// Accepts the next connection on each call.
         public struct AsyncIterator: AsyncIteratorProtocol {
             let listener: Listener
+            /// The next connection, or `nil` once the listener is closed.
             public mutating func next() async throws -> Connection? { try await listener.accept() }
         }
 
+        /// An iterator that accepts connections.
         public func makeAsyncIterator() -> AsyncIterator { AsyncIterator(listener: listener) }
     }
 }
@@ -218,18 +241,27 @@ public struct DeviceRecord: Sendable, Equatable, Hashable, Codable {
     public var scheme: String
     /// The device node, such as `/dev/ttyUSB0`.
     public var devnode: String?
+    /// A name for people: the product, the node's name.
     public var name: String?
+    /// The USB vendor id, four lower-case hex digits, when the device is on USB.
     public var vendorId: String?
+    /// The USB product id, four lower-case hex digits.
     public var productId: String?
+    /// The device's serial number, as it reports it.
     public var serialNumber: String?
+    /// The manufacturer's name, as the device reports it.
     public var manufacturer: String?
+    /// The product's name, as the device reports it.
     public var product: String?
+    /// The USB interface number, on a device with several.
     public var interface: Int?
+    /// The kernel driver bound to the device, such as `ftdi_sio`.
     public var driver: String?
     /// Stable symlinks to the node (`/dev/serial/by-id/…`, `/dev/serial/by-path/…`).
     public var links: [String]
     /// Bus and port, such as `1-1.4`.
     public var location: String?
+    /// The device's directory in sysfs, such as `/sys/devices/…/ttyUSB0`.
     public var sysPath: String?
     /// Anything else the plugin knows.
     public var properties: [String: String]
@@ -263,8 +295,18 @@ public struct DeviceRecord: Sendable, Equatable, Hashable, Codable {
 
 /// A hot-plug event.
 public struct DeviceEvent: Sendable, Equatable, Codable {
-    public enum Action: String, Sendable, Codable { case added, removed, changed }
+    /// What happened to the device: it arrived, went away, or changed (a listing caught it half-made).
+    public enum Action: String, Sendable, Codable {
+        /// The device arrived.
+        case added
+        /// The device went away.
+        case removed
+        /// The device is still there and says something new about itself.
+        case changed
+    }
+    /// What happened.
     public var action: Action
+    /// The device it happened to (for a removal: the record known while it was there).
     public var device: DeviceRecord
 
     /// An event about `device`.
@@ -291,10 +333,14 @@ public struct DeviceListing: Sendable {
     /// A plugin whose listing failed.
     public struct Failure: Sendable {
         /// The schemes of the plugin, such as `["tty", "pty"]`.
+        /// The schemes of the plugin, such as `["tty", "pty"]`.
         public var schemes: [String]
+        /// Why its listing failed.
         public var error: TransportError
     }
 
+    /// The devices of every plugin that could list them.
     public var devices: [DeviceRecord]
+    /// The plugins that could not list their devices, and why.
     public var failures: [Failure]
 }

@@ -231,6 +231,7 @@ public final class TransportRegistry: Sendable {
             throw TransportError(.unsupported, "\(url.scheme):// cannot listen for connections; schemes that can: \(able)")
         }
         let listener = try await listen(request)
+        listener.setLogger(logger)
         request.logger.debug("listening", metadata: ["bound": "\(listener.url)"])
         return listener
     }

@@ -108,6 +108,7 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
         return (vendor, product)
     }
 
+    /// The URL written out again, wrapper layers and their prefixed options included; it parses back to an equal URL.
     public var description: String {
         var layers = [self]
         while let next = layers[layers.count - 1].inner { layers.append(next) }
@@ -135,10 +136,12 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
         return text
     }
 
+    /// Two URLs are equal when they are written the same way (``description``).
     public static func == (lhs: TransportURL, rhs: TransportURL) -> Bool {
         lhs.description == rhs.description
     }
 
+    /// Hashes the ``description``.
     public func hash(into hasher: inout Hasher) {
         hasher.combine(description)
     }

@@ -15,7 +15,7 @@ extension Connection {
     /// and `write` blocks while the buffer is full, as Foundation's blocking streams do; code driven
     /// by the events never blocks. Closing the output stream half-closes the connection where the
     /// transport allows; closing both closes it. `property(forKey:)` answers
-    /// ``metadataPropertyKey`` with the connection's ``ConnectionMetadata``. Closing (or releasing)
+    /// ``metadataPropertyKey`` with the connection's `ConnectionMetadata`. Closing (or releasing)
     /// a stream ends its task: the input side's at once, the output side's once the bytes written
     /// to it went out (or the connection failed).
     ///
@@ -82,7 +82,7 @@ extension Connection {
         return (input, output)
     }
 
-    /// The key under which the bridged streams return ``ConnectionMetadata`` from `property(forKey:)`,
+    /// The key under which the bridged streams return `ConnectionMetadata` from `property(forKey:)`,
     /// like CornucopiaStreams' `CC_meta`.
     public static let metadataPropertyKey = Stream.PropertyKey("TransportKit.metadata")
 }

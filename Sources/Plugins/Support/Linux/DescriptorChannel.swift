@@ -11,7 +11,7 @@ import NIOPosix
 import SystemPackage
 import TransportKitCore
 
-/// Adopts descriptors as SwiftNIO channels that end in a ``TransportKitCore/ChannelBackend``.
+/// Adopts descriptors as SwiftNIO channels that end in a `ChannelBackend`.
 ///
 /// ```swift
 /// let fd = try Syscall.descriptor("socket", on: "rfcomm") { socket(AF_BLUETOOTH, SOCK_STREAM | SOCK_CLOEXEC, BTPROTO_RFCOMM) }

@@ -16,7 +16,7 @@ import TransportKitCore
 /// ```
 public enum Syscall {
     /// Runs `body`, a call that returns -1 and sets errno on failure, until it is not
-    /// interrupted. Returns its result; throws ``TransportKitCore/TransportError/posix(_:errno:what:hint:)``.
+    /// interrupted. Returns its result; throws `TransportError.posix(_:errno:what:hint:)`.
     @discardableResult
     public static func run(_ name: String, on what: String, hint: String? = nil, _ body: () -> Int32) throws -> Int32 {
         switch attempt(body) {

@@ -25,6 +25,7 @@ import TransportKitCore
 /// await events.stop()
 /// ```
 public final class WorkerThread: Sendable {
+    /// The thread's name, as ps, top and gdb show it (its first 15 bytes).
     public let name: String
     private let interrupt: @Sendable () -> Void
     /// Set by `stop()`; read by the thread's loop.
@@ -111,6 +112,7 @@ public final class WorkerThread: Sendable {
 /// try await Blocking.run { try Syscall.run("tcdrain", on: path) { tcdrain(fd.rawValue) } }
 /// ```
 public enum Blocking {
+    /// Runs `body` on a pool thread and returns what it returns (or throws what it throws).
     @discardableResult
     public static func run<Value: Sendable>(_ body: @escaping @Sendable () throws -> Value) async throws -> Value {
         try await NIOThreadPool.singleton.runIfActive(body)

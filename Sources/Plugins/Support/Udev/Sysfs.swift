@@ -19,6 +19,7 @@ public struct SysfsDevice: Sendable, Equatable {
     public var sysPath: String
     /// Its name in the subsystem, such as `ttyUSB0`, `1-1.4`, `hci0`.
     public var sysName: String
+    /// The subsystem: `tty`, `usb`, `bluetooth`.
     public var subsystem: String
     /// The node below /dev, such as `/dev/ttyUSB0`, when the device has one.
     public var devnode: String?

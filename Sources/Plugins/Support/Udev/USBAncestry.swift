@@ -17,9 +17,13 @@ public struct USBAncestry: Sendable, Equatable {
     public var location: String
     /// `idVendor` and `idProduct`, lower-case hex.
     public var vendorId: String?
+    /// `idProduct`, lower-case hex.
     public var productId: String?
+    /// `serial`, when the device has one.
     public var serialNumber: String?
+    /// `manufacturer`, as the device reports it.
     public var manufacturer: String?
+    /// `product`, as the device reports it.
     public var product: String?
     /// `bNumInterfaces`: more than one means the interface number matters.
     public var interfaceCount: Int?

@@ -21,6 +21,7 @@ import TransportKitLinux
 
 /// A device record a monitor keeps: whatever a plugin reads for a device, keyed by its sysfs path.
 public protocol SysfsRecord: Sendable, Equatable {
+    /// The device's sysfs directory: the key events and listings are matched by.
     var sysPath: String { get }
 }
 
@@ -37,10 +38,19 @@ public protocol SysfsRecord: Sendable, Equatable {
 /// }
 /// ```
 public final class UdevMonitor<Record: SysfsRecord>: Sendable {
-    public enum Action: String, Sendable { case added, removed, changed }
+    /// What happened to a device.
+    public enum Action: String, Sendable {
+        /// The device arrived.
+        case added
+        /// The device went away.
+        case removed
+        /// The device is still there and says something new about itself.
+        case changed
+    }
 
     /// "udev" or "kernel".
     public let group: String
+    /// The subsystem whose events this monitor receives.
     public let subsystem: String
     private let fd: FileDescriptor
     private let list: @Sendable () throws -> [Record]

@@ -8,11 +8,11 @@ import Synchronization
 /// Backpressure both ways, nothing unbounded:
 /// - inbound: bytes go through an ``InboundQueue``; past its high watermark the backend holds NIO's
 ///   `read()`, so the kernel's socket buffer fills and the peer's TCP window closes.
-/// - outbound: `write` hands bytes to NIO and counts them until NIO has written them to the kernel
-///   (or failed); past 64 KiB in flight it waits at a ``WriterGate`` until fewer than 32 KiB are,
-///   NIO's own write-buffer watermarks. Counted here rather than read from `channel.isWritable`,
-///   which a writer off the event loop would read before the loop has seen its writes: a starved
-///   loop would let it run megabytes ahead.
+/// - outbound: `write` hands bytes to NIO and waits at a ``WriterGate`` while the channel is not
+///   writable (NIO's write-buffer watermarks, 32 KiB/64 KiB by default). A writer off the event
+///   loop reads that flag before the loop has seen its latest writes, so when the loop is starved
+///   it could run far ahead (33 MB was seen on a loaded machine); the bytes handed over and not yet
+///   written are therefore also counted, and past 4 MiB the writer waits until 2 MiB are left.
 ///
 /// Built in one step: ``install(on:describing:supportsHalfClose:messages:watermarks:)`` adds the
 /// backend's handler at the end of the pipeline, on the channel's event loop, before a byte can
@@ -34,7 +34,9 @@ import Synchronization
 public final class ChannelBackend: ConnectionBackend {
     /// The channel this backend reads and writes.
     public let channel: any Channel
+    /// `true` for sockets: `closeWrite()` shuts down the sending direction.
     public let supportsHalfClose: Bool
+    /// `true` when each `ByteBuffer` that reaches the handler is one message.
     public let carriesMessages: Bool
     /// Names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
     public let describing: String
@@ -44,10 +46,12 @@ public final class ChannelBackend: ConnectionBackend {
     private let writeState = Mutex(WriteState())
     /// Bytes handed to the channel and not yet written to the kernel (or failed).
     private let inFlight = Atomic(0)
-    /// NIO's default write-buffer watermarks: a writer waits above the high one until the bytes in
-    /// flight drop to the low one.
-    static let writeHighWatermark = 64 * 1024
-    static let writeLowWatermark = 32 * 1024
+    /// The hard cap on bytes handed to the channel and not yet written: a writer waits above it
+    /// until they drop to ``inFlightResume``. Reached only when the event loop falls behind;
+    /// otherwise NIO's writability gates first.
+    public static let inFlightCap = 4 * 1024 * 1024
+    /// Where a writer held at ``inFlightCap`` goes on.
+    public static let inFlightResume = 2 * 1024 * 1024
 
     private struct WriteState {
         var failure: TransportError?
@@ -74,6 +78,7 @@ public final class ChannelBackend: ConnectionBackend {
     /// handlers.
     ///
     /// - Parameters:
+    ///   - channel: the connected channel; the backend owns it from now on.
     ///   - describing: names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
     ///   - supportsHalfClose: `true` when `close(mode: .output)` sends an end of stream (sockets).
     ///   - messages: `true` when each `ByteBuffer` that reaches the handler is one message.
@@ -90,10 +95,13 @@ public final class ChannelBackend: ConnectionBackend {
     /// task that prefers it is resumed inside the read that brought its bytes.
     public var preferredExecutor: (any TaskExecutor)? { executor }
 
+    /// The next chunk from the inbound queue.
     public func read() async throws -> ByteBuffer? {
         try await inbound.next()
     }
 
+    /// Hands `buffer` to the channel; waits while the channel is not writable, or while more than
+    /// 4 MiB handed over are not yet written.
     public func write(_ buffer: ByteBuffer) async throws {
         if let failure = takeUnreportedWriteFailure() { throw failure }
         let size = buffer.readableBytes
@@ -109,12 +117,15 @@ public final class ChannelBackend: ConnectionBackend {
             if case .failure(let error) = result {
                 recordWriteFailure(TransportError.from(error, context: "writing to \(describing)"))
             }
-            if before > Self.writeLowWatermark && before - size <= Self.writeLowWatermark { writers.signal() }
+            if before > Self.inFlightResume && before - size <= Self.inFlightResume { writers.signal() }
         }
         writeState.withLock { $0.lastWrite = promise.futureResult }
-        if inFlightNow > Self.writeHighWatermark {
-            // Checked again under the gate's lock; the completion that crosses the low mark signals.
-            try await writers.wait { [self] in inFlight.load(ordering: .relaxed) <= Self.writeLowWatermark }
+        if !channel.isWritable || inFlightNow > Self.inFlightCap {
+            // Checked again under the gate's lock. The handler signals when NIO makes the channel
+            // writable; the completion that brings the bytes in flight down to the resume mark too.
+            try await writers.wait { [self] in
+                channel.isWritable && inFlight.load(ordering: .relaxed) <= (inFlightNow > Self.inFlightCap ? Self.inFlightResume : Self.inFlightCap)
+            }
         }
     }
 
@@ -129,6 +140,7 @@ public final class ChannelBackend: ConnectionBackend {
         await writeState.withLock { $0.lastWrite }?.flushed()
     }
 
+    /// Waits for the bytes in flight, then shuts down the sending direction.
     public func closeWrite() async throws {
         await flushPendingWrites()
         if let failure = takeUnreportedWriteFailure() { throw failure }
@@ -139,6 +151,8 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
+    /// Waits for the bytes in flight, closes the channel, and reports a write that failed after
+    /// it was accepted.
     public func close() async throws {
         await flushPendingWrites()
         do {
@@ -154,6 +168,7 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
+    /// Closes the channel at once.
     public func connectionDropped() {
         channel.close(promise: nil)
     }
@@ -185,8 +200,8 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
-    /// The NIO side: feeds the inbound queue, holds `read()` while it is full, fails the writer gate
-    /// when the channel ends. It holds the queue and the gate, not the backend, so the backend does
+    /// The NIO side: feeds the inbound queue, holds `read()` while it is full, signals the writer
+    /// gate when the channel becomes writable and fails it when the channel ends. It holds the queue and the gate, not the backend, so the backend does
     /// not keep itself.
     private final class Handler: ChannelDuplexHandler, Sendable {
         typealias InboundIn = ByteBuffer
@@ -222,6 +237,11 @@ public final class ChannelBackend: ConnectionBackend {
             inbound.finish()
             writers.fail(ChannelBackend.disconnectedError(inbound, describing))
             context.fireChannelInactive()
+        }
+
+        func channelWritabilityChanged(context: ChannelHandlerContext) {
+            if context.channel.isWritable { writers.signal() }
+            context.fireChannelWritabilityChanged()
         }
 
         func errorCaught(context: ChannelHandlerContext, error: any Error) {

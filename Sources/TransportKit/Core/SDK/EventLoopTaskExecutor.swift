@@ -18,6 +18,7 @@ import Synchronization
 /// task runs at once, inside the read, until it next suspends, as a SwiftNIO handler would; it is
 /// not queued behind the rest of the loop's work. See ``resumeInline(_:)``.
 public final class EventLoopTaskExecutor: TaskExecutor {
+    /// The loop the executor's jobs run on.
     public let eventLoop: any EventLoop
     /// Open only on the loop's thread, while ``resumeInline(_:)`` runs its closure; then it holds
     /// the job that closure made ready instead of queueing it.
@@ -28,10 +29,12 @@ public final class EventLoopTaskExecutor: TaskExecutor {
         var job: UnownedJob?
     }
 
+    /// An executor that runs jobs on `eventLoop`.
     public init(_ eventLoop: any EventLoop) {
         self.eventLoop = eventLoop
     }
 
+    /// Runs `job` on the loop: handed to the running ``resumeInline(_:)`` when there is one, queued otherwise.
     public func enqueue(_ job: consuming ExecutorJob) {
         let job = UnownedJob(job)
         // Only the loop's thread can find the handoff open: resumeInline opens it there and closes

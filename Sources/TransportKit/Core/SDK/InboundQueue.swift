@@ -59,6 +59,7 @@ public final class InboundQueue: Sendable {
         case pause
     }
 
+    /// Where the producer pauses and resumes.
     public let watermarks: Watermarks
     /// `true` when every element is a message (see the type's documentation).
     public let carriesMessages: Bool
@@ -75,6 +76,8 @@ public final class InboundQueue: Sendable {
         var paused = false
     }
 
+    /// An empty queue.
+    ///
     /// - Parameters:
     ///   - watermarks: where the producer pauses and resumes.
     ///   - messages: `true` when every appended buffer is a message.
