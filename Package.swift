@@ -25,6 +25,10 @@ let package = Package(
         .library(name: "TransportKit", targets: ["TransportKit"]),
         // Third-party plugin packages: the core and the plugin SDK, without libudev, libusb or libbluetooth.
         .library(name: "TransportKitCore", targets: ["TransportKitCore", "TransportKitLinux"]),
+        // Plugins layered on TCP (TLS, WebSocket): TCPSocket.connect(…handlers:). No libudev either.
+        .library(name: "TransportKitSockets", targets: ["TransportKitSockets"]),
+        // Plugins that list devices and report hot-plug: Sysfs, USBAncestry, UdevMonitor. Links libudev.
+        .library(name: "TransportKitUdev", targets: ["TransportKitUdev"]),
         // Code written for Foundation streams (CornucopiaStreams' stream pairs).
         .library(name: "TransportKitFoundation", targets: ["TransportKitFoundation"]),
         .executable(name: "transportkit", targets: ["transportkit"]),

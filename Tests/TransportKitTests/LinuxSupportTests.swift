@@ -109,6 +109,18 @@ struct DescriptorChannelTests {
         #expect(!isOpen(recordSocket))
     }
 
+    @Test func aRegularFileIsNotPutOnTheEventLoop() async throws {
+        let path = Support.temporaryPath("regular")
+        let file = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
+        defer { _ = Glibc.close(file); unlink(path) }
+        let before = Descriptors.open().filter { $0.target == path }.count
+        let error = await expectTransportError(.misuse) {
+            try await DescriptorChannel.adoptDuplicate(of: FileDescriptor(rawValue: file), describing: path)
+        }
+        #expect(error?.message.contains("regular file") == true)
+        #expect(Descriptors.open().filter { $0.target == path }.count == before, "no duplicate left open")
+    }
+
     @Test func aDescriptorWaitsForReadinessWithoutAThreadAndCancels() async throws {
         let (mine, peer) = try socketPair()
         defer { _ = Glibc.close(mine); _ = Glibc.close(peer) }

@@ -256,6 +256,7 @@ struct OptionDeclarationTests {
         (descriptor(options: [OptionSpec("mode", .choice([]), help: "")]), "offers no choice"),
         (descriptor(options: [OptionSpec("mode", .choice(["a", "b"]), default: "c", help: "")]), "expected one of a, b"),
         (descriptor("a+b", options: []), "'a+b' is not a valid scheme name"),
+        (descriptor(options: [OptionSpec("n", .number(min: 1, max: 2), default: "3", help: "")]), "3 is outside 1…2"),
     ])
     func refused(_ declared: SchemeDescriptor, problem: String) throws {
         let registry = try TransportRegistry()
@@ -263,6 +264,30 @@ struct OptionDeclarationTests {
         #expect(error?.kind == .misuse)
         #expect(error?.message.contains(problem) == true, "\(error?.message ?? "")")
         #expect(registry.schemes.isEmpty, "nothing was registered")
+    }
+
+    @Test func aWrapperWithADotInItsNameIsRefused() throws {
+        struct DottedWrapper: TransportPlugin {
+            var schemes: [Scheme] {
+                [Scheme.wrapper(SchemeDescriptor(scheme: "a.b", summary: "test", grammar: "a.b+URL", host: .forbidden, port: .forbidden, path: .forbidden)) { request in
+                    try await request.connectInner()
+                }]
+            }
+        }
+        let error = #expect(throws: TransportError.self) { try TransportRegistry().register(DottedWrapper()) }
+        #expect(error?.kind == .misuse)
+        #expect(error?.message.contains("its options (a.b.NAME) would be ambiguous") == true, "\(error?.message ?? "")")
+    }
+
+    @Test func defaultsKeepTheirPrecision() throws {
+        let settle = URLOption.duration("settle", seconds: 0...1, default: 0.0005, help: "")
+        let ratio = URLOption.number("ratio", in: 0...1, default: 0.125, help: "")
+        let registry = try TransportRegistry(plugins: [DeclaredPlugin(descriptor(options: [settle, ratio]))])
+        let request = try registry.resolve("decl://")
+        #expect(request[settle] == .microseconds(500))
+        #expect(request[ratio] == 0.125)
+        #expect(try registry.resolve("decl://?ratio=2e-1")[ratio] == 0.2)
+        #expect(request.scheme.options.first?.defaultValue == "0.0005")
     }
 
     @Test func aSchemeDeclaredTwiceByOnePluginIsRefused() throws {
@@ -403,6 +428,26 @@ struct RegistryRobustnessTests {
         }
         #expect(seen == ["ba": 10_000, "bb": 10_000], "every event of both sources, none dropped")
         #expect(inOrder, "each source's order is kept")
+    }
+
+    @Test func aSourceEndingWithItsOwnCancellationEndsTheMergedStream() async throws {
+        struct CancellingPlugin: TransportPlugin {
+            let scheme: String
+            var schemes: [Scheme] {
+                [Scheme(SchemeDescriptor(scheme: scheme, summary: "test", grammar: "\(scheme)://", host: .forbidden, port: .forbidden, path: .forbidden)) { _ in
+                    throw TransportError(.unsupported, "test plugin")
+                }]
+            }
+            func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
+                AsyncThrowingStream { $0.finish(throwing: CancellationError()) }
+            }
+        }
+        let registry = try TransportRegistry(plugins: [CancellingPlugin(scheme: "ca"), CancellingPlugin(scheme: "cb")])
+        let error = await #expect(throws: TransportError.self) {
+            for try await _ in registry.deviceEvents() {}
+        }
+        #expect(error?.message.contains("watching the devices of ca://") == true || error?.message.contains("watching the devices of cb://") == true,
+                "\(String(describing: error))")
     }
 
     @Test func sourcesAreReadOnlyAsFastAsTheMergedStream() async throws {

@@ -129,6 +129,20 @@ struct InboundQueueTests {
         #expect(try await queue.next()?.readableBytes == 0)
     }
 
+    @Test func aCancelledSecondReaderLeavesTheFirstParked() async throws {
+        let queue = InboundQueue()
+        let first = Task { try await queue.next() }
+        try await Task.sleep(for: .milliseconds(20))
+        let second = Task {
+            withUnsafeCurrentTask { $0?.cancel() }   // cancelled before it asks
+            return try await queue.next()
+        }
+        let error = await expectTransportError(.misuse) { try await second.value }
+        #expect(error?.message.contains("two tasks") == true)
+        queue.append(ByteBuffer(string: "for the first"))
+        #expect(try await first.value.map { String(buffer: $0) } == "for the first", "the first reader was not cancelled by the second")
+    }
+
     @Test func aByteStreamIgnoresEmptyBuffers() async throws {
         let queue = InboundQueue()
         queue.append(ByteBuffer())

@@ -79,7 +79,17 @@ struct TransportURLTests {
         #expect(url.description.lowercased() == text.lowercased())
     }
 
+    @Test func aPercentEncodedColonInAHostRoundTrips() throws {
+        let url = try TransportURL("tcp://x%3Ay:1")
+        #expect(url.host == "x:y")
+        #expect(url.description == "tcp://x%3Ay:1")
+        #expect(try TransportURL(url.description) == url)
+        #expect(try TransportURL("tcp://[fe80::1%eth0]:80").description == "tcp://[fe80::1%eth0]:80")
+    }
+
     @Test func hostPortIsNotAUSBDevice() throws {
+        #expect(try TransportURL("usb://+123:0001").usbDeviceID == nil, "four hex digits, no sign")
+        #expect(try TransportURL("usb://0123:-001").usbDeviceID == nil)
         #expect(try TransportURL("tcp://host:4000").usbDeviceID == nil)
         #expect(try TransportURL("usb://403:6001").usbDeviceID == nil, "four digits each")
         #expect(try TransportURL("tcp://127.0.0.1:80").port == 80)
@@ -123,6 +133,8 @@ struct TransportURLTests {
         ("+tcp://host:1", "must start with a letter"),
         ("spy+://host:1", "must start with a letter"),
         ("spy++tcp://host:1", "must start with a letter"),
+        ("spy+spy+tcp://host:1", "the wrapper 'spy' is given twice"),
+        ("a.b+tcp://host:1?a.b.x=1", "has a '.' in its name"),
     ])
     func rejects(_ text: String, reason: String) {
         // (Decimal ports are the scheme's business: see the registry's table in RegistryTests.)
@@ -140,16 +152,16 @@ struct TransportURLTests {
 
 @Suite("URL parsing cost")
 struct URLParsingCostTests {
-    /// 12,000 options took 2 s when duplicates were found by comparing every pair (50,000 would
-    /// take about 35 s). Linear parsing takes a fraction of a second; the bound is only there to
-    /// catch a quadratic return, not to measure (BENCHMARKS.md has the figure).
+    /// 12,000 options took 2 s when duplicates were found by comparing every pair, so 50,000 would
+    /// take about 35 s in release and minutes in a debug build. Linear parsing takes a fraction of
+    /// a second. No clock is asserted (timed tests flake on a loaded machine): a quadratic return
+    /// shows as this test stalling the suite, and `transportkit-bench parse` prints the figures.
     @Test func manyOptionsParseInLinearTime() throws {
         let count = 50_000
         let query = (0..<count).map { "o\($0)=\($0)" }.joined(separator: "&")
-        let start = ContinuousClock.now
         let url = try TransportURL("loop://?" + query)
         #expect(url.query.count == count)
-        #expect(ContinuousClock.now - start < .seconds(10))
+        #expect(url.query.first?.name == "o0" && url.query.last?.value == "\(count - 1)")
         // The registry's validation is linear too: it refuses the first unknown option at once.
         let error = #expect(throws: TransportError.self) { try Transport.registry.resolve(url) }
         #expect(error?.message.contains("unknown option 'o0'") == true)

@@ -18,6 +18,8 @@ final class SocketListener: ListenerBackend {
     private let onClose: @Sendable () -> Void
 
     struct Accepted: Sendable {
+        /// The server channel, once bound.
+        var server: (any Channel)?
         /// Connections whose child initializer ran, by channel, until NIO passes them on.
         var staged: [ObjectIdentifier: Connection] = [:]
         var ready: [Connection] = []
@@ -49,21 +51,29 @@ final class SocketListener: ListenerBackend {
             .childChannelOption(.allowRemoteHalfClosure, value: true)
             .childChannelInitializer { child in
                 child.eventLoop.makeCompletedFuture {
-                    try configure(child)
-                    let peer = describePeer(child)
-                    let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: true)
-                    let url = (try? TransportURL(peer)) ?? TransportURL(scheme: "unix")
-                    let connection = Connection(url: url, backend: backend,
-                                                metadata: ConnectionMetadata(name: peer, localAddress: child.localAddress?.description,
-                                                                             remoteAddress: child.remoteAddress?.description))
-                    stage(connection, for: child, in: accepted)
+                    do {
+                        try configure(child)
+                        let peer = describePeer(child)
+                        let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: true)
+                        let url = (try? TransportURL(peer)) ?? TransportURL(scheme: "unix")
+                        let connection = Connection(url: url, backend: backend,
+                                                    metadata: ConnectionMetadata(name: peer, localAddress: child.localAddress?.description,
+                                                                                 remoteAddress: child.remoteAddress?.description))
+                        stage(connection, for: child, in: accepted)
+                    } catch {
+                        // NIO closes this child; the read that accepted it is spent, so a waiting
+                        // accept() asks for the next connection.
+                        if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
+                        throw error
+                    }
                 }
             }
         let server = try await bind(bootstrap)
         // Appended after bind so it sits behind NIO's AcceptHandler; nothing is accepted before
         // the first accept() because the server channel does not auto-read.
         try await server.pipeline.addHandler(AcceptedChannelHandler { child in deliver(child, to: accepted) }).get()
-        server.closeFuture.whenComplete { _ in accepted.update { $0.closed = true } }
+        accepted.withLock { $0.server = server }
+        server.closeFuture.whenComplete { _ in accepted.update { $0.closed = true; $0.server = nil } }
         return SocketListener(server: server, accepted: accepted, onClose: onClose)
     }
 

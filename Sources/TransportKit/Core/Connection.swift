@@ -370,7 +370,13 @@ public final class Connection: Sendable {
             defer { state.writeClosed = true }
             return !state.writeClosed && !state.closed
         }
-        if first { try await backend.closeWrite() }
+        guard first else { return }
+        if backend.maximumWriteSize != nil {
+            // After the chunked write in progress, not between its chunks.
+            try await inTurn { try await backend.closeWrite() }
+        } else {
+            try await backend.closeWrite()
+        }
     }
 
     /// Closes the connection, delivering bytes already written where the transport allows.

@@ -81,7 +81,7 @@ extension URLOption where Value == Int? {
 extension URLOption where Value == Duration {
     /// A number of seconds in `seconds` (fractions allowed) with a default.
     public static func duration(_ name: String, seconds range: ClosedRange<Double>, default defaultValue: Double, help: String) -> URLOption<Duration> {
-        URLOption(OptionSpec(name, .duration(min: range.lowerBound, max: range.upperBound), default: defaultValue.formatted3, help: help)) { value in
+        URLOption(OptionSpec(name, .duration(min: range.lowerBound, max: range.upperBound), default: defaultValue.exactText, help: help)) { value in
             .seconds(value?.number ?? defaultValue)
         }
     }
@@ -97,9 +97,27 @@ extension URLOption where Value == Duration? {
 
     /// A time limit in `seconds` with a default, where `0` means "no limit" and reads as `nil`.
     public static func timeLimit(_ name: String, seconds range: ClosedRange<Double>, default defaultValue: Double, help: String) -> URLOption<Duration?> {
-        URLOption(OptionSpec(name, .duration(min: range.lowerBound, max: range.upperBound), default: defaultValue.formatted3, help: help)) { value in
+        URLOption(OptionSpec(name, .duration(min: range.lowerBound, max: range.upperBound), default: defaultValue.exactText, help: help)) { value in
             let seconds = value?.number ?? defaultValue
             return seconds > 0 ? .seconds(seconds) : nil
+        }
+    }
+}
+
+extension URLOption where Value == Double {
+    /// A number in `range` (decimal, exponent allowed) with a default.
+    public static func number(_ name: String, in range: ClosedRange<Double>, default defaultValue: Double, help: String) -> URLOption<Double> {
+        URLOption(OptionSpec(name, .number(min: range.lowerBound, max: range.upperBound), default: defaultValue.exactText, help: help)) { value in
+            value?.number ?? defaultValue
+        }
+    }
+}
+
+extension URLOption where Value == Double? {
+    /// A number in `range` that may be absent.
+    public static func number(_ name: String, in range: ClosedRange<Double>, help: String) -> URLOption<Double?> {
+        URLOption(OptionSpec(name, .number(min: range.lowerBound, max: range.upperBound), help: help)) { value in
+            value?.number
         }
     }
 }
@@ -324,6 +342,12 @@ extension Duration {
 }
 
 extension Double {
+    /// The value written so that it parses back to itself, without a trailing ".0": "10", "0.0005".
+    var exactText: String {
+        guard self == rounded(), abs(self) < 1e15 else { return String(self) }
+        return String(Int64(self))
+    }
+
     /// Up to three decimals, without a trailing ".0": "2", "0.25", "31536000".
     var formatted3: String {
         let rounded = (self * 1000).rounded() / 1000

@@ -91,6 +91,8 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         var problems: [String] = []
         if !URLParser.isSchemeName(scheme) {
             problems.append("'\(scheme)' is not a valid scheme name: a letter, then letters, digits, '-' and '.' ('+' joins wrapper layers)")
+        } else if wraps && scheme.contains(".") {
+            problems.append("the wrapper '\(scheme)' has a '.' in its name: its options (\(scheme).NAME) would be ambiguous")
         }
         if let portRange, portRange.lowerBound < 0 {
             problems.append("the port range \(portRange.lowerBound)…\(portRange.upperBound) starts below 0")

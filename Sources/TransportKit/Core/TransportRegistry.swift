@@ -263,7 +263,8 @@ public final class TransportRegistry: Sendable {
     /// Nothing is dropped: a plugin's stream is read only as fast as the merged stream is, so a
     /// slow consumer holds the sources back (the kernel's buffers, and a plugin's resync, take the
     /// rest) instead of filling a buffer that would overflow. The stream ends with an error when a
-    /// source fails; the error names the plugin.
+    /// source fails; with several sources the error names the plugin (a single source's stream is
+    /// handed out as it is, with its own errors).
     ///
     /// ```swift
     /// for try await event in registry.deviceEvents() { print(event.action, event.device.url) }
@@ -315,7 +316,7 @@ enum EventMerge {
                         try await slots.wait { $0.events[index] == nil ? () : nil }
                     }
                     slots.update { $0.running -= 1 }
-                } catch is CancellationError {
+                } catch is CancellationError where Task.isCancelled {
                     // The consumer went away.
                 } catch {
                     let failure = TransportError.from(error, context: "watching the devices of \(source.schemes.map { $0 + "://" }.joined(separator: ", "))")

@@ -104,6 +104,7 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
     /// (`usb://1546:01a7`); `nil` when it is not of that form.
     public var usbDeviceID: (vendor: UInt16, product: UInt16)? {
         guard let host, let portText, host.utf8.count == 4, portText.utf8.count == 4,
+              host.allSatisfy(\.isHexDigit), portText.allSatisfy(\.isHexDigit),
               let vendor = UInt16(host, radix: 16), let product = UInt16(portText, radix: 16) else { return nil }
         return (vendor, product)
     }
@@ -115,10 +116,13 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
         let bottom = layers[layers.count - 1]
         var text = layers.map(\.scheme).joined(separator: "+") + "://"
         if let host = bottom.host {
-            if host.contains(":") && !URLParser.isMACAddress(host) {
+            if URLParser.isMACAddress(host) {
+                text += host
+            } else if host.contains(":") && URLParser.isIPv6Literal(host) {
                 text += "[" + host + "]"
             } else {
-                text += URLParser.percentEncode(host, allowing: URLParser.unreserved + ":")
+                // A ':' that came percent-encoded (tcp://x%3Ay:1) goes back percent-encoded.
+                text += URLParser.percentEncode(host, allowing: URLParser.unreserved)
             }
         }
         if let portText = bottom.portText { text += ":" + portText }
@@ -183,6 +187,14 @@ enum URLParser {
         let layers = string[..<colon].split(separator: "+", omittingEmptySubsequences: false)
         for scheme in layers where !isSchemeName(scheme) {
             throw fail(string, "the scheme '\(scheme)' must start with a letter and contain only letters, digits, '-' and '.' (a '+' separates a wrapper from the URL it wraps, as in spy+tcp://…)")
+        }
+        for (index, wrapper) in layers.dropLast().enumerated() {
+            if wrapper.contains(".") {
+                throw fail(string, "the wrapper '\(wrapper)' has a '.' in its name, which would make its options (\(wrapper).NAME) ambiguous")
+            }
+            if layers.dropLast().prefix(index).contains(where: { sameName(String($0), String(wrapper)) }) {
+                throw fail(string, "the wrapper '\(wrapper)' is given twice; one layer is enough (its options could not be told apart)")
+            }
         }
         if string.unicodeScalars.contains(where: isControl) {
             throw fail(string, "it contains a control character; percent-encoding does not make one acceptable either")
@@ -262,8 +274,7 @@ enum URLParser {
                 guard after.hasPrefix(":") else { throw fail(string, "expected ':PORT' after ']'") }
                 portPart = after.dropFirst()
             }
-            let address = hostPart.prefix { $0 != "%" }
-            guard !address.isEmpty, address.allSatisfy({ $0.isHexDigit || $0 == ":" || $0 == "." }) else {
+            guard isIPv6Literal(hostPart) else {
                 throw fail(string, "'\(hostPart)' is not an IPv6 address")
             }
             // A zone such as fe80::1%eth0 is taken verbatim, not percent-decoded.
@@ -289,6 +300,12 @@ enum URLParser {
         }
         let host = try decode(hostPart, in: string, what: "the host")
         return (host.isEmpty ? nil : host, portPart.map(String.init))
+    }
+
+    /// Hex digits, ':' and '.' (an IPv4 tail), then an optional zone after '%' (fe80::1%eth0).
+    static func isIPv6Literal<S: StringProtocol>(_ text: S) -> Bool {
+        let address = text.prefix { $0 != "%" }
+        return !address.isEmpty && address.contains(":") && address.allSatisfy { $0.isHexDigit || $0 == ":" || $0 == "." }
     }
 
     static func isMACAddress(_ text: String) -> Bool {

@@ -15,9 +15,10 @@ extension Connection {
     /// and `write` blocks while the buffer is full, as Foundation's blocking streams do; code driven
     /// by the events never blocks. Closing the output stream half-closes the connection where the
     /// transport allows; closing both closes it. `property(forKey:)` answers
-    /// ``metadataPropertyKey`` with the connection's `ConnectionMetadata`. Closing (or releasing)
-    /// a stream ends its task: the input side's at once, the output side's once the bytes written
-    /// to it went out (or the connection failed).
+    /// ``metadataPropertyKey`` with the connection's `ConnectionMetadata`. Closing a stream ends
+    /// its task: the input side's at once, the output side's once the bytes written to it went out
+    /// (or the connection failed). A stream scheduled on a run loop is kept alive until it is closed
+    /// or unscheduled, as Foundation's own are; one released unscheduled and open is closed.
     ///
     /// Streams are scheduled on a thread's run loop, so they are made and used on that thread: in
     /// Swift 6 `RunLoop.current` is not available in an `async` function. Connect in async code,

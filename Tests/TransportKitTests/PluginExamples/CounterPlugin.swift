@@ -33,17 +33,12 @@ final class CounterBackend: ConnectionBackend {
     let supportsHalfClose = false
     private let inbound: InboundQueue
     private let worker: WorkerThread
-    /// The thread sleeps in read(2) on `wakeup.read`; a byte on `wakeup.write` wakes it.
-    private let wakeup: (read: Int32, write: Int32)
+    private let wakeup: Wakeup
 
     init(to last: Int) throws {
-        var ends: [Int32] = [-1, -1]
-        try Syscall.run("pipe", on: "counter://") { pipe(&ends) }
-        for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
-        let wakeup = (read: ends[0], write: ends[1])
-        let wake: @Sendable () -> Void = { var byte: UInt8 = 1; _ = Glibc.write(wakeup.write, &byte, 1) }
+        let wakeup = try Wakeup()
         // Small watermarks, so the example pauses often: resumed once less than 1 KiB waits.
-        let inbound = InboundQueue(watermarks: .init(low: 1024, high: 4096), onResume: wake)
+        let inbound = InboundQueue(watermarks: .init(low: 1024, high: 4096)) { wakeup.wake() }
         let next = Mutex(1)
         do {
             worker = try WorkerThread(name: "counter") { isStopping in
@@ -59,15 +54,13 @@ final class CounterBackend: ConnectionBackend {
                         return
                     }
                     // The blocking call a C library's event loop would make.
-                    var byte: UInt8 = 0
-                    _ = Glibc.read(wakeup.read, &byte, 1)
+                    wakeup.sleep()
                 }
             } interrupt: {
-                wake()
+                wakeup.wake()
             }
         } catch {
-            _ = Glibc.close(ends[0])
-            _ = Glibc.close(ends[1])
+            wakeup.close()
             throw error
         }
         self.inbound = inbound
@@ -87,20 +80,58 @@ final class CounterBackend: ConnectionBackend {
     }
 
     func close() async throws {
-        await Self.stop(worker, wakeup)
+        await worker.stop()
+        wakeup.close()   // after the join: the thread no longer sleeps on it
         inbound.finish()
     }
 
     /// The application let go of the connection without close(): stop the thread all the same.
     func connectionDropped() {
-        Task { [worker, wakeup] in await Self.stop(worker, wakeup) }
+        Task { [worker, wakeup] in
+            await worker.stop()
+            wakeup.close()
+        }
+    }
+}
+
+/// A socket pair the worker thread sleeps on (read(2) on one end) and is woken through (a byte on
+/// the other). Close-on-exec from the start (SOCK_CLOEXEC), so a process forked meanwhile cannot
+/// inherit it; closed once, under the lock, so a late wake-up never writes to a number that
+/// another file has taken since.
+final class Wakeup: Sendable {
+    private let ends: Mutex<(sleep: Int32, wake: Int32)?>
+    private let sleepEnd: Int32
+
+    init() throws {
+        var pair: [Int32] = [-1, -1]
+        try Syscall.run("socketpair", on: "counter://") {
+            socketpair(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0, &pair)
+        }
+        sleepEnd = pair[0]
+        ends = Mutex((pair[0], pair[1]))
     }
 
-    /// Stops and joins the thread, then closes the pipe it slept on.
-    private static func stop(_ worker: WorkerThread, _ wakeup: (read: Int32, write: Int32)) async {
-        await worker.stop()
-        _ = Glibc.close(wakeup.read)
-        _ = Glibc.close(wakeup.write)
+    /// Blocks until woken. Only the worker thread calls it, and only before close().
+    func sleep() {
+        var byte: UInt8 = 0
+        _ = Glibc.read(sleepEnd, &byte, 1)
+    }
+
+    func wake() {
+        ends.withLock { ends in
+            guard let ends else { return }
+            var byte: UInt8 = 1
+            _ = Glibc.write(ends.wake, &byte, 1)
+        }
+    }
+
+    func close() {
+        ends.withLock { ends in
+            guard let open = ends else { return }
+            _ = Glibc.close(open.sleep)
+            _ = Glibc.close(open.wake)
+            ends = nil
+        }
     }
 }
 // END EXAMPLE

@@ -24,7 +24,7 @@ public enum DescriptorChannel {
     /// adopted (not an open stream socket) it is closed here. `closeWrite()` shuts down the sending
     /// direction (the peer reads an end). A SOCK_SEQPACKET socket is refused: SwiftNIO's reads
     /// would cut records larger than its buffer; read those with `FileDescriptor.wait(until:)`.
-    public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String, messages: Bool = false,
+    public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String,
                                    watermarks: InboundQueue.Watermarks = .standard) async throws -> ChannelBackend {
         // SwiftNIO traps on a descriptor it cannot use (EBADF); check first.
         var type: Int32 = 0
@@ -43,8 +43,7 @@ public enum DescriptorChannel {
                 .channelOption(.allowRemoteHalfClosure, value: true)
                 .withConnectedSocket(fd.rawValue) { channel in
                     channel.eventLoop.makeCompletedFuture {
-                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: true,
-                                                   messages: messages, watermarks: watermarks)
+                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: true, watermarks: watermarks)
                     }
                 }
         } catch {
@@ -57,6 +56,13 @@ public enum DescriptorChannel {
     /// channel owns and closes the duplicates.
     public static func adoptDuplicate(of fd: SystemPackage.FileDescriptor, describing: String,
                                       watermarks: InboundQueue.Watermarks = .standard) async throws -> ChannelBackend {
+        // SwiftNIO refuses regular files before it takes the descriptors, and would hand them back
+        // unclosed: refuse them here, before duplicating anything.
+        var info = stat()
+        try Syscall.run("fstat", on: describing) { fstat(fd.rawValue, &info) }
+        guard info.st_mode & S_IFMT != S_IFREG else {
+            throw TransportError.misuse("\(describing) is a regular file; only ttys, pipes and sockets go on the event loop")
+        }
         let input = try fd.duplicateCloseOnExec(describing: describing)
         let output: SystemPackage.FileDescriptor
         do {

@@ -22,7 +22,8 @@ extension FileDescriptor {
     private static let readinessQueue = DispatchQueue(label: "TransportKit.Readiness")
 
     /// Suspends until the descriptor is readable or writable. Cancelling the task ends the wait
-    /// with `CancellationError`. The descriptor must stay open while this waits.
+    /// with `CancellationError`. The descriptor must stay open while this waits; when it returns
+    /// (or throws), libdispatch is done with it and it may be closed.
     ///
     /// ```swift
     /// while true {
@@ -35,6 +36,7 @@ extension FileDescriptor {
     /// ```
     public func wait(until readiness: Readiness) async throws {
         let ready = AsyncCondition(false)
+        let cancelled = AsyncCondition(false)
         let source: any DispatchSourceProtocol = switch readiness {
         case .readable: DispatchSource.makeReadSource(fileDescriptor: rawValue, queue: Self.readinessQueue)
         case .writable: DispatchSource.makeWriteSource(fileDescriptor: rawValue, queue: Self.readinessQueue)
@@ -43,8 +45,19 @@ extension FileDescriptor {
             source.cancel()
             ready.update { $0 = true }
         }
+        // libdispatch stops watching the descriptor only when the cancel handler runs: until then
+        // the descriptor must stay open (its number could be reused by another file).
+        source.setCancelHandler { cancelled.update { $0 = true } }
         source.resume()
-        defer { source.cancel() }
-        try await ready.wait { $0 ? () : nil }
+        var failure: (any Error)?
+        do {
+            try await ready.wait { $0 ? () : nil }
+        } catch {
+            failure = error
+        }
+        source.cancel()
+        // Not cancellable: awaiting a detached task's value does not pass the cancellation on.
+        await Task.detached { try? await cancelled.wait { $0 ? () : nil } }.value
+        if let failure { throw failure }
     }
 }

@@ -75,7 +75,7 @@ public final class WorkerThread: Sendable {
     public var isRunning: Bool { !ended.withLock { $0 } }
 
     /// Asks the thread to stop, interrupts it, and returns once it has ended and was joined.
-    /// Calling it again returns at once.
+    /// Another call waits until the thread's body has returned (the first call joins it).
     public func stop() async {
         let first = stopping.update { stopping in
             defer { stopping = true }

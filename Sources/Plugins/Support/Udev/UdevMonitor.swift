@@ -203,13 +203,17 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
         }
     }
 
-    /// After ENOBUFS: enumerate again and queue the difference as events.
+    /// After ENOBUFS: drain the socket, enumerate again, and queue the difference as events.
     public func resync() throws {
+        // Drain first: what is in the socket predates the enumeration below. An event that arrives
+        // after the drain is both listed and received, and then dropped as a duplicate; draining
+        // after listing would throw away an arrival that came in between.
+        state.withLock { state in
+            while let stale = udev_monitor_receive_device(state.monitor) { udev_device_unref(stale) }
+        }
         let present = try list()
         state.withLock { state in
             state.resyncs += 1
-            // Drain what is left in the socket: it predates the enumeration just made.
-            while let stale = udev_monitor_receive_device(state.monitor) { udev_device_unref(stale) }
             let now = Dictionary(present.map { ($0.sysPath, $0) }, uniquingKeysWith: { first, _ in first })
             for (path, device) in state.known where now[path] == nil {
                 state.pending.append((.removed, device))

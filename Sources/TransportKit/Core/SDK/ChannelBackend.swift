@@ -9,7 +9,7 @@ import Synchronization
 /// - inbound: bytes go through an ``InboundQueue``; past its high watermark the backend holds NIO's
 ///   `read()`, so the kernel's socket buffer fills and the peer's TCP window closes.
 /// - outbound: `write` hands bytes to NIO and waits at a ``WriterGate`` while the channel is not
-///   writable (NIO's write-buffer watermarks, 32 KiB/64 KiB by default). A writer off the event
+///   writable (NIO's write-buffer watermarks, set to 256 KiB/512 KiB). A writer off the event
 ///   loop reads that flag before the loop has seen its latest writes, so when the loop is starved
 ///   it could run far ahead (33 MB was seen on a loaded machine); the bytes handed over and not yet
 ///   written are therefore also counted, and past 4 MiB the writer waits until 2 MiB are left.
@@ -52,11 +52,14 @@ public final class ChannelBackend: ConnectionBackend {
     public static let inFlightCap = 4 * 1024 * 1024
     /// Where a writer held at ``inFlightCap`` goes on.
     public static let inFlightResume = 2 * 1024 * 1024
+    /// NIO's write-buffer watermarks for the channel: not writable above the high one, writable
+    /// again below the low one. Above NIO's 32/64 KiB defaults, so a fast writer parks once per
+    /// 256 KiB rather than per write (about 87% of the C loop's throughput against 80%; BENCHMARKS.md).
+    static let writeWatermarks = ChannelOptions.Types.WriteBufferWaterMark(low: 256 * 1024, high: 512 * 1024)
 
     private struct WriteState {
         var failure: TransportError?
         var failureReported = false
-        var lastWrite: EventLoopFuture<Void>?
     }
 
     private init(channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool,
@@ -87,6 +90,7 @@ public final class ChannelBackend: ConnectionBackend {
                                watermarks: InboundQueue.Watermarks = .standard) throws -> ChannelBackend {
         let backend = ChannelBackend(channel: channel, describing: describing, supportsHalfClose: supportsHalfClose,
                                      messages: messages, watermarks: watermarks)
+        try channel.syncOptions?.setOption(.writeBufferWaterMark, value: writeWatermarks)
         try channel.pipeline.syncOperations.addHandler(Handler(backend: backend))
         return backend
     }
@@ -117,9 +121,10 @@ public final class ChannelBackend: ConnectionBackend {
             if case .failure(let error) = result {
                 recordWriteFailure(TransportError.from(error, context: "writing to \(describing)"))
             }
-            if before > Self.inFlightResume && before - size <= Self.inFlightResume { writers.signal() }
+            let after = before - size
+            // Wake writers held at the cap, and flushPendingWrites waiting for the last byte.
+            if (before > Self.inFlightResume && after <= Self.inFlightResume) || after == 0 { writers.signal() }
         }
-        writeState.withLock { $0.lastWrite = promise.futureResult }
         if !channel.isWritable || inFlightNow > Self.inFlightCap {
             // Checked again under the gate's lock. The handler signals when NIO makes the channel
             // writable; the completion that brings the bytes in flight down to the resume mark too.
@@ -135,9 +140,15 @@ public final class ChannelBackend: ConnectionBackend {
         inbound.discardBuffered()
     }
 
-    /// Waits until every byte written so far has been handed to the kernel (or failed).
+    /// Waits until every byte written so far has been handed to the kernel (or failed): until no
+    /// byte is in flight, whichever writer wrote it, in whatever order their bookkeeping ran.
     public func flushPendingWrites() async {
-        await writeState.withLock { $0.lastWrite }?.flushed()
+        // Ends early when the channel ended (its pending writes then fail). Not cancellable, as
+        // close() must not cut its own flush short: awaiting a detached task's value does not pass
+        // the cancellation on.
+        await Task.detached { [self] in
+            try? await writers.wait { [self] in inFlight.load(ordering: .relaxed) == 0 }
+        }.value
     }
 
     /// Waits for the bytes in flight, then shuts down the sending direction.
@@ -251,13 +262,6 @@ public final class ChannelBackend: ConnectionBackend {
             context.close(promise: nil)
         }
 
-    }
-}
-
-extension EventLoopFuture where Value == Void {
-    /// Waits for the write to finish either way; its failure is recorded elsewhere.
-    func flushed() async {
-        _ = try? await self.get()
     }
 }
 

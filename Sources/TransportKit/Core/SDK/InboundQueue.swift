@@ -70,7 +70,10 @@ public final class InboundQueue: Sendable {
     private struct State {
         var buffered = CircularBuffer<ByteBuffer>()
         var bufferedBytes = 0
-        var reader: UnsafeContinuation<ByteBuffer?, any Error>?
+        /// The parked reader, with the number its `next()` call drew: a cancellation resumes only
+        /// the reader it belongs to.
+        var reader: (id: UInt64, continuation: UnsafeContinuation<ByteBuffer?, any Error>)?
+        var nextReaderID: UInt64 = 0
         var end: Result<Void, TransportError>?
         /// The producer was told to pause and is owed an `onResume`.
         var paused = false
@@ -117,7 +120,7 @@ public final class InboundQueue: Sendable {
             guard state.end == nil else { return (nil, .pause) }
             if let reader = state.reader {
                 state.reader = nil
-                return (reader, .more)
+                return (reader.continuation, .more)
             }
             state.buffered.append(element)
             state.bufferedBytes += weight
@@ -161,7 +164,7 @@ public final class InboundQueue: Sendable {
             if state.end == nil { state.end = result }
             guard let reader = state.reader else { return nil }
             state.reader = nil
-            return reader
+            return reader.continuation
         }
         // A parked reader means nothing is buffered. Resumed here, not inline: see resumeInline.
         reader?.resume(with: result.map { nil }.mapError { $0 })
@@ -178,17 +181,23 @@ public final class InboundQueue: Sendable {
     /// - Throws: the stream's error; `CancellationError` when the task is cancelled while waiting
     ///   (nothing is consumed); ``TransportError/Kind/misuse`` when another task is already waiting.
     public func next() async throws -> ByteBuffer? {
-        if case .ready(let element) = try take() { return element }
+        let id: UInt64
+        switch try take() {
+        case .ready(let element): return element
+        case .wait(let number): id = number
+        }
         return try await withTaskCancellationHandler {
             // Unsafe rather than checked (the checked one allocates per read): every path that
             // resumes the reader first takes it out of `State` under the lock, so it resumes once.
             try await withUnsafeThrowingContinuation { (continuation: UnsafeContinuation<ByteBuffer?, any Error>) in
-                park(continuation)
+                park(continuation, id: id)
             }
         } onCancel: {
-            state.withLock { state in
-                defer { state.reader = nil }
-                return state.reader
+            state.withLock { state -> UnsafeContinuation<ByteBuffer?, any Error>? in
+                // Only this call's own reader: another task may be the one parked.
+                guard let reader = state.reader, reader.id == id else { return nil }
+                state.reader = nil
+                return reader.continuation
             }?.resume(throwing: CancellationError())
         }
     }
@@ -196,32 +205,36 @@ public final class InboundQueue: Sendable {
     private enum Taken {
         /// An element, or `nil` for the end.
         case ready(ByteBuffer?)
-        case wait
+        /// Nothing yet: park, under this number.
+        case wait(UInt64)
     }
 
-    /// An element or the end, if one is there now.
+    /// Takes the first element, and says whether the producer may go on now: a paused producer is
+    /// resumed once the backlog is below the low watermark. Every consumer path pops through here.
+    private func popFirst(_ state: inout State) -> (element: ByteBuffer, resume: Bool)? {
+        guard let element = state.buffered.popFirst() else { return nil }
+        state.bufferedBytes -= weight(element)
+        let resume = state.paused && state.bufferedBytes < watermarks.low
+        if resume { state.paused = false }
+        return (element, resume)
+    }
+
+    /// An element or the end, if one is there now; else the number to park under.
     private func take() throws -> Taken {
-        let (ready, resume): (Result<ByteBuffer?, TransportError>?, Bool) = state.withLock { state in
-            if let element = state.buffered.popFirst() {
-                state.bufferedBytes -= weight(element)
-                let resume = state.paused && state.bufferedBytes < watermarks.low
-                if resume { state.paused = false }
-                return (.success(element), resume)
-            }
-            if let end = state.end { return (end.map { nil }, false) }
-            return (nil, false)
+        let (ready, resume, id): (Result<ByteBuffer?, TransportError>?, Bool, UInt64) = state.withLock { state in
+            if let (element, resume) = popFirst(&state) { return (.success(element), resume, 0) }
+            if let end = state.end { return (end.map { nil }, false, 0) }
+            state.nextReaderID &+= 1
+            return (nil, false, state.nextReaderID)
         }
         if resume { onResume() }
-        guard let ready else { return .wait }
+        guard let ready else { return .wait(id) }
         return .ready(try ready.get())
     }
 
-    private func park(_ continuation: UnsafeContinuation<ByteBuffer?, any Error>) {
+    private func park(_ continuation: UnsafeContinuation<ByteBuffer?, any Error>, id: UInt64) {
         let (ready, resume): (Result<ByteBuffer?, any Error>?, Bool) = state.withLock { state in
-            if let element = state.buffered.popFirst() {
-                state.bufferedBytes -= weight(element)
-                return (.success(element), false)
-            }
+            if let (element, resume) = popFirst(&state) { return (.success(element), resume) }
             if let end = state.end { return (end.map { nil }.mapError { $0 }, false) }
             if state.reader != nil {
                 return (.failure(TransportError.misuse("two tasks read one connection at once; read from one task, and hand the bytes to others")), false)
@@ -229,7 +242,7 @@ public final class InboundQueue: Sendable {
             // Checked under the lock: the cancellation handler either runs after this and finds the
             // reader, or ran before and set the flag seen here.
             if Task.isCancelled { return (.failure(CancellationError()), false) }
-            state.reader = continuation
+            state.reader = (id, continuation)
             // Nothing buffered: a paused producer must go on, or the reader would wait forever.
             let resume = state.paused
             state.paused = false
