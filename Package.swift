@@ -67,7 +67,7 @@ let package = Package(
         ),
         .target(
             name: "TransportKitSockets",
-            dependencies: ["TransportKitCore", nioCore, nioPosix, system],
+            dependencies: ["TransportKitCore", "TransportKitLinux", nioCore, nioPosix, system],
             path: "Sources/Plugins/Sockets",
             swiftSettings: strict
         ),

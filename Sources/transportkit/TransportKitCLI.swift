@@ -107,100 +107,90 @@ struct Connect: AsyncParsableCommand {
         discussion: """
             Bytes pass untouched. At the end of standard input the connection is half-closed where \
             the transport allows, and inbound bytes are still copied until the peer closes or \
-            --linger seconds pass. Exits 0 then; on failure prints the error and exits 1.
+            --linger seconds pass. When the peer closes first, the rest of standard input gets \
+            --linger seconds. Exit status: 0 when the relay ended normally (also when standard \
+            output was closed, as by `| head`); 1 on an error, such as a device that went away; \
+            129, 130 or 143 after SIGHUP, SIGINT or SIGTERM, with everything closed and a tty's \
+            settings restored. pty:// without link= prints the peer node it made on standard error.
             """
     )
 
     @Argument(help: "The URL to connect to, such as tcp://127.0.0.1:4000.")
     var url: String
 
-    @Option(help: "Seconds to keep copying inbound bytes after standard input ends.")
+    @Option(parsing: .unconditional, help: Linger.help)
     var linger: Double = 0.5
 
     @OptionGroup var logging: LoggingOptions
 
+    func validate() throws {
+        try Linger.check(linger)
+    }
+
     func run() async throws {
         logging.bootstrap()
+        let url = url
+        let linger = Linger.duration(linger)
         do {
-            let connection = try await Transport.connect(to: url)
-            try await Relay.pump(
-                from: StandardInput(), to: connection,
-                inbound: { try await StandardOutput.copy(from: connection) },
-                linger: .milliseconds(Int64(max(0, linger) * 1000))
-            )
+            try await Signals.run {
+                let connection = try await ToolConnection.open(url)
+                if connection.url.innermost.scheme == "pty", connection.metadata.extra["link"] == nil,
+                   let peer = connection.metadata.extra["peer"] {
+                    FileHandle.standardError.write(Data("pty: \(peer)\n".utf8))
+                }
+                try await Relay.pump(connection, linger: linger)
+            }
+        } catch StandardStreamError.outputClosed {
+            // Whoever read standard output went away (`| head`): a normal end, as for cat(1)
+            // under a shell that ignores SIGPIPE.
+        } catch let exit as ExitCode {
+            throw exit
         } catch {
             throw fail(error)
         }
     }
 }
 
-struct Bridge: AsyncParsableCommand {
-    static let configuration = CommandConfiguration(
-        abstract: "Relay both ways between two URLs until either side closes.",
-        discussion: """
-            Give two endpoints in all: URLs to connect to as arguments, URLs to listen on with \
-            --listen (a listening side accepts one connection before relaying starts). Example, \
-            sharing a device over the network: transportkit bridge --listen tcp://0.0.0.0:2000 loop://
-            Status lines ("listening on …", "accepted …") go to standard error; with --json as one \
-            JSON object per line.
-            """
-    )
+/// `--linger SECONDS`, shared by connect and bridge.
+enum Linger {
+    static let limit: Double = 86_400
+    static let help = ArgumentHelp("Seconds (0 to 86400) to keep relaying one direction after the other ended.", valueName: "seconds")
 
-    @Option(help: "A URL to listen on; accepts one connection. May be given twice.")
-    var listen: [String] = []
-
-    @Argument(help: "URLs to connect to.")
-    var urls: [String] = []
-
-    @Option(help: "Seconds to keep relaying the other direction after one side ends.")
-    var linger: Double = 0.5
-
-    @Flag(help: "Print status lines as JSON objects.")
-    var json = false
-
-    @OptionGroup var logging: LoggingOptions
-
-    func validate() throws {
-        guard listen.count + urls.count == 2 else {
-            throw ValidationError("a bridge has two endpoints: give two URLs, or one URL and --listen URL, or --listen twice")
+    static func check(_ seconds: Double) throws {
+        guard seconds.isFinite, (0...limit).contains(seconds) else {
+            throw ValidationError("--linger takes a number of seconds from 0 to \(Int(limit)), such as 0.5; got \(seconds)")
         }
     }
 
-    func run() async throws {
-        logging.bootstrap()
-        do {
-            let accepted = try await withThrowingTaskGroup(of: Connection.self) { group in
-                for url in listen {
-                    group.addTask { try await acceptOne(on: url) }
-                }
-                return try await group.reduce(into: []) { $0.append($1) }
-            }
-            var connections = accepted
-            for url in urls { connections.append(try await Transport.connect(to: url)) }
-            try await Relay.bridge(connections[0], connections[1], linger: .milliseconds(Int64(max(0, linger) * 1000)))
-        } catch {
-            throw fail(error)
-        }
+    static func duration(_ seconds: Double) -> Duration {
+        .milliseconds(Int64((seconds * 1000).rounded()))
     }
+}
 
-    private func acceptOne(on url: String) async throws -> Connection {
-        let listener = try await Transport.listen(on: url)
-        status(["event": "listening", "url": listener.url.description])
-        defer { Task { try? await listener.close() } }
-        guard let connection = try await listener.accept() else {
-            throw TransportError(.disconnected, "the listener on \(listener.url) closed before a connection arrived")
+/// How the tool opens its connections.
+enum ToolConnection {
+    /// Connects to `url`. A tty gets its previous settings back when the tool closes it, also after
+    /// a signal, unless the URL says `restore=false`.
+    ///
+    /// A signal does not cut the connect short (the connect's own timeout still applies, and the
+    /// signal handler's time limit): a connect abandoned half-way would leave what it made, a pty's
+    /// link or a tty's changed settings, to be cleaned up after the tool has exited. The
+    /// connection is closed once it is made, and the tool then exits.
+    static func open(_ url: String) async throws -> Connection {
+        let connection = try await Task { try await Transport.connect(to: url) }.value
+        if let port = connection.serialPort, !layers(of: connection.url).contains(where: { $0.queryValue("restore") != nil }) {
+            port.restoresSettingsOnClose = true
         }
-        status(["event": "accepted", "url": connection.url.description, "listener": listener.url.description])
+        if Task.isCancelled {
+            try? await connection.close()
+            throw CancellationError()
+        }
         return connection
     }
 
-    private func status(_ fields: [String: String]) {
-        let line: String
-        if json, let data = try? JSONSerialization.data(withJSONObject: fields, options: [.sortedKeys]) {
-            line = String(decoding: data, as: UTF8.self)
-        } else {
-            line = fields["event", default: ""] + " " + fields["url", default: ""]
-        }
-        FileHandle.standardError.write(Data((line + "\n").utf8))
+    private static func layers(of url: TransportURL) -> [TransportURL] {
+        var all = [url]
+        while let inner = all.last?.inner { all.append(inner) }
+        return all
     }
 }

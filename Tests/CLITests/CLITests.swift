@@ -1,4 +1,5 @@
 import Foundation
+import Glibc
 import Testing
 import TransportKit
 
@@ -30,7 +31,11 @@ struct CLI {
         private let lock = NSLock()
         private var errLines: [String] = []
 
-        init(_ arguments: [String], launchAs user: String? = nil) throws {
+        /// - Parameters:
+        ///   - closeStdoutAfter: close the reading end of standard output once this many bytes
+        ///     arrived, as `| head -c N` does.
+        ///   - stdinPath: standard input from this file (or directory) instead of a pipe.
+        init(_ arguments: [String], launchAs user: String? = nil, closeStdoutAfter: Int? = nil, stdinPath: String? = nil) throws {
             if let user {
                 process.executableURL = URL(fileURLWithPath: "/usr/sbin/runuser")
                 process.arguments = ["-u", user, "--", CLI.binary] + arguments
@@ -38,7 +43,11 @@ struct CLI {
                 process.executableURL = URL(fileURLWithPath: CLI.binary)
                 process.arguments = arguments
             }
-            process.standardInput = input
+            if let stdinPath, let handle = FileHandle(forReadingAtPath: stdinPath) {
+                process.standardInput = handle
+            } else {
+                process.standardInput = input
+            }
             process.standardOutput = output
             process.standardError = errors
             try process.run()
@@ -46,7 +55,17 @@ struct CLI {
             // Swift's global executor shares that queue's two-thread width on this machine.
             group.enter()
             Thread { [self] in
-                let data = output.fileHandleForReading.readDataToEndOfFile()
+                let handle = output.fileHandleForReading
+                var data = Data()
+                while true {
+                    let chunk = handle.availableData
+                    if chunk.isEmpty { break }
+                    data.append(chunk)
+                    if let limit = closeStdoutAfter, data.count >= limit {
+                        try? handle.close()
+                        break
+                    }
+                }
                 lock.withLock { out = data }
                 group.leave()
             }.start()
@@ -78,6 +97,14 @@ struct CLI {
             let handle = input.fileHandleForWriting
             writer.async { try? handle.close() }
         }
+
+        /// Sends `number` (SIGINT, SIGTERM, SIGHUP) to the process.
+        func signal(_ number: Int32) {
+            kill(process.processIdentifier, number)
+        }
+
+        /// Whether the process has exited.
+        var isRunning: Bool { process.isRunning }
 
         /// The standard-error lines so far.
         var stderrLines: [String] { lock.withLock { errLines } }
@@ -253,7 +280,7 @@ struct CLITests {
         try await listener.close()
     }
 
-    @Test func bridgeRelaysBetweenAListenerAndAConnection() async throws {
+    @Test func aOneShotBridgeRelaysBetweenAListenerAndAConnection() async throws {
         // An echo server stands in for a device.
         let echo = try await Transport.listen(on: "tcp://127.0.0.1:0")
         let echoTask = Task {
@@ -261,7 +288,7 @@ struct CLITests {
             while let chunk = try await connection.read() { try await connection.write(chunk) }
             try await connection.close()
         }
-        let bridge = try CLI.Running(["bridge", "--json", "--listen", "tcp://127.0.0.1:0", "tcp://127.0.0.1:\(echo.url.port ?? 0)"])
+        let bridge = try CLI.Running(["bridge", "--once", "--json", "--listen", "tcp://127.0.0.1:0", "tcp://127.0.0.1:\(echo.url.port ?? 0)"])
         var listening: String?
         for _ in 0..<500 where listening == nil {
             for line in bridge.stderrLines {

@@ -122,8 +122,11 @@ struct FramingTests {
     }
 }
 
-/// A prompt-driven device like an ELM327 OBD-II adapter: echo off, answers end with "\r\r>".
-func runFakeELM327(_ device: Connection, silentOn: String = "ATMA") async throws {
+/// A prompt-driven device like an ELM327 OBD-II adapter: answers end with "\r\r>"; with `echo`
+/// each answer starts with the command and "\r" (the adapter's default, ATE1). "SLOW" is answered
+/// after `slowDelay`.
+func runFakeELM327(_ device: Connection, silentOn: String = "ATMA", echo: Bool = false,
+                   slowDelay: Duration = .milliseconds(300)) async throws {
     while let command = try await device.readFrame(.delimiter("\r")) {
         let text = String(decoding: command, as: UTF8.self)
         let answer: String
@@ -131,10 +134,13 @@ func runFakeELM327(_ device: Connection, silentOn: String = "ATMA") async throws
         case "ATZ": answer = "ELM327 v1.5"
         case "ATRV": answer = "12.6V"
         case "0100": answer = "41 00 BE 3F A8 13\r41 00 98 18 80 11"
+        case "SLOW":
+            try await Task.sleep(for: slowDelay)
+            answer = "LATE ANSWER"
         case silentOn: continue
         default: answer = "?"
         }
-        try await device.write(answer + "\r\r>")
+        try await device.write((echo ? text + "\r" : "") + answer + "\r\r>")
     }
 }
 
@@ -161,6 +167,63 @@ struct CommandSessionTests {
         try await connection.close()
         try await device.value
         try await listener.close()
+    }
+
+    /// Runs `body` against a fake ELM327 over tcp on loopback.
+    private func withFakeELM327(echo: Bool = false, _ body: (Connection) async throws -> Void) async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let device = Task {
+            let connection = try #require(try await listener.accept())
+            try await runFakeELM327(connection, echo: echo)
+            try await connection.close()
+        }
+        let connection = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
+        try await body(connection)
+        try await connection.close()
+        try await device.value
+        try await listener.close()
+    }
+
+    @Test func aLateAnswerIsDroppedAndTheNextCommandGetsItsOwn() async throws {
+        try await withFakeELM327 { (connection: Connection) async throws in
+            let elm = CommandSession(connection, timeout: .milliseconds(100))
+            _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }   // answered after 300 ms
+            #expect(try await elm.send("ATRV") == "12.6V", "the late answer to SLOW is not taken for ATRV's")
+            #expect(try await elm.send("ATZ") == "ELM327 v1.5", "and the session stays in step")
+        }
+    }
+
+    @Test func withoutResynchronisationTheLateAnswerComesNext() async throws {
+        // What the default prevents: every answer one behind.
+        try await withFakeELM327 { (connection: Connection) async throws in
+            let elm = CommandSession(connection, timeout: .milliseconds(100), lateAnswerWait: nil)
+            _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }
+            try await Task.sleep(for: .milliseconds(400))
+            #expect(try await elm.send("ATRV") == "LATE ANSWER")
+        }
+    }
+
+    @Test func anAnswerThatNeverComesCostsOneWaitOnly() async throws {
+        try await withFakeELM327 { (connection: Connection) async throws in
+            let elm = CommandSession(connection, timeout: .milliseconds(100), lateAnswerWait: .milliseconds(200))
+            _ = await expectTransportError(.timedOut) { try await elm.send("ATMA") }   // never answered
+            #expect(try await elm.send("ATRV") == "12.6V")
+            #expect(try await elm.send("ATZ") == "ELM327 v1.5")
+        }
+    }
+
+    @Test func theEchoIsStrippedAndAStaleEchoedAnswerSkipped() async throws {
+        try await withFakeELM327(echo: true) { (connection: Connection) async throws in
+            let echoing = CommandSession(connection)
+            #expect(try await echoing.send("ATRV") == "ATRV\n12.6V", "without stripsEcho the echo is the first line")
+            var elm = CommandSession(connection, timeout: .milliseconds(100), lateAnswerWait: nil)
+            elm.stripsEcho = true
+            #expect(try await elm.send("ATZ") == "ELM327 v1.5")
+            _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }
+            try await Task.sleep(for: .milliseconds(400))
+            // "SLOW\rLATE ANSWER" arrives first; it does not echo ATRV, so it is skipped.
+            #expect(try await elm.send("ATRV") == "12.6V")
+        }
     }
 
     @Test func staleInputIsDiscardedWhenAsked() async throws {

@@ -42,8 +42,46 @@ struct StuckPlugin: TransportPlugin {
     }
 }
 
+/// A plugin whose connect takes 300 ms whatever happens, then returns a loop connection and
+/// records it.
+struct SlowPlugin: TransportPlugin {
+    final class Made: Sendable {
+        /// Guards the connections the plugin made.
+        let connections = Mutex<[Connection]>([])
+    }
+    let made = Made()
+
+    var schemes: [Scheme] {
+        let made = made
+        return [Scheme(SchemeDescriptor(scheme: "slow", summary: "Connects late", grammar: "slow://",
+                                        host: .forbidden, port: .forbidden, path: .forbidden)) { _ in
+            // Not cancellable: the work runs in a task of its own.
+            try await Task {
+                try? await Task.sleep(for: .milliseconds(300))
+                let connection = try await Transport.connect(to: "loop://")
+                made.connections.withLock { $0.append(connection) }
+                return connection
+            }.value
+        }]
+    }
+}
+
 @Suite("Registry")
 struct RegistryTests {
+    @Test func aProgramCanWaitForAnAbandonedConnectToCleanUp() async throws {
+        let plugin = SlowPlugin()
+        let registry = try TransportRegistry(plugins: [plugin])
+        let task = Task { try await registry.connect(to: "slow://") }
+        try await Task.sleep(for: .milliseconds(50))
+        task.cancel()
+        await #expect(throws: CancellationError.self) { try await task.value }
+        #expect(plugin.made.connections.withLock { $0.isEmpty }, "the connect is still running")
+        await registry.waitForAbandonedConnects()
+        let made = plugin.made.connections.withLock { $0 }
+        #expect(made.count == 1)
+        #expect(made.first?.isClosed == true, "the late connection was closed before the wait returned")
+    }
+
     @Test func builtInsAreRegisteredByImportingTransportKit() {
         let schemes = Transport.registry.schemes.map(\.scheme)
         #expect(schemes.contains("tcp"))

@@ -26,7 +26,7 @@ enum DeviceAccess {
                 do {
                     try Syscall.run("flock", on: path) { flock(fd.rawValue, LOCK_EX | LOCK_NB) }
                 } catch let error as TransportError where error.errno == .wouldBlock {
-                    throw TransportError(.busy, "\(path) is busy: \(DeviceNode.lockHolder(path: path) ?? "another program") holds it exclusively. Close that program, or open with ?exclusive=false to share the port (bytes then go to whichever reader is first)",
+                    throw TransportError(.busy, "\(path) is busy: \(DeviceNode.lockHolder(path: path) ?? DeviceNode.openers(of: path) ?? "another program (not visible to this user)") holds it exclusively. Close that program, or open with ?exclusive=false to share the port (bytes then go to whichever reader is first)",
                                          errno: error.errno, syscall: "flock")
                 }
                 try Syscall.run("ioctl(TIOCEXCL)", on: path) { ioctl(fd.rawValue, UInt(TIOCEXCL)) }
@@ -44,13 +44,23 @@ enum DeviceAccess {
             return TransportError(.notFound, "no device at \(path): is it plugged in? `transportkit list` shows the serial ports this machine has",
                                   errno: errno, syscall: "open")
         case .noSuchAddressOrDevice, .operationNotSupportedByDevice:
+            var info = stat()
+            if stat(path, &info) == 0, info.st_mode & S_IFMT == S_IFSOCK {
+                // open(2) on a unix socket file fails with ENXIO.
+                return TransportError(.unsupported, "\(path) is a unix socket, not a serial port: connect to it with unix://\(path)",
+                                      errno: errno, syscall: "open")
+            }
             return TransportError(.notFound, "\(path) exists but no device answers behind it (unplugged, or an unused port slot)",
+                                  errno: errno, syscall: "open")
+        case .isDirectory:
+            return TransportError(.invalidURL, "\(path) is a directory, not a serial port: give a device node such as /dev/ttyUSB0 (`transportkit list` shows them)",
                                   errno: errno, syscall: "open")
         case .permissionDenied, .notPermitted:
             return TransportError(.permissionDenied, permissionMessage(path: path), errno: errno, syscall: "open")
         case .resourceBusy:
             // EBUSY from open(2) on a tty: another process set TIOCEXCL on it.
-            return TransportError(.busy, "\(path) is busy: another program opened it exclusively (TIOCEXCL). Close that program first",
+            let holder = DeviceNode.openers(of: path)
+            return TransportError(.busy, "\(path) is busy: \(holder ?? "another program (not visible to this user)") opened it exclusively (TIOCEXCL). Close that program first",
                                   errno: errno, syscall: "open")
         default:
             return TransportError.posix("open", errno: errno, what: path)

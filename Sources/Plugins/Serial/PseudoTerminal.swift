@@ -30,7 +30,7 @@ enum PseudoTerminal {
             Termios.configure(&tio, settings)
             try Termios.set(peer, tio, path: peerPath)
             link = try request[SerialPlugin.link].map { path in
-                try Syscall.run("symlink", on: path, hint: "remove the file that is there, or choose another link path") { symlink(peerPath, path) }
+                try makeLink(path, to: peerPath)
                 return path
             }
         } catch {
@@ -55,6 +55,28 @@ enum PseudoTerminal {
         return Connection(url: request.url,
                           backend: SerialBackend(device: device, channel: channel, describing: "the pty \(peerPath)", cleanup: cleanup),
                           metadata: ConnectionMetadata(name: "pseudo-terminal", remoteAddress: peerPath, extra: extra))
+    }
+
+    /// symlink(2) with an explanation for the ways it fails.
+    static func makeLink(_ path: String, to peerPath: String) throws {
+        guard !path.isEmpty else {
+            throw TransportError(.invalidURL, "the option 'link' needs a path, such as link=/tmp/ttyFAKE0")
+        }
+        guard case .failure(let errno) = Syscall.attempt({ symlink(peerPath, path) }) else { return }
+        let directory = path.lastIndex(of: "/").map { String(path[..<$0]) }.map { $0.isEmpty ? "/" : $0 } ?? "the current directory"
+        let message = switch errno {
+        case .fileExists:
+            "cannot create the link \(path): something is already there. Remove it if it is a leftover link, or choose another link path"
+        case .noSuchFileOrDirectory:
+            "cannot create the link \(path): the directory \(directory) does not exist"
+        case .permissionDenied, .notPermitted, .readOnlyFileSystem:
+            "cannot create the link \(path): this user may not create files in \(directory); choose a directory you can write to, such as /tmp"
+        case .notDirectory:
+            "cannot create the link \(path): a part of the path is not a directory"
+        default:
+            "cannot create the link \(path)"
+        }
+        throw TransportError(errno == .fileExists ? .busy : TransportError.Kind(errno: errno), message, errno: errno, syscall: "symlink")
     }
 
     /// The peer's node, from /proc/self/fd (ptsname(3) is not visible to Swift).

@@ -45,6 +45,8 @@ public struct SerialPlugin: TransportPlugin {
     static let interface = URLOption.integer("interface", in: 0...255, help: "tty://usb/…: the USB interface number (multi-port adapters, CDC-ACM)")
     static let location = URLOption.string("location", help: "tty://usb/…: the USB bus and port path, such as 1-1.4")
     static let wait = URLOption.bool("wait", default: false, help: "Wait (up to timeout) for the device to be plugged in instead of failing at once")
+    static let restore = URLOption.bool("restore", default: false,
+                                        help: "Put the port's previous line settings back when the connection closes (as socat does)")
     static let link = URLOption.string("link", help: "Also create this symlink to the peer node (removed on close)")
 
     static let lineOptions: [any OptionDeclaration] = [baud, dataBits, parity, stopBits, flowControl]
@@ -60,7 +62,8 @@ public struct SerialPlugin: TransportPlugin {
                            "tty://usb/0403:6001?serial=A50285BI", "tty:///dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"],
                 host: .optional, port: .optional, portRange: 1...20_000_000, path: .required,
                 options: Self.lineOptions + [Self.dtr, Self.rts, Self.exclusive, Self.lowLatency, Self.serial, Self.interface,
-                                             Self.location, Self.wait]
+                                             Self.location, Self.wait, Self.restore],
+                exclusive: true
             ), connect: TTYConnector.connect),
             Scheme(SchemeDescriptor(
                 scheme: "pty",

@@ -78,6 +78,19 @@ public struct SerialPort: Sendable {
     /// The device node as opened, such as `/dev/ttyUSB0` or `/dev/pts/3`.
     public var path: String { device.path }
 
+    /// Whether the port gets the line settings it had before this connection back when the
+    /// connection closes (also after a signal, if the program closes its connections then).
+    /// The `restore=true` URL option sets it on open; `transportkit connect` and `bridge` set it
+    /// for every tty they open, as socat does.
+    ///
+    /// ```swift
+    /// connection.serialPort?.restoresSettingsOnClose = true
+    /// ```
+    public var restoresSettingsOnClose: Bool {
+        get { device.restoresOnClose.load(ordering: .relaxed) }
+        nonmutating set { device.restoresOnClose.store(newValue, ordering: .relaxed) }
+    }
+
     // MARK: Line settings
 
     /// The line settings the driver holds now.
@@ -185,10 +198,16 @@ public struct SerialPort: Sendable {
 final class TTYDevice: Sendable {
     let path: String
     private let fd: Mutex<FileDescriptor?>
+    /// The line settings the port had before this connection changed them (nil for a pty made
+    /// here), and whether to put them back before the descriptor closes.
+    private let original: KernelTermios2?
+    let restoresOnClose: Atomic<Bool>
 
-    init(path: String, fd: FileDescriptor) {
+    init(path: String, fd: FileDescriptor, original: KernelTermios2? = nil, restoreOnClose: Bool = false) {
         self.path = path
         self.fd = Mutex(fd)
+        self.original = original
+        restoresOnClose = Atomic(restoreOnClose)
     }
 
     func descriptor() throws -> FileDescriptor {
@@ -203,6 +222,8 @@ final class TTYDevice: Sendable {
             return fd
         }
         guard let fd else { return }
+        // Best effort: a port that went away cannot take its old settings back.
+        if let original, restoresOnClose.load(ordering: .relaxed) { try? Termios.set(fd, original, path: path) }
         _ = ioctl(fd.rawValue, UInt(TIOCNXCL))
         fd.closeOwned()  // also releases the flock(2) lock held through this descriptor
     }

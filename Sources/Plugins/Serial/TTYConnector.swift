@@ -14,11 +14,18 @@ enum TTYConnector {
         let (path, record) = try await resolve(request)
         request.logger.debug("opening serial port", metadata: ["path": "\(path)"])
         let fd = try DeviceAccess.openTTY(path, exclusive: request[SerialPlugin.exclusive])
-        let device = TTYDevice(path: path, fd: fd)
+        let original: KernelTermios2
+        do {
+            original = try Termios.get(fd, path: path)
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
+        let device = TTYDevice(path: path, fd: fd, original: original, restoreOnClose: request[SerialPlugin.restore])
         var notes: [String: String] = ["path": path]
         let channel: ChannelBackend
         do {
-            var tio = try Termios.get(fd, path: path)
+            var tio = original
             Termios.configure(&tio, settings)
             try Termios.set(fd, tio, path: path)
             let port = TTYLines(fd: fd, path: path)

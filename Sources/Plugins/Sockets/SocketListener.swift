@@ -95,6 +95,8 @@ final class SocketListener: ListenerBackend {
         }
         if connection == nil {
             child.close(promise: nil)
+            // The read that accepted it is spent: a waiting accept() asks for the next connection.
+            if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
         } else if refused, let connection {
             Task { try? await connection.close() }
         }
@@ -125,8 +127,8 @@ final class SocketListener: ListenerBackend {
 }
 
 /// Sits in the server channel's pipeline and receives each accepted child channel once NIO has
-/// finished setting it up. It passes the event on: NIO registers the child with its event loop
-/// only when the event reaches the end of the server pipeline.
+/// finished setting it up, delivers it, then passes the event on: NIO registers the child with
+/// its event loop only when the event reaches the end of the server pipeline.
 private final class AcceptedChannelHandler: ChannelInboundHandler, Sendable {
     typealias InboundIn = any Channel
     typealias InboundOut = any Channel
@@ -135,8 +137,11 @@ private final class AcceptedChannelHandler: ChannelInboundHandler, Sendable {
     init(_ accepted: @escaping @Sendable (any Channel) -> Void) { self.accepted = accepted }
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        // Delivered before it is passed on: passing it on schedules the child's registration on
+        // its event loop, after which a peer that already hung up (a unix client that sent and
+        // closed at once) can close the child on another thread before it was delivered.
         let child = Self.unwrapInboundIn(data)
-        context.fireChannelRead(data)
         accepted(child)
+        context.fireChannelRead(data)
     }
 }

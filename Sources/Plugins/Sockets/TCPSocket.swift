@@ -5,6 +5,7 @@ import Glibc
 import NIOCore
 import NIOPosix
 @_spi(Plugins) import TransportKitCore
+import TransportKitLinux
 
 /// TCP connections, for `tcp://` and for plugins layered on TCP.
 public enum TCPSocket {
@@ -83,14 +84,48 @@ public enum TCPSocket {
             bind: { bootstrap in
                 do {
                     return try await bootstrap.bind(host: host, port: port).get()
+                } catch let error where error is SocketAddressError || error is SocketAddressError.UnknownHost {
+                    // NIO resolves the host with getaddrinfo(3) and reports a name it cannot
+                    // resolve (or a literal it cannot parse) this way.
+                    throw TransportError(.notFound, "cannot listen on '\(host)': it is not an address of this machine or a name that resolves to one. Use an IP address such as 0.0.0.0 (every interface) or 127.0.0.1 (this machine only)",
+                                         syscall: "getaddrinfo")
                 } catch {
-                    throw TransportError.from(error, context: "listening on \(host):\(port)")
+                    let mapped = TransportError.from(error, context: "listening on \(host):\(port)", syscall: "bind")
+                    switch mapped.errno {
+                    case .addressInUse?:
+                        throw TransportError(.busy, "port \(port) on \(host) is in use\(portHolder(port).map { " by \($0)" } ?? ""); stop that program or choose another port (port 0 picks a free one)",
+                                             errno: mapped.errno, syscall: "bind")
+                    case .addressNotAvailable?:
+                        throw TransportError(.notFound, "\(host) is not an address of this machine; use one of its addresses, 0.0.0.0 for all of them",
+                                             errno: mapped.errno, syscall: "bind")
+                    case .permissionDenied?:
+                        throw TransportError(.permissionDenied, "ports below 1024 need root or CAP_NET_BIND_SERVICE; choose port 1024 or above",
+                                             errno: mapped.errno, syscall: "bind")
+                    default:
+                        throw mapped
+                    }
                 }
             }
         )
         var url = request.url
         url.port = listener.boundPort ?? port
         return Listener(url: url, backend: listener)
+    }
+
+    /// Who listens on a tcp port: the socket inode from /proc/net/tcp and tcp6 (proc(5); state 0A
+    /// is LISTEN), then the process holding it.
+    static func portHolder(_ port: Int) -> String? {
+        for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+            guard let text = DeviceNode.readText(table, limit: 64 << 20) else { continue }
+            for line in text.split(separator: "\n").dropFirst() {
+                let fields = line.split(separator: " ", omittingEmptySubsequences: true)
+                guard fields.count > 9, fields[3] == "0A",
+                      let local = fields[1].split(separator: ":").last, Int(local, radix: 16) == port else { continue }
+                let inode = fields[9]
+                if let holder = DeviceNode.describeHolders(matching: { $0 == "socket:[\(inode)]" }) { return holder }
+            }
+        }
+        return nil
     }
 
     static func hostPort(_ address: SocketAddress) -> String {

@@ -6,6 +6,15 @@
 /// not leaked). This is the one timer of a connect: plugins and the URLs they open through the
 /// request share it.
 enum Deadline {
+    /// Operations whose caller gave up on them and that are still running: their late result is
+    /// yet to be discarded. A count, never negative once both sides of an abandonment are in.
+    static let abandoned = AsyncCondition(0)
+
+    /// Waits until every abandoned operation has finished and discarded its result.
+    static func waitForAbandoned() async {
+        try? await abandoned.wait { $0 <= 0 ? () : nil }
+    }
+
     static func run<T: Sendable>(
         until deadline: ContinuousClock.Instant?,
         timeoutError: TransportError,
@@ -22,17 +31,26 @@ enum Deadline {
             }
         }
         let work = Task {
+            let result: Result<T, any Error>
             do {
-                let value = try await operation()
-                if !deliver(.success(value)) { await discard(value) }
+                result = .success(try await operation())
             } catch {
-                _ = deliver(.failure(error))
+                result = .failure(error)
             }
+            if !deliver(result) {
+                // Abandoned: whatever was made late is cleaned up, then the count drops.
+                if case .success(let value) = result { await discard(value) }
+                abandoned.update { $0 -= 1 }
+            }
+        }
+        let abandon: @Sendable () -> Void = {
+            abandoned.update { $0 += 1 }
+            work.cancel()
         }
         let timer = deadline.map { deadline in
             Task {
                 try await Task.sleep(until: deadline, clock: .continuous)
-                if deliver(.failure(timeoutError)) { work.cancel() }
+                if deliver(.failure(timeoutError)) { abandon() }
             }
         }
         defer { timer?.cancel() }
@@ -40,7 +58,7 @@ enum Deadline {
             return try await outcome.wait { $0 }.get()
         } catch is CancellationError where Task.isCancelled {
             // This task was cancelled while waiting: the operation is abandoned.
-            if deliver(.failure(CancellationError())) { work.cancel() }
+            if deliver(.failure(CancellationError())) { abandon() }
             return try await outcome.wait { $0 }.get()
         }
     }

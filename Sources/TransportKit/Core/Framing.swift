@@ -1,4 +1,5 @@
 import NIOCore
+import Synchronization
 
 /// How a byte stream is cut into messages.
 ///
@@ -266,8 +267,15 @@ extension ByteBufferView {
 /// Sends commands to a prompt-driven device and reads each response up to its prompt, such as the
 /// `>` of ELM327 OBD-II adapters or a modem's `OK`.
 ///
+/// A command that times out leaves its answer on the way. The session remembers that: before the
+/// next command it waits up to ``lateAnswerWait`` for that late answer's prompt and drops it, so
+/// the next response is the next command's, not the previous one's. With ``stripsEcho`` the echo
+/// of the command (ELM327 adapters echo by default, `ATE1`) is removed from each response, and a
+/// response that does not start with the echo is known to be stale and is skipped.
+///
 /// ```swift
-/// let elm = CommandSession(connection, terminator: ">", lineEnding: "\r")
+/// var elm = CommandSession(connection, terminator: ">", lineEnding: "\r")
+/// elm.stripsEcho = true
 /// _ = try await elm.send("ATZ")                 // reset
 /// let voltage = try await elm.send("ATRV")      // "12.6V"
 /// ```
@@ -280,22 +288,36 @@ public struct CommandSession: Sendable {
     public var lineEnding: String
     /// How long a response may take.
     public var timeout: Duration
-    /// Drop bytes that arrived unasked (a late answer to a timed-out command) before each command.
+    /// Drop every byte that is already buffered (anything unasked) before each command.
     public var discardStaleInput: Bool
+    /// After a timed-out command: how long the next command first waits for the late answer's
+    /// prompt, dropping everything up to it. `nil` turns this off (the late answer is then read as
+    /// the next command's response). Default 1 second.
+    public var lateAnswerWait: Duration?
+    /// Remove the echo of the command from the start of each response, and skip responses that do
+    /// not start with it (late answers to earlier commands). For devices that echo, such as
+    /// ELM327 adapters after reset.
+    public var stripsEcho: Bool
+    /// Late answers still owed by the device, shared by copies of this session.
+    private let pending: PendingAnswers
 
     /// A session on `connection` whose responses end with `terminator`.
     public init(_ connection: Connection, terminator: String = ">", lineEnding: String = "\r",
-                timeout: Duration = .seconds(5), discardStaleInput: Bool = false) {
+                timeout: Duration = .seconds(5), discardStaleInput: Bool = false,
+                lateAnswerWait: Duration? = .seconds(1), stripsEcho: Bool = false) {
         self.connection = connection
         self.terminator = Array(terminator.utf8)
         self.lineEnding = lineEnding
         self.timeout = timeout
         self.discardStaleInput = discardStaleInput
+        self.lateAnswerWait = lateAnswerWait
+        self.stripsEcho = stripsEcho
+        pending = PendingAnswers()
     }
 
     /// Sends `command` plus the line ending and returns the response text before the prompt:
     /// runs of CR/LF become single newlines and surrounding blank space is trimmed. A device that
-    /// echoes commands (ELM327 with `ATE1`) returns the echo as the first line.
+    /// echoes commands returns the echo as the first line unless ``stripsEcho`` is set.
     public func send(_ command: String) async throws -> String {
         let response = try await request(Array((command + lineEnding).utf8))
         let text = String(decoding: response, as: UTF8.self)
@@ -305,21 +327,70 @@ public struct CommandSession: Sendable {
     }
 
     /// Writes `bytes` and returns what arrives before the terminator (not included).
-    /// Throws `.timedOut` when the prompt does not come within ``timeout``.
+    /// Throws `.timedOut` when the prompt does not come within ``timeout``; the session then
+    /// expects that answer late (see ``lateAnswerWait``).
     public func request(_ bytes: [UInt8]) async throws -> [UInt8] {
+        try await dropLateAnswers()
         if discardStaleInput {
             while let stale = try? await connection.readBuffer(timeout: .milliseconds(1)), stale.readableBytes > 0 {}
         }
         try await connection.write(bytes)
+        let echo = Self.echo(of: bytes)
+        let clock = ContinuousClock()
+        let deadline = clock.now.advanced(by: timeout)
         do {
-            guard let response = try await connection.readFrame(.delimiter(terminator), timeout: timeout) else {
-                throw TransportError(.disconnected, "\(connection.url) closed before answering")
+            while true {
+                let remaining = clock.now.duration(to: deadline)
+                guard remaining > .zero else { throw TransportError(.timedOut, "skipping stale answers took the whole timeout") }
+                guard let response = try await connection.readFrame(.delimiter(terminator), timeout: remaining) else {
+                    throw TransportError(.disconnected, "\(connection.url) closed before answering")
+                }
+                guard stripsEcho, !echo.isEmpty else { return response }
+                let start = response.drop { $0 == 0x0D || $0 == 0x0A }
+                if start.starts(with: echo) {
+                    return Array(start.dropFirst(echo.count).drop { $0 == 0x0D || $0 == 0x0A })
+                }
+                // Not this command's echo: a late answer to an earlier one. Skip it.
+                pending.settle(1)
             }
-            return response
         } catch let error as TransportError where error.kind == .timedOut {
+            if lateAnswerWait != nil { pending.add() }
             throw TransportError(.timedOut, "\(connection.url) did not answer with '\(String(decoding: terminator, as: UTF8.self))' within \(timeout.secondsText); is the device on and at the right bit rate?")
         }
     }
+
+    /// Reads and drops late answers owed by the device, waiting up to ``lateAnswerWait`` for each.
+    /// An answer that does not come by then is taken as never coming.
+    private func dropLateAnswers() async throws {
+        guard let wait = lateAnswerWait else { return }
+        while pending.count > 0 {
+            do {
+                guard try await connection.readFrame(.delimiter(terminator), timeout: wait) != nil else {
+                    throw TransportError(.disconnected, "\(connection.url) closed before answering")
+                }
+                pending.settle(1)
+            } catch let error as TransportError where error.kind == .timedOut {
+                pending.settle(pending.count)
+            }
+        }
+    }
+
+    /// The command as a device echoes it: the bytes sent without the trailing line ending.
+    private static func echo(of bytes: [UInt8]) -> ArraySlice<UInt8> {
+        var end = bytes.endIndex
+        while end > bytes.startIndex, bytes[end - 1] == 0x0D || bytes[end - 1] == 0x0A { end -= 1 }
+        return bytes[..<end]
+    }
+}
+
+/// The number of answers a ``CommandSession`` still expects late.
+private final class PendingAnswers: Sendable {
+    /// Guards the count; a session is used by one task at a time, copies share it.
+    private let late = Mutex(0)
+
+    var count: Int { late.withLock { $0 } }
+    func add() { late.withLock { $0 += 1 } }
+    func settle(_ answers: Int) { late.withLock { $0 = max(0, $0 - answers) } }
 }
 
 extension String {

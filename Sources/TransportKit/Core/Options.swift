@@ -270,7 +270,7 @@ public enum OptionKind: Sendable, Codable, Equatable {
             guard !digits.isEmpty, digits.allSatisfy({ $0 >= 0x30 && $0 <= 0x39 }), let value = Int(text) else {
                 throw Problem(reason: "expected an integer between \(min) and \(max)")
             }
-            guard (min...max).contains(value) else { throw Problem(reason: "\(text) is outside \(min)…\(max)") }
+            guard (min...max).contains(value) else { throw Problem(reason: "\(URLParser.printable(text, limit: 40)) is outside \(min)…\(max)") }
             return .integer(value)
         case .number(let min, let max), .duration(let min, let max):
             let unit = if case .duration = self { " seconds" } else { "" }
@@ -280,7 +280,7 @@ public enum OptionKind: Sendable, Codable, Equatable {
                 throw Problem(reason: "expected a number of\(unit.isEmpty ? "" : unit) between \(min.formatted3) and \(max.formatted3), such as 2 or 0.5")
             }
             guard value >= min && value <= max else {
-                throw Problem(reason: "\(text) is outside \(min.formatted3)…\(max.formatted3)\(unit)")
+                throw Problem(reason: "\(URLParser.printable(text, limit: 40)) is outside \(min.formatted3)…\(max.formatted3)\(unit)")
             }
             return .number(value)
         case .string:

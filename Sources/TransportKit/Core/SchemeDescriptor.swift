@@ -54,11 +54,16 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// `true` for a wrapper layer, such as `spy`: its URLs wrap another (`spy+tcp://…`), carry no
     /// host, port or path of their own, and take their deadline from the wrapped URL.
     public internal(set) var wraps: Bool = false
+    /// `true` when a URL of this scheme names something only one connection can use at a time
+    /// (a serial port): a server that fronts it serves one client at a time, where a target that
+    /// can be opened many times (tcp, unix) gets a connection per client.
+    public var exclusive: Bool = false
 
     /// A descriptor. `options` are the ``URLOption`` constants the plugin reads values with.
     public init(scheme: String, summary: String, grammar: String, examples: [String] = [], authority: AuthorityForm = .hostPort,
                 host: Presence, port: Presence, portRange: ClosedRange<Int>? = nil, path: Presence,
-                options: [any OptionDeclaration] = []) {
+                options: [any OptionDeclaration] = [], exclusive: Bool = false) {
+        self.exclusive = exclusive
         self.scheme = scheme.lowercased()
         self.summary = summary
         self.grammar = grammar
@@ -114,7 +119,7 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// ```
     public func validate(_ url: TransportURL) throws -> OptionValues {
         func reject(_ reason: String) -> TransportError {
-            TransportError(.invalidURL, "invalid \(scheme) URL '\(url)': \(reason). Grammar: \(grammar)")
+            TransportError(.invalidURL, "invalid \(scheme) URL '\(URLParser.printable(url.description))': \(reason). Grammar: \(grammar)")
         }
         if wraps {
             guard url.inner != nil else {
@@ -143,12 +148,12 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         for item in url.query {
             guard let spec = allOptions.first(where: { URLParser.sameName($0.name, item.name) }) else {
                 let names = allOptions.map { (wraps ? scheme + "." : "") + $0.name }.joined(separator: ", ")
-                throw reject("unknown option '\(wraps ? scheme + "." : "")\(item.name)' (\(scheme) accepts: \(names.isEmpty ? "none" : names))")
+                throw reject("unknown option '\(wraps ? scheme + "." : "")\(URLParser.printable(item.name, limit: 40))' (\(scheme) accepts: \(names.isEmpty ? "none" : names))")
             }
             do {
                 values[spec.key] = try spec.kind.parse(item.value)
             } catch let problem as OptionKind.Problem {
-                throw reject("option '\(wraps ? scheme + "." : "")\(spec.name)=\(item.value)': \(problem.reason)")
+                throw reject("option '\(wraps ? scheme + "." : "")\(spec.name)=\(URLParser.printable(item.value, limit: 40))': \(problem.reason)")
             }
         }
         for spec in allOptions where values[spec.key] == nil {

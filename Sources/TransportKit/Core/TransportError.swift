@@ -139,9 +139,9 @@ extension Errno {
         .operationNotSupportedByDevice: "ENODEV", .notDirectory: "ENOTDIR", .isDirectory: "EISDIR", .invalidArgument: "EINVAL",
         .inappropriateIOCTLForDevice: "ENOTTY", .brokenPipe: "EPIPE", .noFunction: "ENOSYS", .messageTooLong: "EMSGSIZE",
         .protocolNotSupported: "EPROTONOSUPPORT", .notSupportedOnSocket: "EOPNOTSUPP",
-        .addressFamilyNotSupported: "EAFNOSUPPORT", .addressInUse: "EADDRINUSE", .networkUnreachable: "ENETUNREACH",
+        .addressFamilyNotSupported: "EAFNOSUPPORT", .addressInUse: "EADDRINUSE", .addressNotAvailable: "EADDRNOTAVAIL", .networkUnreachable: "ENETUNREACH",
         .connectionAbort: "ECONNABORTED", .connectionReset: "ECONNRESET", .noBufferSpace: "ENOBUFS",
         .socketNotConnected: "ENOTCONN", .socketShutdown: "ESHUTDOWN", .timedOut: "ETIMEDOUT",
-        .connectionRefused: "ECONNREFUSED", .noRouteToHost: "EHOSTUNREACH", .protocolNotAvailable: "ENOPROTOOPT",
+        .connectionRefused: "ECONNREFUSED", .noRouteToHost: "EHOSTUNREACH", .protocolNotAvailable: "ENOPROTOOPT", .readOnlyFileSystem: "EROFS",
     ]
 }

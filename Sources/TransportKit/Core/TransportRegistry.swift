@@ -110,7 +110,7 @@ public final class TransportRegistry: Sendable {
     private func entry(for url: TransportURL) throws -> Entry {
         guard let entry = table.withLock({ $0.schemes[url.scheme] }) else {
             let known = schemes.map { $0.scheme + "://" }.joined(separator: ", ")
-            throw TransportError(.unsupportedScheme, "no plugin handles \(url.scheme)://; registered schemes: \(known.isEmpty ? "none" : known)")
+            throw TransportError(.unsupportedScheme, "no plugin handles \(URLParser.printable(url.scheme, limit: 40))://; registered schemes: \(known.isEmpty ? "none" : known)")
         }
         return entry
     }
@@ -172,6 +172,19 @@ public final class TransportRegistry: Sendable {
             logger.debug("connect failed", metadata: ["error": "\(error)"])
             throw error
         }
+    }
+
+    /// Waits until every connect that was abandoned, by its timeout or by cancelling the task
+    /// that waited for it, has finished and closed what it made late. Covers the connects of every
+    /// registry. A program that exits right after cancelling a connect (on a signal) calls this
+    /// first, so nothing the connect created, such as a pty's `link=` symlink, outlives it.
+    ///
+    /// ```swift
+    /// connecting.cancel()
+    /// await registry.waitForAbandonedConnects()
+    /// ```
+    public func waitForAbandonedConnects() async {
+        await Deadline.waitForAbandoned()
     }
 
     /// Connects `url` for a plugin's request: same deadline, in the calling task, no timer of its

@@ -159,9 +159,16 @@ enum URLParser {
     }
 
     /// The URL as it may appear in a message: control characters shown as `\u{…}`.
-    static func printable(_ string: String) -> String {
-        guard string.unicodeScalars.contains(where: isControl) else { return string }
-        return String(string.unicodeScalars.map { isControl($0) ? "\\u{\(String($0.value, radix: 16))}" : String($0) }.joined())
+    /// `string` as it may appear in a message: control characters escaped, and anything longer
+    /// than `limit` characters cut in the middle with the full length given, so a 100 KB URL does
+    /// not fill a terminal.
+    static func printable(_ string: String, limit: Int = 160) -> String {
+        var text = string
+        if text.count > limit {
+            text = "\(text.prefix(limit * 2 / 3))…\(text.suffix(limit / 3)) (\(string.utf8.count) bytes)"
+        }
+        guard text.unicodeScalars.contains(where: isControl) else { return text }
+        return String(text.unicodeScalars.map { isControl($0) ? "\\u{\(String($0.value, radix: 16))}" : String($0) }.joined())
     }
 
     static func isControl(_ scalar: Unicode.Scalar) -> Bool {

@@ -1,6 +1,6 @@
 // DeviceNode.swift: explaining why a device node (/dev/ttyUSB0, /dev/bus/usb/001/004) cannot be
 // used — stat(2), getgroups(2), getpwuid(3)/getgrgid(3) for "permission denied", and /proc/locks
-// (proc(5)) with /proc/PID/comm to name the process holding a lock. Shared by every plugin that
+// (proc(5)) with /proc/PID/comm and /proc/PID/fd to name the process holding a lock or a node. Shared by every plugin that
 // opens device nodes, so each error tells a person what to do.
 
 import Glibc
@@ -46,6 +46,56 @@ public enum DeviceNode {
             return describeProcess(pid)
         }
         return nil
+    }
+
+    /// The processes other than this one with a descriptor open on `path` (found through the
+    /// /proc/PID/fd links; processes of other users are invisible without privilege), described as
+    /// `"process 1234 (minicom)"`. `nil` when none can be seen.
+    ///
+    /// ```swift
+    /// DeviceNode.openers(of: "/dev/ttyUSB0")   // "process 1234 (minicom)"
+    /// ```
+    public static func openers(of path: String) -> String? {
+        var info = stat()
+        guard stat(path, &info) == 0 else { return nil }
+        let (device, inode) = (info.st_dev, info.st_ino)
+        return describeHolders { link in
+            var target = stat()
+            return link.hasPrefix("/") && stat(link, &target) == 0 && target.st_dev == device && target.st_ino == inode
+        }
+    }
+
+    /// The processes other than this one with a descriptor whose /proc/PID/fd link satisfies
+    /// `matches` (such as `"socket:[12345]"`), described as `"process 1234 (name)"` and joined
+    /// with "and"; `nil` when there is none this process may see.
+    public static func describeHolders(matching matches: (String) -> Bool) -> String? {
+        guard let proc = opendir("/proc") else { return nil }
+        defer { closedir(proc) }
+        let me = Int(getpid())
+        var holders: [Int] = []
+        while let entry = readdir(proc) {
+            let name = withUnsafeBytes(of: entry.pointee.d_name) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+            guard let pid = Int(name), pid != me, let fds = opendir("/proc/\(pid)/fd") else { continue }
+            defer { closedir(fds) }
+            while let fd = readdir(fds) {
+                let number = withUnsafeBytes(of: fd.pointee.d_name) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+                guard Int(number) != nil, let link = readLink("/proc/\(pid)/fd/\(number)"), matches(link) else { continue }
+                holders.append(pid)
+                break
+            }
+            if holders.count == 4 { break }
+        }
+        return holders.isEmpty ? nil : holders.map(describeProcess).joined(separator: " and ")
+    }
+
+    /// The target of a symbolic link, or nil.
+    public static func readLink(_ path: String) -> String? {
+        withUnsafeTemporaryAllocation(of: CChar.self, capacity: Int(PATH_MAX)) { buffer -> String? in
+            guard let base = buffer.baseAddress else { return nil }
+            let count = readlink(path, base, buffer.count)
+            guard count > 0 else { return nil }
+            return String(decoding: UnsafeRawBufferPointer(start: base, count: count), as: UTF8.self)
+        }
     }
 
     /// "process 1234 (minicom)", or "process 1234" when its name cannot be read.

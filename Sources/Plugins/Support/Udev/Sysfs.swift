@@ -160,12 +160,7 @@ public enum Sysfs {
 
     /// A symbolic link's target, read into a stack buffer.
     public static func readLink(_ path: String) -> String? {
-        withUnsafeTemporaryAllocation(of: CChar.self, capacity: Int(PATH_MAX)) { buffer -> String? in
-            guard let base = buffer.baseAddress else { return nil }
-            let count = readlink(path, base, buffer.count)
-            guard count > 0 else { return nil }
-            return String(decoding: UnsafeRawBufferPointer(start: base, count: count), as: UTF8.self)
-        }
+        DeviceNode.readLink(path)
     }
 
     /// A small file's contents (sysfs attributes are at most a page), or nil. One stack buffer,

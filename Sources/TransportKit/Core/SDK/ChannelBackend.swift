@@ -157,6 +157,10 @@ public final class ChannelBackend: ConnectionBackend {
         if let failure = takeUnreportedWriteFailure() { throw failure }
         do {
             try await channel.close(mode: .output).get()
+        } catch ChannelError.alreadyClosed, ChannelError.ioOnClosedChannel, ChannelError.outputClosed {
+            // The sending direction is already over: the peer closed both ways (a unix socket
+            // whose peer closed hangs up, and NIO then closes the whole channel). Every byte in
+            // flight was accounted for above, so nothing written is lost.
         } catch {
             throw TransportError.from(error, context: "half-closing \(describing)")
         }

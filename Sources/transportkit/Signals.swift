@@ -1,0 +1,61 @@
+// Signals.swift: SIGINT, SIGTERM and SIGHUP through Dispatch signal sources (signal(7)). A
+// signal cancels the command's work, so everything it opened is closed the normal way (a tty gets its settings back, links and socket files are removed), and the tool then exits
+// with 128 + the signal's number, as shells report a process killed by it.
+
+import ArgumentParser
+import Dispatch
+import Glibc
+import Synchronization
+import TransportKit
+
+enum Signals {
+    /// The signals that end the tool cleanly.
+    static let handled: [Int32] = [SIGINT, SIGTERM, SIGHUP]
+
+    /// How long the work may take to close up after a signal before the tool exits anyway.
+    static let cleanupLimit: DispatchTimeInterval = .seconds(3)
+
+    /// Runs `work` until it ends or a handled signal arrives. After a signal the work's task is
+    /// cancelled and awaited (up to ``cleanupLimit``; a second signal exits at once), then
+    /// `ExitCode(128 + signal)` is thrown.
+    ///
+    /// Standard output or a socket whose reader went away must be an error (EPIPE), not a
+    /// signal that kills the tool mid-cleanup, so SIGPIPE is ignored here too.
+    static func run(_ work: @escaping @Sendable () async throws -> Void) async throws {
+        signal(SIGPIPE, SIG_IGN)
+        // The handlers are in place before the work starts: a signal that arrives while it opens
+        // something (a link, a socket file) must find it handled, not kill the process.
+        let state = Mutex<(received: Int32?, task: Task<Void, any Error>?)>((nil, nil))
+        let sources = handled.map { number in
+            signal(number, SIG_IGN)   // delivered to the source only
+            let source = DispatchSource.makeSignalSource(signal: number, queue: .global())
+            source.setEventHandler {
+                let (first, task) = state.withLock { state in
+                    defer { if state.received == nil { state.received = number } }
+                    return (state.received == nil, state.task)
+                }
+                guard first else { _exit(128 + number) }
+                task?.cancel()
+                DispatchQueue.global().asyncAfter(deadline: .now() + cleanupLimit) { _exit(128 + number) }
+            }
+            source.resume()
+            return source
+        }
+        defer { for source in sources { source.cancel() } }
+        let task = Task { try await work() }
+        let early = state.withLock { state in
+            state.task = task
+            return state.received != nil
+        }
+        if early { task.cancel() }
+        do {
+            try await task.value
+        } catch {
+            guard let number = state.withLock({ $0.received }) else { throw error }
+            // A connect cut short by the signal may still finish; what it made is closed first.
+            await Transport.registry.waitForAbandonedConnects()
+            throw ExitCode(128 + number)
+        }
+        if let number = state.withLock({ $0.received }) { throw ExitCode(128 + number) }
+    }
+}

@@ -1,0 +1,140 @@
+// StandardStreams.swift: the tool's standard input and output — poll(2), read(2), write(2),
+// pipe(2). Every wait can be abandoned: a task that is cancelled wakes the thread blocked in
+// poll(2) through a pipe, so a relay never waits for a key press to end.
+
+import Foundation
+import Glibc
+import SystemPackage
+import TransportKit
+
+/// Why a relay stopped reading or writing a standard stream.
+enum StandardStreamError: Error, CustomStringConvertible {
+    /// Whoever read standard output went away (`| head`): EPIPE, or poll(2) reported it.
+    case outputClosed
+    /// read(2) on standard input failed (a directory, an I/O error).
+    case inputFailed(Errno)
+
+    var description: String {
+        switch self {
+        case .outputClosed: "standard output was closed"
+        case .inputFailed(let errno):
+            "standard input cannot be read: read failed with \(errno.symbolicDescription)"
+                + (errno == .isDirectory ? "; give the tool a file, a pipe or a terminal, not a directory" : "")
+        }
+    }
+}
+
+/// Waits in poll(2) for one descriptor on a thread of its own. Cancelling the waiting task writes
+/// to a pipe that the same poll(2) watches, so the thread returns at once; a cancelled waiter
+/// stays cancelled. One waiter serves one wait at a time.
+final class DescriptorWait: Sendable {
+    private let fd: Int32
+    private let events: Int16
+    /// The pipe that cancels (read end, write end); owned by this object, closed in deinit.
+    private let wake: (read: Int32, write: Int32)
+
+    init(fd: Int32, events: Int16) {
+        self.fd = fd
+        self.events = events
+        var ends: [Int32] = [-1, -1]
+        if pipe(&ends) == 0 {
+            for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
+            _ = fcntl(ends[1], F_SETFL, O_NONBLOCK)   // a second cancel never blocks
+        } else {
+            ends = [-1, -1]
+        }
+        wake = (ends[0], ends[1])
+    }
+
+    deinit {
+        if wake.read >= 0 { Glibc.close(wake.read) }
+        if wake.write >= 0 { Glibc.close(wake.write) }
+    }
+
+    /// The events poll(2) reported for the descriptor, or `nil` when the task was cancelled.
+    func next() async -> Int16? {
+        await withTaskCancellationHandler {
+            await withCheckedContinuation { (continuation: CheckedContinuation<Int16?, Never>) in
+                let thread = Thread { [self] in continuation.resume(returning: blockingPoll()) }
+                thread.start()
+            }
+        } onCancel: {
+            cancel()
+        }
+    }
+
+    /// Makes the current and every later wait return `nil`.
+    func cancel() {
+        var one: UInt8 = 1
+        _ = Glibc.write(wake.write, &one, 1)
+    }
+
+    private func blockingPoll() -> Int16? {
+        var fds = [pollfd(fd: fd, events: events, revents: 0), pollfd(fd: wake.read, events: Int16(POLLIN), revents: 0)]
+        while true {
+            let ready = poll(&fds, 2, -1)
+            if ready < 0 && errno == EINTR { continue }
+            if ready < 0 || fds[1].revents != 0 { return nil }
+            return fds[0].revents
+        }
+    }
+}
+
+/// Standard input, one chunk per call: a read(2) only after poll(2) said it will not block, so at
+/// most one chunk is in flight, and a cancelled task stops waiting at once.
+struct StandardInput: Sendable {
+    private let wait = DescriptorWait(fd: 0, events: Int16(POLLIN))
+
+    /// The next chunk, or `nil` at the end of input or when the task was cancelled.
+    func next() async throws -> [UInt8]? {
+        var buffer = [UInt8](repeating: 0, count: 65536)
+        while true {
+            guard await wait.next() != nil else { return nil }
+            let count = buffer.withUnsafeMutableBytes { Glibc.read(0, $0.baseAddress, $0.count) }
+            if count > 0 { return Array(buffer[..<count]) }
+            if count == 0 { return nil }
+            let failure = Errno(rawValue: errno)
+            // EAGAIN: standard input is non-blocking (a terminal shared with a shell that set it)
+            // and poll(2) woke for nothing; wait again.
+            if failure == .interrupted || failure == .wouldBlock { continue }
+            throw StandardStreamError.inputFailed(failure)
+        }
+    }
+}
+
+enum StandardOutput {
+    /// Copies the connection's inbound bytes to standard output until the end of the stream.
+    static func copy(from connection: Connection) async throws {
+        while let chunk = try await connection.read() {
+            try writeAll(chunk)
+        }
+    }
+
+    static func writeAll(_ bytes: [UInt8]) throws {
+        var offset = 0
+        while offset < bytes.count {
+            let written = bytes[offset...].withUnsafeBytes { Glibc.write(1, $0.baseAddress, $0.count) }
+            if written < 0 {
+                if errno == EINTR { continue }
+                if errno == EPIPE { throw StandardStreamError.outputClosed }
+                throw TransportError.posix("write", errno: Errno(rawValue: errno), what: "standard output")
+            }
+            offset += written
+        }
+    }
+
+    /// Returns when the reader of standard output goes away (poll(2) reports POLLERR on a pipe
+    /// whose reading end closed, POLLHUP on a hung-up terminal), or when the task is cancelled.
+    /// Output to a file never ends this way.
+    static func waitUntilClosed() async throws {
+        let wait = DescriptorWait(fd: 1, events: 0)
+        while let events = await wait.next() {
+            if events & Int16(POLLERR | POLLHUP) != 0 { throw StandardStreamError.outputClosed }
+            if events & Int16(POLLNVAL) != 0 { return await sleepUntilCancelled() }
+        }
+    }
+
+    private static func sleepUntilCancelled() async {
+        while !Task.isCancelled { try? await Task.sleep(for: .seconds(3600)) }
+    }
+}

@@ -1,0 +1,618 @@
+import Foundation
+import Glibc
+import Synchronization
+import Testing
+import TransportKit
+
+/// The tool under the use issue 13 describes: standard input left open while the peer goes away,
+/// standard output closed early, signals, a bridge under load, and malformed input of every kind.
+@Suite("transportkit under real and hostile use")
+struct HostileUseTests {
+    // MARK: - The peer goes away while standard input stays open
+
+    @Test func connectEndsAfterThePeersFINWithStdinOpen() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let server = Task {
+            let connection = try #require(try await listener.accept())
+            try await connection.write("bye\n")
+            try await connection.close()
+        }
+        let running = try CLI.Running(["connect", "tcp://127.0.0.1:\(listener.url.port ?? 0)"])   // stdin stays open
+        let result = await running.wait(timeout: 15)
+        #expect(result.status == 0, "the relay ends after the peer's close without a key press: \(result.stderr)")
+        #expect(result.text == "bye\n")
+        try await server.value
+        try await listener.close()
+    }
+
+    @Test func connectEndsAfterAUnixPeersCloseWithStdinOpen() async throws {
+        let path = Self.temporaryPath("peer.sock")
+        let listener = try await Transport.listen(on: "unix://\(path)")
+        let server = Task {
+            let connection = try #require(try await listener.accept())
+            try await connection.write("bye\n")
+            try await connection.close()
+        }
+        let running = try CLI.Running(["connect", "unix://\(path)"])
+        let result = await running.wait(timeout: 15)
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(result.text == "bye\n")
+        try await server.value
+        try await listener.close()
+    }
+
+    @Test func connectFailsAtOnceWhenTheSerialDeviceVanishes() async throws {
+        let pty = try PTY()
+        let running = try CLI.Running(["connect", "tty://\(pty.peerPath)"])
+        #expect(await pty.waitUntilOpened(by: running.process.processIdentifier), "the tool opened \(pty.peerPath)")
+        pty.writeMaster(Array("data\n".utf8))
+        try await Task.sleep(for: .milliseconds(300))
+        pty.closeMaster()   // the device goes away; standard input stays open
+        let result = await running.wait(timeout: 15)
+        #expect(result.status == 1, "\(result.stderr)")
+        #expect(result.text == "data\n", "bytes that arrived before are delivered")
+        #expect(result.stderr.contains("went away"), "\(result.stderr)")
+    }
+
+    // MARK: - Standard output closes
+
+    @Test func connectStopsWhenStandardOutputCloses() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let server = Task { () -> Bool in
+            let connection = try #require(try await listener.accept())
+            try await connection.write(Array(repeating: UInt8(ascii: "x"), count: 100))
+            // Then silent: the tool must notice its reader left without a write failing.
+            let end = try await connection.read(timeout: .seconds(15))
+            try await connection.close()
+            return end == nil
+        }
+        let running = try CLI.Running(["connect", "tcp://127.0.0.1:\(listener.url.port ?? 0)"], closeStdoutAfter: 10)
+        let result = await running.wait(timeout: 15)
+        #expect(result.status == 0, "a closed standard output ends the relay quietly: \(result.stderr)")
+        #expect(result.stderr.isEmpty, "\(result.stderr)")
+        #expect(try await server.value, "the tool closed the connection")
+        try await listener.close()
+    }
+
+    @Test func anUnreadableStandardInputIsAnError() async throws {
+        let running = try CLI.Running(["connect", "loop://"], stdinPath: "/tmp")
+        let result = await running.wait(timeout: 15)
+        #expect(result.status == 1)
+        #expect(result.stdout.isEmpty)
+        #expect(result.stderr.contains("standard input cannot be read"), "\(result.stderr)")
+        #expect(result.stderr.contains("EISDIR"), "\(result.stderr)")
+    }
+
+    // MARK: - Signals
+
+    @Test func sigtermRemovesThePtyLinkAndExits143() async throws {
+        let link = Self.temporaryPath("ttyFAKE")
+        let running = try CLI.Running(["connect", "pty://?link=\(link)"])
+        #expect(await eventuallyTrue { FileManager.default.destinationOfSymbolicLinkAtPathOrNil(link) != nil }, "the link appears")
+        running.signal(SIGTERM)
+        let result = await running.wait(timeout: 15)
+        #expect(result.status == 143, "\(result.stderr)")
+        #expect(FileManager.default.destinationOfSymbolicLinkAtPathOrNil(link) == nil, "the link is removed")
+        // The same command works again at once.
+        let again = try CLI.Running(["connect", "pty://?link=\(link)"])
+        #expect(await eventuallyTrue { FileManager.default.destinationOfSymbolicLinkAtPathOrNil(link) != nil })
+        again.signal(SIGINT)
+        #expect(await again.wait(timeout: 15).status == 130)
+    }
+
+    @Test func aPtyWithoutALinkNamesItsNodeOnStderr() async throws {
+        let running = try CLI.Running(["connect", "pty://"])
+        #expect(await eventuallyTrue { running.stderrLines.contains { $0.hasPrefix("pty: /dev/pts/") } }, "\(running.stderrLines)")
+        let node = running.stderrLines.first { $0.hasPrefix("pty: ") }.map { String($0.dropFirst(5)) } ?? ""
+        #expect(FileManager.default.fileExists(atPath: node), "\(node)")
+        running.signal(SIGINT)
+        #expect(await running.wait(timeout: 15).status == 130)
+    }
+
+    @Test func sigintRestoresTheTtysSettings() async throws {
+        let pty = try PTY()
+        let before = try pty.peerSettings()
+        let running = try CLI.Running(["connect", "tty://\(pty.peerPath)?baud=115200"])
+        #expect(await pty.waitUntilOpened(by: running.process.processIdentifier))
+        #expect(await eventuallyTrue { (try? pty.peerSettings()) != before }, "the tool changed the settings")
+        running.signal(SIGINT)
+        let result = await running.wait(timeout: 15)
+        #expect(result.status == 130, "\(result.stderr)")
+        #expect(try pty.peerSettings() == before, "the original settings are back")
+    }
+
+    @Test func aBusyPortNamesTheProcessHoldingIt() async throws {
+        let pty = try PTY()
+        let holder = try CLI.Running(["connect", "tty://\(pty.peerPath)"])
+        #expect(await pty.waitUntilOpened(by: holder.process.processIdentifier))
+        try await Task.sleep(for: .milliseconds(300))   // past the flock
+        let second = try await CLI.run(["connect", "tty://\(pty.peerPath)"])
+        #expect(second.status == 1)
+        #expect(second.stderr.contains("is busy"), "\(second.stderr)")
+        #expect(second.stderr.contains("process \(holder.process.processIdentifier) (transportkit)"), "\(second.stderr)")
+        holder.signal(SIGTERM)
+        #expect(await holder.wait(timeout: 15).status == 143)
+    }
+
+    @Test func sighupEndsABridgeAndRemovesItsSocketFile() async throws {
+        let path = Self.temporaryPath("hup.sock")
+        let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "loop://"])
+        #expect(await eventuallyTrue { bridge.stderrLines.contains { $0.hasPrefix("listening") } })
+        #expect(FileManager.default.fileExists(atPath: path))
+        bridge.signal(SIGHUP)
+        let result = await bridge.wait(timeout: 15)
+        #expect(result.status == 129, "\(result.stderr)")
+        #expect(!FileManager.default.fileExists(atPath: path), "the socket file is removed")
+    }
+
+    // MARK: - Unix listeners
+
+    @Test func aUnixBridgeRelaysClientsThatSendAndCloseAtOnce() async throws {
+        let (target, received) = try await Self.countingTarget()
+        let path = Self.temporaryPath("burst.sock")
+        let bridge = try CLI.Running(["bridge", "--json", "--listen", "unix://\(path)", "tcp://127.0.0.1:\(target.url.port ?? 0)"])
+        #expect(await eventuallyTrue { bridge.stderrLines.contains { $0.contains("\"listening\"") } })
+        let payload = Array(repeating: UInt8(7), count: 65536)
+        for round in 1...20 {
+            let client = try await Transport.connect(to: "unix://\(path)")
+            try await client.write(payload)
+            try await client.close()   // at once
+            #expect(await eventuallyTrue(10) { received.withLock { $0.count } == round }, "client \(round) was relayed")
+        }
+        #expect(received.withLock { $0 } == Array(repeating: 65536, count: 20), "every byte of every client arrived")
+        bridge.signal(SIGTERM)
+        let result = await bridge.wait(timeout: 15)
+        #expect(result.status == 143)
+        #expect(!result.stderr.contains("\"failed\""), "\(result.stderr)")
+        try await target.close()
+    }
+
+    @Test func aOneShotUnixBridgeRelaysAClientThatClosesAtOnce() async throws {
+        let (target, received) = try await Self.countingTarget()
+        for round in 1...10 {
+            let path = Self.temporaryPath("once\(round).sock")
+            let bridge = try CLI.Running(["bridge", "--once", "--json", "--listen", "unix://\(path)", "tcp://127.0.0.1:\(target.url.port ?? 0)"])
+            #expect(await eventuallyTrue { bridge.stderrLines.contains { $0.contains("\"listening\"") } })
+            let client = try await Transport.connect(to: "unix://\(path)")
+            try await client.write(Array(repeating: UInt8(1), count: 65536))
+            try await client.close()
+            let result = await bridge.wait(timeout: 15)
+            #expect(result.status == 0, "round \(round): \(result.stderr)")
+        }
+        #expect(await eventuallyTrue { received.withLock { $0.count } == 10 })
+        #expect(received.withLock { $0 } == Array(repeating: 65536, count: 10))
+        try await target.close()
+    }
+
+    @Test func aSecondUnixListenerFailsAndTheFirstKeepsServing() async throws {
+        let path = Self.temporaryPath("shared.sock")
+        let first = try CLI.Running(["bridge", "--listen", "unix://\(path)", "loop://"])
+        #expect(await eventuallyTrue { first.stderrLines.contains { $0.hasPrefix("listening") } })
+        let second = try await CLI.run(["bridge", "--listen", "unix://\(path)", "loop://"])
+        #expect(second.status == 1)
+        #expect(second.stderr.contains("process \(first.process.processIdentifier) (transportkit) is listening on \(path)"), "\(second.stderr)")
+        #expect(second.stderr.contains("EADDRINUSE"))
+        #expect(!first.stderrLines.contains { $0.hasPrefix("accepted") }, "the second listener did not probe the first")
+        // The first still serves: loop:// sends back what it gets.
+        let client = try await Transport.connect(to: "unix://\(path)")
+        try await client.write("ping")
+        try await client.closeWrite()
+        var echoed: [UInt8] = []
+        while let chunk = try await client.read(timeout: .seconds(10)) { echoed += chunk }
+        #expect(echoed == Array("ping".utf8))
+        try await client.close()
+        first.signal(SIGINT)
+        #expect(await first.wait(timeout: 15).status == 130)
+        #expect(!FileManager.default.fileExists(atPath: path))
+    }
+
+    // MARK: - A bridge that keeps listening
+
+    @Test func aBridgeCarries200SequentialAnd50ConcurrentClients() async throws {
+        let echo = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let echoTask = Task {
+            try await withThrowingDiscardingTaskGroup { group in
+                while let connection = try await echo.accept() {
+                    group.addTask {
+                        while let chunk = try await connection.readBuffer() { try await connection.write(chunk) }
+                        try await connection.close()
+                    }
+                }
+            }
+        }
+        let bridge = try CLI.Running(["bridge", "--json", "--listen", "tcp://127.0.0.1:0", "tcp://127.0.0.1:\(echo.url.port ?? 0)"])
+        let url = try #require(await Self.listeningURL(of: bridge))
+        var payload = [UInt8](repeating: 0, count: 1 << 20)
+        for index in payload.indices { payload[index] = UInt8(truncatingIfNeeded: index &* 2_654_435_761 >> 13) }
+        let sent = payload
+        @Sendable func client() async throws -> Bool {
+            let connection = try await Transport.connect(to: url)
+            async let echoed: [UInt8] = {
+                var all: [UInt8] = []
+                all.reserveCapacity(sent.count)
+                while let chunk = try await connection.read(timeout: .seconds(30)) { all += chunk }
+                return all
+            }()
+            try await connection.write(sent)
+            try await connection.closeWrite()
+            let ok = try await echoed == sent
+            try await connection.close()
+            return ok
+        }
+        var sequential = 0
+        for _ in 0..<200 where try await client() { sequential += 1 }
+        #expect(sequential == 200)
+        let concurrent = try await withThrowingTaskGroup(of: Bool.self) { group in
+            for _ in 0..<50 { group.addTask { try await client() } }
+            return try await group.reduce(0) { $0 + ($1 ? 1 : 0) }
+        }
+        #expect(concurrent == 50)
+        #expect(bridge.isRunning, "the bridge keeps listening")
+        bridge.signal(SIGTERM)
+        let result = await bridge.wait(timeout: 30)
+        #expect(result.status == 143)
+        #expect(result.stderr.components(separatedBy: "\"accepted\"").count - 1 == 250)
+        #expect(!result.stderr.contains("\"failed\""), "\(result.stderr.suffix(2000))")
+        echoTask.cancel()
+        try await echo.close()
+    }
+
+    @Test func anExclusiveTargetRefusesASecondClient() async throws {
+        let pty = try PTY()
+        let bridge = try CLI.Running(["bridge", "--json", "--listen", "tcp://127.0.0.1:0", "tty://\(pty.peerPath)"])
+        let url = try #require(await Self.listeningURL(of: bridge))
+        let first = try await Transport.connect(to: url)
+        try await first.write("one")
+        #expect(await pty.readMaster(count: 3) == Array("one".utf8))
+        let second = try await Transport.connect(to: url)
+        let refusal = try await second.readLine(timeout: .seconds(10))
+        #expect(refusal?.contains("busy") == true, "\(String(describing: refusal))")
+        #expect(try await second.read(timeout: .seconds(10)) == nil, "and is closed")
+        try await second.close()
+        try await first.write("two")
+        #expect(await pty.readMaster(count: 3) == Array("two".utf8), "the first client is undisturbed")
+        try await first.close()
+        // Once the first is gone the device serves the next client.
+        #expect(await eventuallyTrue(10) { bridge.stderrLines.contains { $0.contains("\"closed\"") } })
+        let third = try await Transport.connect(to: url)
+        try await third.write("three")
+        #expect(await pty.readMaster(count: 5) == Array("three".utf8))
+        try await third.close()
+        bridge.signal(SIGINT)
+        let result = await bridge.wait(timeout: 15)
+        #expect(result.status == 130)
+        #expect(result.stderr.contains("\"refused\""))
+    }
+
+    @Test func anExclusiveTargetCanReplaceTheOldClient() async throws {
+        let pty = try PTY()
+        let bridge = try CLI.Running(["bridge", "--json", "--busy", "replace", "--listen", "tcp://127.0.0.1:0", "tty://\(pty.peerPath)"])
+        let url = try #require(await Self.listeningURL(of: bridge))
+        let first = try await Transport.connect(to: url)
+        try await first.write("old")
+        #expect(await pty.readMaster(count: 3) == Array("old".utf8))
+        let second = try await Transport.connect(to: url)
+        #expect(try await first.read(timeout: .seconds(10)) == nil, "the old client is closed")
+        try await second.write("new")
+        #expect(await pty.readMaster(count: 3) == Array("new".utf8))
+        pty.writeMaster(Array("reply".utf8))
+        #expect(try await second.read(timeout: .seconds(10)) == Array("reply".utf8))
+        try await first.close()
+        try await second.close()
+        bridge.signal(SIGTERM)
+        let result = await bridge.wait(timeout: 15)
+        #expect(result.status == 143)
+        #expect(result.stderr.contains("\"replaced\""))
+    }
+
+    // MARK: - Malformed input
+
+    /// One row: the arguments, the exit status, and words the message must contain.
+    struct BadInput: Sendable, CustomStringConvertible {
+        var arguments: [String]
+        var status: Int32
+        var words: [String]
+        var description: String { arguments.joined(separator: " ").prefix(120).description }
+    }
+
+    static func badInputs(fifo: String, socket: String) -> [BadInput] {
+        func url(_ text: String, _ words: String...) -> BadInput { BadInput(arguments: ["connect", text], status: 1, words: words) }
+        func usage(_ arguments: [String], _ words: String...) -> BadInput { BadInput(arguments: arguments, status: 64, words: words) }
+        func bridge(_ arguments: [String], _ words: String...) -> BadInput { BadInput(arguments: ["bridge"] + arguments, status: 1, words: words) }
+        let tcpGrammar = "Grammar: tcp://HOST:PORT"
+        let longValue = String(repeating: "a", count: 100_000)
+        let manyOptions = (0..<12_000).map { "o\($0)=1" }.joined(separator: "&")
+        return [
+            url("", "invalid URL ''", "expected scheme://"),
+            url("tcp", "invalid URL 'tcp'", "expected scheme://"),
+            url("tcp://", "a host is required", tcpGrammar),
+            url("tcp://127.0.0.1", "a port is required"),
+            url("tcp://127.0.0.1:", "must be a decimal number"),
+            url("tcp://127.0.0.1:99999", "the port 99999 is outside 0…65535"),
+            url("tcp://127.0.0.1:-1", "the port '-1' must be a decimal number"),
+            url("tcp://127.0.0.1:abc", "the port 'abc' must be a decimal number"),
+            url("tcp://127.0.0.1:80?noDelay=maybe", "option 'noDelay=maybe'", "expected true or false"),
+            url("tcp://127.0.0.1:80?timeout=1e10", "option 'timeout=1e10'", "outside 0…31536000 seconds"),
+            url("tcp://127.0.0.1:80?timeout=-1", "option 'timeout=-1'", "outside 0…31536000 seconds"),
+            url("tcp://127.0.0.1:80?timeout=nan", "option 'timeout=nan'", "between 0 and 31536000"),
+            url("tcp://127.0.0.1:80?timeout=inf", "option 'timeout=inf'", "between 0 and 31536000"),
+            url("tcp://127.0.0.1:80?timeout=0x10", "option 'timeout=0x10'", "such as 2 or 0.5"),
+            url("tcp://127.0.0.1:80?timeout=1e400", "option 'timeout=1e400'"),
+            url("tcp://127.0.0.1:80?keepAliveIdle=3e9", "option 'keepAliveIdle=3e9'", "outside 1…32767 seconds"),
+            url("tcp://127.0.0.1:80?keepAliveIdle=40000", "option 'keepAliveIdle=40000'", "outside 1…32767 seconds"),
+            url("tcp://127.0.0.1:80?keepAliveIdle=0", "outside 1…32767 seconds"),
+            url("tcp://127.0.0.1:80?keepAliveIdle=-inf", "option 'keepAliveIdle=-inf'"),
+            url("tcp://127.0.0.1:80?backlog=0", "option 'backlog=0'"),
+            url("tcp://127.0.0.1:80?backlog=99999999999999999999", "option 'backlog=99999999999999999999'"),
+            url("tcp://127.0.0.1:80?speed=9", "unknown option 'speed'", "tcp accepts: noDelay"),
+            url("tcp://127.0.0.1:80?timeout=1&timeout=2", "option 'timeout' is given twice"),
+            url("tcp://127.0.0.1:80?TIMEOUT=1&timeout=2", "is given twice"),
+            url("tcp://user@127.0.0.1:80", "user information ('name@') has no meaning"),
+            url("tcp://127.0.0.1:80/path", "a path is not allowed here"),
+            url("tcp://[::1:80", "'[' opens an IPv6 address that no ']' closes"),
+            url("tcp://127.0.0.1:80?noDelay=%zz", "'%' must be followed by two hex digits"),
+            url("tcp://127.0.0.1:80?%00=1", "control character"),
+            url("tcp://127.0.0.1:80?noDelay=%0a", "control character"),
+            url("tcp://127.0.0.1:80\n", "control character"),
+            url("tcp://127.0.0.1:80\u{7f}", "control character"),
+            url("tcp://12 7.0.0.1:80", "cannot resolve the host '12 7.0.0.1'"),
+            url("tcp://nonexistent.invalid:80", "cannot resolve the host 'nonexistent.invalid'"),
+            url("tcp://127.0.0.1:80?x=\(longValue)", "unknown option 'x'", "(100021 bytes)"),
+            url("tcp://127.0.0.1:80?\(manyOptions)", "unknown option 'o0'"),
+            url("gopher://x:70", "no plugin handles gopher://", "registered schemes: loop://"),
+            url("usb://1546:01a7", "no plugin handles usb://"),
+            url("rfcomm://00:11:22:33:44:55", "no plugin handles rfcomm://"),
+            url(":", "expected scheme://"),
+            url("://x", "the scheme '' must start with a letter"),
+            url("tcp:127.0.0.1:80", "expected scheme://"),
+            url("1tcp://127.0.0.1:80", "must start with a letter"),
+            url("unix://", "a path is required", "Grammar: unix:///PATH"),
+            url("unix:///", "a path is required"),
+            url("unix://relative/path", "a host is not allowed here"),
+            url("unix:///tmp/nonexistent-dir-xyz/sock", "no socket at /tmp/nonexistent-dir-xyz/sock", "ENOENT"),
+            url("unix:///tmp", "/tmp is a directory, not a socket", "ECONNREFUSED"),
+            url("unix:///etc/hostname", "/etc/hostname is a regular file, not a socket"),
+            url("unix://\(fifo)", "is a FIFO (named pipe), not a socket"),
+            url("unix:///" + String(repeating: "s", count: 200), "is too long: Linux allows 107 bytes"),
+            url("unix://\(socket)?timeout=x", "option 'timeout=x'"),
+            url("loop://?buffer=0", "option 'buffer=0'", "outside 1…67108864"),
+            url("loop://?buffer=-5", "option 'buffer=-5'"),
+            url("loop://?buffer=abc", "expected an integer between 1 and 67108864"),
+            url("loop://?buffer=1.5", "expected an integer"),
+            url("loop://?messages=2", "option 'messages=2'", "expected true or false"),
+            url("loop://?mtu=0", "option 'mtu=0'"),
+            url("loop://host", "a host is not allowed here", "Grammar: loop://"),
+            url("loop://:80", "a port is not allowed here"),
+            url("loop:///path", "a path is not allowed here"),
+            url("loop://?buffer", "option 'buffer='"),
+            url("tty://", "a path is required", "Grammar: tty://"),
+            url("tty:///dev/nonexistent-tty", "no device at /dev/nonexistent-tty", "transportkit list"),
+            url("tty:///tmp", "/tmp is a directory, not a serial port", "EISDIR"),
+            url("tty:///etc/hostname", "/etc/hostname is not a serial port or terminal", "ENOTTY"),
+            url("tty://relative", "a path is required"),
+            url("tty:///dev/null", "/dev/null is not a serial port or terminal"),
+            url("tty://\(fifo)", "not a serial port or terminal"),
+            url("tty://\(socket)", "is a unix socket, not a serial port", "unix://"),
+            url("tty:///dev/ttyS0?baud=0", "option 'baud=0'", "outside 1…20000000"),
+            url("tty:///dev/ttyS0?baud=abc", "option 'baud=abc'"),
+            url("tty:///dev/ttyS0?baud=1e3", "option 'baud=1e3'"),
+            url("tty:///dev/ttyS0?dataBits=9", "option 'dataBits=9'", "outside 5…8"),
+            url("tty:///dev/ttyS0?parity=maybe", "expected one of none, even, odd, mark, space"),
+            url("tty:///dev/ttyS0?stopBits=3", "option 'stopBits=3'"),
+            url("tty:///dev/ttyS0?flowControl=x", "expected one of none, rtscts, xonxoff"),
+            url("tty:///dev/ttyS0?restore=maybe", "option 'restore=maybe'"),
+            url("tty:///dev/ttyS0?wait=2", "option 'wait=2'"),
+            url("tty://adapter:19200/dev/ttyS0?baud=9600", "gives two bit rates"),
+            url("tty://usb/zzzz:0001", "two 4-digit hex IDs"),
+            url("tty://usb/0403", "two 4-digit hex IDs"),
+            url("tty://usb/0403:6001?interface=300", "option 'interface=300'"),
+            url("pty://?link=", "the option 'link' needs a path"),
+            url("pty://?link=/nonexistent-dir-xyz/link", "the directory /nonexistent-dir-xyz does not exist", "ENOENT"),
+            url("pty://?link=/etc/hostname", "something is already there", "EEXIST"),
+            url("pty://?link=/etc/hostname/x", "is not a directory"),
+            url("pty://host", "a host is not allowed here", "Grammar: pty://"),
+            url("pty://?baud=0", "option 'baud=0'"),
+            url("spy+", "expected scheme://"),
+            url("spy+tcp://127.0.0.1:80?spy.format=weird", "option 'spy.format=weird'", "expected one of hex, raw"),
+            url("spy://127.0.0.1:80", "spy wraps another URL"),
+            url("tcp+tcp://127.0.0.1:80", "tcp:// does not wrap other URLs"),
+            url("spy+gopher://x", "no plugin handles gopher://"),
+            url("spy+tcp://127.0.0.1:80?spy.nope=1", "unknown option 'spy.nope'"),
+            url("spy+spy+", "expected scheme://"),
+            usage(["connect", "--linger", "inf", "loop://"], "--linger takes a number of seconds from 0 to 86400"),
+            usage(["connect", "--linger", "1e16", "loop://"], "--linger takes a number of seconds from 0 to 86400"),
+            usage(["connect", "--linger", "nan", "loop://"], "--linger takes a number of seconds from 0 to 86400"),
+            usage(["connect", "--linger", "-1", "loop://"], "--linger takes a number of seconds from 0 to 86400"),
+            usage(["connect", "--linger", "abc", "loop://"], "'abc' is invalid for '--linger"),
+            usage(["connect", "--linger"], "Missing value for '--linger"),
+            usage(["connect"], "Missing expected argument '<url>'"),
+            usage(["connect", "loop://", "loop://"], "Unexpected argument"),
+            usage(["connect", "--bogus", "loop://"], "Unknown option '--bogus'"),
+            usage(["connect", "--log-level", "loud", "loop://"], "--log-level takes one of"),
+            usage(["bridge", "loop://"], "a bridge has two endpoints"),
+            usage(["bridge", "loop://", "loop://", "loop://"], "a bridge has two endpoints"),
+            usage(["bridge", "--max-clients", "0", "--listen", "tcp://127.0.0.1:0", "loop://"], "--max-clients takes a number from 1 to 10000"),
+            usage(["bridge", "--busy", "maybe", "--listen", "tcp://127.0.0.1:0", "loop://"], "'maybe' is invalid for '--busy"),
+            usage(["bridge", "--linger", "inf", "--listen", "tcp://127.0.0.1:0", "loop://"], "--linger takes a number of seconds"),
+            usage(["bridge", "--linger", "-5", "loop://", "loop://"], "--linger takes a number of seconds"),
+            bridge(["--listen", "tcp://nonexistent.invalid:0", "loop://"], "cannot listen on 'nonexistent.invalid'", "0.0.0.0"),
+            bridge(["--listen", "tcp://127.0.0.1:99999", "loop://"], "the port 99999 is outside 0…65535"),
+            bridge(["--listen", "tcp://10.99.99.99:0", "loop://"], "10.99.99.99 is not an address of this machine", "EADDRNOTAVAIL"),
+            bridge(["--listen", "loop://", "loop://"], "loop:// cannot listen", "tcp://, unix://"),
+            bridge(["--listen", "unix:///tmp", "loop://"], "/tmp exists and is a directory, not a socket"),
+            bridge(["--listen", "unix:///etc/hostname", "loop://"], "is a regular file, not a socket"),
+            bridge(["--listen", "unix:///nonexistent-dir/x.sock", "loop://"], "its directory does not exist"),
+            bridge(["--listen", "tcp://127.0.0.1:0", "gopher://x"], "no plugin handles gopher://"),
+            bridge(["--listen", "tcp://127.0.0.1:0", "tcp://127.0.0.1:80?speed=1"], "unknown option 'speed'"),
+            bridge(["--listen", "tcp://127.0.0.1:0", "tcp://"], "a host is required"),
+            bridge(["tcp://127.0.0.1:1", "loop://"], "refused the connection"),
+            usage(["list", "--bogus"], "Unknown option '--bogus'"),
+            usage(["watch", "extra"], "Unexpected argument 'extra'"),
+            usage(["schemes", "extra"], "Unexpected argument 'extra'"),
+            usage(["frobnicate"], "Unexpected argument 'frobnicate'"),
+        ]
+    }
+
+    @Test func everyMalformedInputGetsASpecificErrorAndNoOutput() async throws {
+        let fifo = Self.temporaryPath("fifo")
+        #expect(mkfifo(fifo, 0o600) == 0)
+        let socketPath = Self.temporaryPath("not-a-tty.sock")
+        let listener = try await Transport.listen(on: "unix://\(socketPath)")
+        let table = Self.badInputs(fifo: fifo, socket: socketPath)
+        #expect(table.count >= 100)
+        let results = try await withThrowingTaskGroup(of: (BadInput, CLI.Result).self) { group in
+            var rows = table.makeIterator()
+            var results: [(BadInput, CLI.Result)] = []
+            for _ in 0..<4 {
+                if let row = rows.next() { group.addTask { (row, try await CLI.run(row.arguments, timeout: 30)) } }
+            }
+            while let result = try await group.next() {
+                results.append(result)
+                if let row = rows.next() { group.addTask { (row, try await CLI.run(row.arguments, timeout: 30)) } }
+            }
+            return results
+        }
+        for (row, result) in results {
+            #expect(result.status == row.status, "\(row): status \(result.status): \(result.stderr.prefix(400))")
+            #expect(result.stdout.isEmpty, "\(row): nothing on standard output")
+            for word in row.words {
+                #expect(result.stderr.contains(word), "\(row): '\(word)' missing from: \(result.stderr.prefix(400))")
+            }
+            #expect(!result.stderr.contains("Fatal error") && !result.stderr.contains("crashed"), "\(row)")
+            #expect(result.stderr.utf8.count < 2000, "\(row): a message, not a dump (\(result.stderr.utf8.count) bytes)")
+        }
+        try await listener.close()
+        unlink(fifo)
+    }
+
+    // MARK: - Helpers
+
+    static func temporaryPath(_ name: String) -> String {
+        let directory = "/tmp/tk-hostile-\(getpid())"
+        try? FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        let path = "\(directory)/\(UUID().uuidString.prefix(8))-\(name)"
+        unlink(path)
+        return path
+    }
+
+    /// The URL a bridge started with --json reports it listens on.
+    static func listeningURL(of bridge: CLI.Running) async -> String? {
+        for _ in 0..<500 {
+            for line in bridge.stderrLines {
+                if let object = try? JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: String],
+                   object["event"] == "listening" {
+                    return object["url"]
+                }
+            }
+            try? await Task.sleep(for: .milliseconds(20))
+        }
+        return nil
+    }
+
+    /// A tcp listener that reads each connection to its end and records how many bytes it got.
+    static func countingTarget() async throws -> (Listener, Locked<[Int]>) {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let counts = Locked<[Int]>([])
+        Task {
+            try await withThrowingDiscardingTaskGroup { group in
+                while let connection = try await listener.accept() {
+                    group.addTask {
+                        var total = 0
+                        while let chunk = try await connection.readBuffer() { total += chunk.readableBytes }
+                        try await connection.close()
+                        counts.withLock { $0.append(total) }
+                    }
+                }
+            }
+        }
+        return (listener, counts)
+    }
+}
+
+/// A value shared between tasks.
+final class Locked<Value: Sendable>: Sendable {
+    /// Guards the value.
+    private let mutex: Mutex<Value>
+    init(_ value: Value) { mutex = Mutex(value) }
+    func withLock<Result>(_ body: (inout Value) -> Result) -> Result { mutex.withLock { body(&$0) } }
+}
+
+/// Polls `condition` until it holds or `seconds` pass.
+func eventuallyTrue(_ seconds: Double = 10, _ condition: () -> Bool) async -> Bool {
+    let deadline = Date().addingTimeInterval(seconds)
+    while Date() < deadline {
+        if condition() { return true }
+        try? await Task.sleep(for: .milliseconds(20))
+    }
+    return condition()
+}
+
+extension FileManager {
+    func destinationOfSymbolicLinkAtPathOrNil(_ path: String) -> String? {
+        try? destinationOfSymbolicLink(atPath: path)
+    }
+}
+
+/// A pseudo-terminal made by the test: the tool opens the peer node as its "device"; the test
+/// plays the device on the master side.
+final class PTY: Sendable {
+    let master: Int32
+    let peerPath: String
+    /// Kept open so the peer's settings can be read; closed with the object.
+    private let peer: Int32
+    private let masterClosed = Mutex<Bool>(false)
+
+    init() throws {
+        var master: Int32 = -1
+        var peer: Int32 = -1
+        guard openpty(&master, &peer, nil, nil, nil) == 0 else { throw POSIXError(.EIO) }
+        self.master = master
+        self.peer = peer
+        peerPath = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/\(peer)")) ?? "/dev/pts/?"
+        _ = fcntl(master, F_SETFL, fcntl(master, F_GETFL) | O_NONBLOCK)
+    }
+
+    deinit {
+        closeMaster()
+        Glibc.close(peer)
+    }
+
+    func closeMaster() {
+        let first = masterClosed.withLock { closed in
+            defer { closed = true }
+            return !closed
+        }
+        if first { Glibc.close(master) }
+    }
+
+    func writeMaster(_ bytes: [UInt8]) {
+        _ = bytes.withUnsafeBytes { Glibc.write(master, $0.baseAddress, $0.count) }
+    }
+
+    /// Reads `count` bytes from the master side, waiting up to 10 s.
+    func readMaster(count: Int) async -> [UInt8] {
+        var bytes: [UInt8] = []
+        let deadline = Date().addingTimeInterval(10)
+        var buffer = [UInt8](repeating: 0, count: 4096)
+        while bytes.count < count && Date() < deadline {
+            let got = buffer.withUnsafeMutableBytes { Glibc.read(master, $0.baseAddress, min($0.count, count - bytes.count)) }
+            if got > 0 { bytes += buffer[..<got] } else { try? await Task.sleep(for: .milliseconds(10)) }
+        }
+        return bytes
+    }
+
+    /// The peer's termios, compared field by field.
+    func peerSettings() throws -> [UInt32] {
+        var tio = termios()
+        guard tcgetattr(peer, &tio) == 0 else { throw POSIXError(.EIO) }
+        return [tio.c_iflag, tio.c_oflag, tio.c_cflag, tio.c_lflag, cfgetispeed(&tio), cfgetospeed(&tio)]
+    }
+
+    /// Waits until process `pid` has the peer node open.
+    func waitUntilOpened(by pid: Int32) async -> Bool {
+        await eventuallyTrue {
+            let fds = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/\(pid)/fd")) ?? []
+            return fds.contains { (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/\(pid)/fd/\($0)")) == peerPath }
+        }
+    }
+}
