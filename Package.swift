@@ -116,6 +116,14 @@ let package = Package(
             swiftSettings: strict
         ),
 
+        // libFuzzer targets (Scripts/fuzz builds them with --sanitize=fuzzer -DFUZZING); a plain build replays inputs.
+        .executableTarget(
+            name: "transportkit-fuzz",
+            dependencies: ["TransportKit"],
+            path: "Sources/Fuzz",
+            swiftSettings: strict
+        ),
+
         // Helpers every test target shares (polling, open descriptors); built only for the tests.
         .target(name: "TestSupport", path: "Tests/TestSupport", swiftSettings: strict),
         .testTarget(

@@ -80,6 +80,20 @@ struct FramingTests {
         try await c.close()
     }
 
+    @Test func aLongFrameIsRefusedEvenWhenItsDelimiterCameInTheSameChunk() async throws {
+        // Found by Scripts/fuzz framing: the limit was checked only while no delimiter was seen.
+        let c = try await loop()
+        try await c.write(Array(String(repeating: "A", count: 40).utf8) + [0x0A] + Array("tail".utf8))
+        _ = await expectTransportError(.io) { try await c.readFrame(.delimiter("\n"), maxLength: 10) }
+        #expect(try await c.read()?.count == 45, "the bytes stay unread")
+        // And the last frame at the end of the stream obeys the limit too.
+        try await c.write(Array(String(repeating: "B", count: 20).utf8))
+        try await c.closeWrite()
+        _ = await expectTransportError(.io) { try await c.readFrame(.delimiter("\n"), maxLength: 10) }
+        #expect(try await c.read()?.count == 20)
+        try await c.close()
+    }
+
     @Test func frameTimeoutKeepsThePartialFrame() async throws {
         let c = try await loop()
         try await c.write("partial")

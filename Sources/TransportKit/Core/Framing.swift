@@ -191,21 +191,29 @@ extension Connection {
         while true {
             let view = gathered.readableBytesView
             if let end = view.firstRange(of: delimiter, from: searchFrom) {
+                // A delimiter found in a chunk that brought many bytes at once can still end a
+                // frame that is too long.
+                guard end.lowerBound - view.startIndex <= maxLength else { throw tooLong(gathered, maxLength) }
                 let frame = Array(view[view.startIndex..<end.lowerBound])
                 gathered.moveReaderIndex(forwardBy: end.upperBound - view.startIndex)
                 unread(gathered)
                 return frame
             }
-            if gathered.readableBytes > maxLength + delimiter.count {
-                unread(gathered)
-                throw TransportError(.io, "no delimiter within \(maxLength) bytes from \(url); the bytes stay unread")
-            }
+            if gathered.readableBytes > maxLength + delimiter.count { throw tooLong(gathered, maxLength) }
             searchFrom = max(0, gathered.readableBytes - delimiter.count + 1)
             guard var chunk = try await nextChunk(&gathered, deadline: deadline) else {
+                // The stream ended: the bytes after the last delimiter are the last frame.
+                guard gathered.readableBytes <= maxLength else { throw tooLong(gathered, maxLength) }
                 return gathered.readableBytes > 0 ? Array(gathered.readableBytesView) : nil
             }
             gathered.writeBuffer(&chunk)
         }
+    }
+
+    /// Puts `gathered` back and returns the error for a delimited frame longer than `maxLength`.
+    private func tooLong(_ gathered: ByteBuffer, _ maxLength: Int) -> TransportError {
+        unread(gathered)
+        return TransportError(.io, "no delimiter within \(maxLength) bytes from \(url); the bytes stay unread")
     }
 
     private func readExactly(_ length: Int, deadline: NIODeadline?, lengthField: Bool = false) async throws -> [UInt8]? {
