@@ -125,7 +125,7 @@ struct StatusPrinter: Sendable {
             }
             line = text
         }
-        FileHandle.standardError.write(Data((line + "\n").utf8))
+        StandardError.write(line + "\n")
     }
 }
 
@@ -257,8 +257,11 @@ struct BridgeServer: Sendable {
             let connection = try await open()
             target = connection
             if keepTarget {
-                // Drop what the target sent while nobody listened: what is already buffered.
-                while let stale = try? await connection.readBuffer(timeout: .milliseconds(1)), stale.readableBytes > 0 {}
+                // Drop what the target sent while nobody listened: what is buffered now, for at
+                // most 20 ms (a device that never stops talking must not keep the client waiting).
+                let until = ContinuousClock.now + .milliseconds(20)
+                while ContinuousClock.now < until,
+                      let stale = try? await connection.readBuffer(timeout: .milliseconds(1)), stale.readableBytes > 0 {}
                 try await Relay.closing([client]) {
                     try await Relay.run(
                         { while let chunk = try await client.readBuffer() { try await connection.write(chunk) } },

@@ -21,14 +21,14 @@ struct List: AsyncParsableCommand {
         let listing = await Transport.devices(includeAll: all)
         // A plugin that cannot list (no udev, no adapter) is reported; the others' devices still are.
         for failure in listing.failures {
-            FileHandle.standardError.write(Data("transportkit: warning: \(failure.error)\n".utf8))
+            StandardError.write("transportkit: warning: \(failure.error)\n")
         }
         let devices = listing.devices
         do {
             if json {
                 print(try DeviceJSON.encode(devices, pretty: true))
             } else if devices.isEmpty && listing.failures.isEmpty {
-                FileHandle.standardError.write(Data("no devices found\(all ? "" : " (--all also shows virtual and unused ports)")\n".utf8))
+                StandardError.write("no devices found\(all ? "" : " (--all also shows virtual and unused ports)")\n")
             } else if !devices.isEmpty {
                 print(DeviceTable.render(devices))
             }
@@ -60,11 +60,13 @@ struct Watch: AsyncParsableCommand {
         logging.bootstrap()
         do {
             let events = Transport.deviceEvents(includeAll: all)
-            FileHandle.standardError.write(Data("watching\n".utf8))
+            StandardError.write("watching\n")
             for try await event in events {
                 let line = json ? try DeviceJSON.encode(event) : DeviceTable.line(event)
-                FileHandle.standardOutput.write(Data((line + "\n").utf8))
+                try StandardOutput.writeLine(line)
             }
+        } catch StandardStreamError.outputClosed {
+            // `watch | head -n 3`: the reader has what it wanted.
         } catch {
             throw fail(error)
         }

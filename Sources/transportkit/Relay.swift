@@ -1,4 +1,5 @@
 import Foundation
+import Synchronization
 import TransportKit
 
 /// The copy loops behind `connect` and `bridge`. A relay has two directions; when one ends, the
@@ -38,15 +39,83 @@ enum Relay {
         }
     }
 
+    /// How long closing may wait for a peer to take the bytes still queued for it.
+    static let closeLimit: Duration = .seconds(2)
+
     /// Runs `body`, then closes `connections` whether it succeeded, failed or was cancelled.
     static func closing(_ connections: [Connection], _ body: () async throws -> Void) async throws {
         do {
             try await body()
         } catch {
-            for connection in connections { try? await connection.close() }
+            _ = await close(connections)
             throw error
         }
-        for connection in connections { try await connection.close() }
+        if let failure = await close(connections) { throw failure }
+    }
+
+    /// Closes `connections` side by side, each within ``closeLimit``: a peer that stopped reading
+    /// (a client suspended with Ctrl-Z) would otherwise hold a close, and with it a tty's restore
+    /// and the tool's exit, forever. One that takes longer is aborted, its queued bytes dropped.
+    /// Returns the first failure.
+    static func close(_ connections: [Connection]) async -> (any Error)? {
+        await withTaskGroup(of: (any Error)?.self) { group in
+            for connection in connections {
+                group.addTask {
+                    let outcome = Outcome()
+                    let closing = Task {
+                        do {
+                            try await connection.close()
+                            outcome.settle(nil)
+                        } catch {
+                            outcome.settle(error)
+                        }
+                    }
+                    let timer = Task {
+                        try await Task.sleep(for: closeLimit)
+                        connection.abort()
+                        outcome.settle(TransportError(.timedOut, "closing \(connection.url) took longer than \(closeLimit): its peer is not taking the bytes queued for it; they were dropped"))
+                    }
+                    let result = await outcome.value()
+                    timer.cancel()
+                    _ = closing
+                    return result
+                }
+            }
+            var first: (any Error)?
+            for await failure in group where first == nil { first = failure }
+            return first
+        }
+    }
+
+    /// The first of two outcomes, awaited once.
+    private final class Outcome: Sendable {
+        private struct State {
+            var result: (any Error)??
+            var waiter: CheckedContinuation<(any Error)?, Never>?
+        }
+        /// Guards the result and the one waiter.
+        private let state = Mutex(State())
+
+        func settle(_ error: (any Error)?) {
+            let waiter = state.withLock { state -> CheckedContinuation<(any Error)?, Never>? in
+                guard state.result == nil else { return nil }
+                state.result = .some(error)
+                defer { state.waiter = nil }
+                return state.waiter
+            }
+            waiter?.resume(returning: error)
+        }
+
+        func value() async -> (any Error)? {
+            await withCheckedContinuation { continuation in
+                let ready = state.withLock { state -> (any Error)?? in
+                    if let result = state.result { return .some(result) }
+                    state.waiter = continuation
+                    return nil
+                }
+                if let ready { continuation.resume(returning: ready) }
+            }
+        }
     }
 
     private struct LingerPassed: Error {}

@@ -26,8 +26,14 @@ enum Signals {
         // The handlers are in place before the work starts: a signal that arrives while it opens
         // something (a link, a socket file) must find it handled, not kill the process.
         let state = Mutex<(received: Int32?, task: Task<Void, any Error>?)>((nil, nil))
-        let sources = handled.map { number in
-            signal(number, SIG_IGN)   // delivered to the source only
+        // A signal the tool was started with ignored stays ignored: `nohup` ignores SIGHUP, a
+        // shell ignores SIGINT for a job it starts with `&`. (Dispatch would see it anyway.)
+        let caught = handled.filter { number in
+            let previous = signal(number, SIG_IGN)   // delivered to the source only
+            let wasIgnored = previous.map { unsafeBitCast($0, to: Int.self) == 1 } ?? false   // SIG_IGN is 1
+            return !wasIgnored
+        }
+        let sources = caught.map { number in
             let source = DispatchSource.makeSignalSource(signal: number, queue: .global())
             source.setEventHandler {
                 let (first, task) = state.withLock { state in

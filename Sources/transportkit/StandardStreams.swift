@@ -105,21 +105,44 @@ struct StandardInput: Sendable {
 enum StandardOutput {
     /// Copies the connection's inbound bytes to standard output until the end of the stream.
     static func copy(from connection: Connection) async throws {
+        let writable = DescriptorWait(fd: 1, events: Int16(POLLOUT))
         while let chunk = try await connection.read() {
-            try writeAll(chunk)
+            try await writeAll(chunk, waiting: writable)
         }
     }
 
-    static func writeAll(_ bytes: [UInt8]) throws {
+    /// Writes `bytes` in pieces of at most a page, each after poll(2) says the descriptor has room
+    /// for it (a pipe reports POLLOUT when a page is free), so a reader that stopped reading
+    /// (a pager, a stopped job) blocks a cancellable wait, never a write(2) a signal cannot end.
+    static func writeAll(_ bytes: [UInt8], waiting writable: DescriptorWait) async throws {
         var offset = 0
         while offset < bytes.count {
-            let written = bytes[offset...].withUnsafeBytes { Glibc.write(1, $0.baseAddress, $0.count) }
+            var ready = pollfd(fd: 1, events: Int16(POLLOUT), revents: 0)
+            if poll(&ready, 1, 0) == 0 {
+                guard await writable.next() != nil else { throw CancellationError() }
+            }
+            let end = min(bytes.count, offset + 4096)
+            let written = bytes[offset..<end].withUnsafeBytes { Glibc.write(1, $0.baseAddress, $0.count) }
+            if written < 0 {
+                if errno == EINTR || errno == EAGAIN { continue }
+                if errno == EPIPE { throw StandardStreamError.outputClosed }
+                throw TransportError.posix("write", errno: Errno(rawValue: errno), what: "standard output")
+            }
+            offset += written
+        }
+    }
+
+    /// Writes a line (`watch`), blocking; EPIPE throws `StandardStreamError.outputClosed`.
+    static func writeLine(_ line: String) throws {
+        var bytes = Array((line + "\n").utf8)[...]
+        while !bytes.isEmpty {
+            let written = bytes.withUnsafeBytes { Glibc.write(1, $0.baseAddress, $0.count) }
             if written < 0 {
                 if errno == EINTR { continue }
                 if errno == EPIPE { throw StandardStreamError.outputClosed }
                 throw TransportError.posix("write", errno: Errno(rawValue: errno), what: "standard output")
             }
-            offset += written
+            bytes = bytes.dropFirst(written)
         }
     }
 
@@ -136,5 +159,20 @@ enum StandardOutput {
 
     private static func sleepUntilCancelled() async {
         while !Task.isCancelled { try? await Task.sleep(for: .seconds(3600)) }
+    }
+}
+
+/// Standard error for messages and status lines. write(2) directly: FileHandle's write traps when
+/// the reader of standard error went away (`2>&1 | head`), and a message that cannot be shown is
+/// not worth a crash that skips the cleanup.
+enum StandardError {
+    static func write(_ text: String) {
+        var bytes = Array(text.utf8)[...]
+        while !bytes.isEmpty {
+            let written = bytes.withUnsafeBytes { Glibc.write(2, $0.baseAddress, $0.count) }
+            if written < 0 && errno == EINTR { continue }
+            guard written > 0 else { return }
+            bytes = bytes.dropFirst(written)
+        }
     }
 }

@@ -41,7 +41,7 @@ struct LoggingOptions: ParsableArguments {
 /// Prints `error` the way every subcommand reports failures, and exits non-zero.
 func fail(_ error: any Error) -> ExitCode {
     let message = (error as? TransportError)?.description ?? "\(error)"
-    FileHandle.standardError.write(Data("transportkit: \(message)\n".utf8))
+    StandardError.write("transportkit: \(message)\n")
     return ExitCode.failure
 }
 
@@ -136,7 +136,7 @@ struct Connect: AsyncParsableCommand {
                 let connection = try await ToolConnection.open(url)
                 if connection.url.innermost.scheme == "pty", connection.metadata.extra["link"] == nil,
                    let peer = connection.metadata.extra["peer"] {
-                    FileHandle.standardError.write(Data("pty: \(peer)\n".utf8))
+                    StandardError.write("pty: \(peer)\n")
                 }
                 try await Relay.pump(connection, linger: linger)
             }

@@ -35,10 +35,16 @@ struct CLI {
         ///   - closeStdoutAfter: close the reading end of standard output once this many bytes
         ///     arrived, as `| head -c N` does.
         ///   - stdinPath: standard input from this file (or directory) instead of a pipe.
-        init(_ arguments: [String], launchAs user: String? = nil, closeStdoutAfter: Int? = nil, stdinPath: String? = nil) throws {
+        ///   - closeStderrAfter: likewise for standard error (`2>&1 | head`).
+        ///   - wrapper: a program that runs the tool, such as `/usr/bin/nohup`.
+        init(_ arguments: [String], launchAs user: String? = nil, closeStdoutAfter: Int? = nil, closeStderrAfter: Int? = nil,
+             stdinPath: String? = nil, wrapper: String? = nil) throws {
             if let user {
                 process.executableURL = URL(fileURLWithPath: "/usr/sbin/runuser")
                 process.arguments = ["-u", user, "--", CLI.binary] + arguments
+            } else if let wrapper {
+                process.executableURL = URL(fileURLWithPath: wrapper)
+                process.arguments = [CLI.binary] + arguments
             } else {
                 process.executableURL = URL(fileURLWithPath: CLI.binary)
                 process.arguments = arguments
@@ -75,9 +81,14 @@ struct CLI {
                 while true {
                     let chunk = handle.availableData
                     if chunk.isEmpty { break }
-                    lock.withLock {
+                    let total = lock.withLock {
                         err.append(chunk)
                         errLines = String(decoding: err, as: UTF8.self).split(separator: "\n").map(String.init)
+                        return err.count
+                    }
+                    if let limit = closeStderrAfter, total >= limit {
+                        try? handle.close()
+                        break
                     }
                 }
                 group.leave()

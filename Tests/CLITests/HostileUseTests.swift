@@ -145,6 +145,58 @@ struct HostileUseTests {
         #expect(!FileManager.default.fileExists(atPath: path), "the socket file is removed")
     }
 
+    @Test func aSignalIgnoredAtStartStaysIgnored() async throws {
+        // nohup starts the tool with SIGHUP ignored: a logout must not end it.
+        let path = Self.temporaryPath("nohup.sock")
+        let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "loop://"], wrapper: "/usr/bin/nohup")
+        #expect(await eventuallyTrue { FileManager.default.fileExists(atPath: path) })
+        bridge.signal(SIGHUP)
+        try await Task.sleep(for: .milliseconds(500))
+        #expect(bridge.isRunning, "SIGHUP stays ignored under nohup")
+        bridge.signal(SIGTERM)
+        #expect(await bridge.wait(timeout: 15).status == 143)
+        #expect(!FileManager.default.fileExists(atPath: path))
+    }
+
+    @Test func aClosedStandardErrorDoesNotCrashTheBridge() async throws {
+        let path = Self.temporaryPath("noerr.sock")
+        // Standard error is closed after the first status line ("listening …").
+        let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "loop://"], closeStderrAfter: 1)
+        #expect(await eventuallyTrue { FileManager.default.fileExists(atPath: path) })
+        try await Task.sleep(for: .milliseconds(200))
+        for _ in 0..<3 {   // each client prints status lines into the closed pipe
+            let client = try await Transport.connect(to: "unix://\(path)")
+            try await client.write("x")
+            try await client.closeWrite()
+            _ = try await client.read(timeout: .seconds(10))
+            try await client.close()
+        }
+        #expect(bridge.isRunning)
+        bridge.signal(SIGTERM)
+        #expect(await bridge.wait(timeout: 15).status == 143)
+        #expect(!FileManager.default.fileExists(atPath: path), "cleaned up, not crashed")
+    }
+
+    @Test func aTargetThatStopsReadingDoesNotHoldUpTheExit() async throws {
+        // A target that accepts and never reads: the bridge's writes to it stall.
+        let sink = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let held = Task { try await sink.accept() }
+        let path = Self.temporaryPath("stall.sock")
+        let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "tcp://127.0.0.1:\(sink.url.port ?? 0)"])
+        #expect(await eventuallyTrue { FileManager.default.fileExists(atPath: path) })
+        let client = try await Transport.connect(to: "unix://\(path)")
+        let feeding = Task { try await client.write([UInt8](repeating: 2, count: 64 << 20)) }
+        try await Task.sleep(for: .milliseconds(500))
+        bridge.signal(SIGTERM)
+        let result = await bridge.wait(timeout: 15)
+        #expect(result.status == 143)
+        #expect(!FileManager.default.fileExists(atPath: path), "the exit closed up (not the 3-second emergency exit)")
+        feeding.cancel()
+        try? await client.close()
+        if let connection = try? await held.value { connection.abort() }
+        try await sink.close()
+    }
+
     // MARK: - Unix listeners
 
     @Test func aUnixBridgeRelaysClientsThatSendAndCloseAtOnce() async throws {

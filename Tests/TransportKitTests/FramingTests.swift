@@ -237,6 +237,16 @@ struct CommandSessionTests {
             try await Task.sleep(for: .milliseconds(400))
             // "SLOW\rLATE ANSWER" arrives first; it does not echo ATRV, so it is skipped.
             #expect(try await elm.send("ATRV") == "12.6V")
+            // A command that is a prefix of others: its echo is the whole first line.
+            #expect(try await elm.send("AT") == "?")
+        }
+    }
+
+    @Test func stripsEchoLeavesAResponseWithoutEchoAlone() async throws {
+        try await withFakeELM327(echo: false) { (connection: Connection) async throws in
+            let elm = CommandSession(connection, stripsEcho: true)   // a device after ATE0
+            #expect(try await elm.send("ATRV") == "12.6V")
+            #expect(try await elm.send("ATZ") == "ELM327 v1.5")
         }
     }
 

@@ -278,6 +278,29 @@ struct TCPTests {
     }
 }
 
+@Suite("Connection.abort()")
+struct AbortTests {
+    @Test func abortEndsACloseThatWaitsForAPeerThatDoesNotRead() async throws {
+        let raw = try Support.RawListener()
+        defer { raw.close() }
+        let connection = try await Transport.connect(to: "tcp://127.0.0.1:\(raw.port)")
+        let peer = await raw.accept()
+        defer { _ = Glibc.close(peer) }
+        // The peer never reads: the kernel's buffers fill, then NIO's queue up to its bound.
+        let writer = Task { try await connection.write([UInt8](repeating: 1, count: 32 << 20)) }
+        try await Task.sleep(for: .milliseconds(300))
+        let closing = Task { try await connection.close() }
+        try await Task.sleep(for: .milliseconds(300))
+        connection.abort()
+        // Ends now instead of when the peer reads (never): close reports the dropped bytes or
+        // nothing, the parked writer fails.
+        _ = try? await closing.value
+        await #expect(throws: (any Error).self) { try await writer.value }
+        #expect(connection.isClosed)
+        connection.abort()   // again: nothing happens
+    }
+}
+
 @Suite("unix://")
 struct UnixTests {
     @Test func listenAndConnect() async throws {

@@ -17,6 +17,7 @@
 
 import NIOCore
 import SystemPackage
+import Synchronization
 @_spi(Plugins) import TransportKitCore
 import TransportKitLinux
 
@@ -123,15 +124,21 @@ final class SerialBackend: ConnectionBackend {
     let device: TTYDevice
     let channel: ChannelBackend
     let describing: String
-    /// Extra cleanup after the descriptors are closed (a pty's peer side, its symlink).
-    private let cleanup: @Sendable () -> Void
+    /// Extra cleanup after the descriptors are closed (a pty's peer side, its symlink), run once
+    /// whether close() or connectionDropped() (an abort, possibly during close()) comes first.
+    private let extraCleanup: @Sendable () -> Void
+    private let cleanedUp = Atomic<Bool>(false)
     let supportsHalfClose = false
 
     init(device: TTYDevice, channel: ChannelBackend, describing: String, cleanup: @escaping @Sendable () -> Void = {}) {
         self.device = device
         self.channel = channel
         self.describing = describing
-        self.cleanup = cleanup
+        self.extraCleanup = cleanup
+    }
+
+    private func cleanup() {
+        if !cleanedUp.exchange(true, ordering: .acquiringAndReleasing) { extraCleanup() }
     }
 
     var preferredExecutor: (any TaskExecutor)? { channel.preferredExecutor }

@@ -222,8 +222,16 @@ final class TTYDevice: Sendable {
             return fd
         }
         guard let fd else { return }
-        // Best effort: a port that went away cannot take its old settings back.
-        if let original, restoresOnClose.load(ordering: .relaxed) { try? Termios.set(fd, original, path: path) }
+        if let original, restoresOnClose.load(ordering: .relaxed) {
+            // TCSETS2 applies at once: let the driver send what it holds at the old rate first
+            // (TIOCOUTQ, up to half a second; flow control may hold bytes forever). Best effort:
+            // a port that went away cannot take its old settings back.
+            var pending: Int32 = 0
+            for _ in 0..<50 where ioctl(fd.rawValue, UInt(TIOCOUTQ), &pending) == 0 && pending > 0 {
+                usleep(10_000)
+            }
+            try? Termios.set(fd, original, path: path)
+        }
         _ = ioctl(fd.rawValue, UInt(TIOCNXCL))
         fd.closeOwned()  // also releases the flock(2) lock held through this descriptor
     }

@@ -76,9 +76,10 @@ enum UnixSocket {
     /// A socket file nobody listens on is left over from a process that died: replace it. One that
     /// a process listens on is refused with "busy", naming the process where it can be seen.
     ///
-    /// Whether anyone listens is read from /proc/net/unix (unix(7)), not probed by connecting: a
-    /// probe would be a real client to the other listener, which would serve it (and a bridge
-    /// that serves one client would then exit and remove its socket).
+    /// Whether anyone listens is read from /proc/net/unix (unix(7)) first, not probed by
+    /// connecting: a probe would be a real client to the other listener, which would serve it (and
+    /// a bridge that serves one client would then exit and remove its socket). Only a file the
+    /// table does not show as listened on is probed.
     static func removeStaleSocket(at path: String) async throws {
         var info = stat()
         guard lstat(path, &info) == 0 else { return }
@@ -86,11 +87,12 @@ enum UnixSocket {
             throw TransportError(.busy, "\(path) exists and is \(fileKind(info.st_mode)), not a socket; choose another path, or remove it if it is yours",
                                  errno: .addressInUse, syscall: "bind")
         }
-        let listening: ListeningState
-        if let table = DeviceNode.readText("/proc/net/unix", limit: 64 << 20) {
-            listening = listeningState(of: path, in: table)
-        } else {
-            listening = await probeByConnecting(path) ? .listening(inode: nil) : .none
+        var listening = DeviceNode.readText("/proc/net/unix", limit: 64 << 20).map { listeningState(of: path, in: $0) } ?? .none
+        if listening == .none, await probeByConnecting(path) {
+            // Not in this network namespace's table (a listener in another container sharing
+            // the directory), or no /proc: connect(2) decides. A stale file refuses the probe,
+            // so a probe only ever reaches a listener the table could not show.
+            listening = .listening(inode: nil)
         }
         if case .listening(let inode) = listening {
             let holder = inode.flatMap { inode in DeviceNode.describeHolders { $0 == "socket:[\(inode)]" } }
@@ -114,18 +116,25 @@ enum UnixSocket {
     /// and refusing is the safe side.
     static func listeningState(of path: String, in table: String) -> ListeningState {
         let name = path.split(separator: "/").last.map(String.init) ?? path
+        var info = stat()
+        let file = stat(path, &info) == 0 ? (info.st_dev, info.st_ino) : nil
         for line in table.split(separator: "\n").dropFirst() {
             let fields = line.split(separator: " ", maxSplits: 7, omittingEmptySubsequences: true)
             guard fields.count == 8, let flags = Int(fields[3], radix: 16), flags & 0x10000 != 0 else { continue }
             let bound = String(fields[7])
-            if bound == path || (!bound.hasPrefix("/") && !bound.hasPrefix("@") && bound.split(separator: "/").last.map(String.init) == name) {
-                return .listening(inode: Int(fields[6]))
+            if bound.hasPrefix("/") {
+                // The same file by another spelling (/var/run and /run, a doubled slash) counts.
+                var other = stat()
+                guard bound == path || (file != nil && stat(bound, &other) == 0 && other.st_dev == file?.0 && other.st_ino == file?.1) else { continue }
+            } else if bound.hasPrefix("@") || bound.split(separator: "/").last.map(String.init) != name {
+                continue
             }
+            return .listening(inode: Int(fields[6]))
         }
         return .none
     }
 
-    /// Without /proc (a restricted container): connect(2) decides, closing at once.
+    /// connect(2) with a one-second limit, closed at once: whether anyone accepts on `path`.
     private static func probeByConnecting(_ path: String) async -> Bool {
         do {
             let probe = try await ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)

@@ -43,6 +43,8 @@ public final class Connection: Sendable {
         var leftover: ByteBuffer?
         var reading = false
         var closed = false
+        /// The backend's close() returned: nothing is left for abort() to release.
+        var closeFinished = false
         var writeClosed = false
         var logger: Logger?
     }
@@ -387,6 +389,7 @@ public final class Connection: Sendable {
             return (!state.closed, state.logger)
         }
         guard first else { return }
+        defer { state.withLock { $0.closeFinished = true } }
         do {
             try await backend.close()
             logger?.debug("closed", metadata: ["read": "\(bytesRead)", "written": "\(bytesWritten)"])
@@ -394,6 +397,29 @@ public final class Connection: Sendable {
             logger?.debug("close failed", metadata: ["error": "\(error)"])
             throw error
         }
+    }
+
+    /// Closes the connection at once, without waiting for bytes already written to be sent:
+    /// they are dropped (a socket's queued data, a serial port's pending writes). For a peer that
+    /// stopped reading, where ``close()`` would wait for it, or for a program that must exit now.
+    /// Wrapped connections are aborted too. A ``close()`` that is waiting stops waiting; after
+    /// ``close()`` has finished this does nothing.
+    ///
+    /// ```swift
+    /// let closing = Task { try await connection.close() }
+    /// try await Task.sleep(for: .seconds(2))
+    /// connection.abort()   // the peer did not read the rest; stop waiting for it
+    /// ```
+    public func abort() {
+        let (first, finished) = state.withLock { state in
+            defer { state.closed = true }
+            return (!state.closed, state.closeFinished)
+        }
+        guard !finished else { return }
+        // A close() in progress has marked the connection closed: release what it is waiting on.
+        backend.connectionDropped()
+        wrapped?.abort()
+        if first { state.withLock { $0.logger }?.debug("aborted") }
     }
 
     /// `true` once ``close()`` was called.

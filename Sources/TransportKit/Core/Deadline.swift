@@ -7,7 +7,7 @@
 /// request share it.
 enum Deadline {
     /// Operations whose caller gave up on them and that are still running: their late result is
-    /// yet to be discarded. A count, never negative once both sides of an abandonment are in.
+    /// yet to be discarded. Never below zero; briefly above while a give-up races the result.
     static let abandoned = AsyncCondition(0)
 
     /// Waits until every abandoned operation has finished and discarded its result.
@@ -43,14 +43,20 @@ enum Deadline {
                 abandoned.update { $0 -= 1 }
             }
         }
-        let abandon: @Sendable () -> Void = {
+        // Counted before the failure is delivered, so the work's decrement (which follows only a
+        // delivery of ours) never comes first; taken back when the work delivered first.
+        let abandon: @Sendable (any Error) -> Void = { error in
             abandoned.update { $0 += 1 }
-            work.cancel()
+            if deliver(.failure(error)) {
+                work.cancel()
+            } else {
+                abandoned.update { $0 -= 1 }
+            }
         }
         let timer = deadline.map { deadline in
             Task {
                 try await Task.sleep(until: deadline, clock: .continuous)
-                if deliver(.failure(timeoutError)) { abandon() }
+                abandon(timeoutError)
             }
         }
         defer { timer?.cancel() }
@@ -58,7 +64,7 @@ enum Deadline {
             return try await outcome.wait { $0 }.get()
         } catch is CancellationError where Task.isCancelled {
             // This task was cancelled while waiting: the operation is abandoned.
-            if deliver(.failure(CancellationError())) { abandon() }
+            abandon(CancellationError())
             return try await outcome.wait { $0 }.get()
         }
     }

@@ -302,9 +302,9 @@ public struct CommandSession: Sendable {
     /// prompt, dropping everything up to it. `nil` turns this off (the late answer is then read as
     /// the next command's response). Default 1 second.
     public var lateAnswerWait: Duration?
-    /// Remove the echo of the command from the start of each response, and skip responses that do
-    /// not start with it (late answers to earlier commands). For devices that echo, such as
-    /// ELM327 adapters after reset.
+    /// Remove the echo of the command (its whole first line) from the start of each response, and
+    /// while a late answer is owed, skip a response that does not start with it. For devices that
+    /// echo, such as ELM327 adapters after reset; a response without an echo is returned as is.
     public var stripsEcho: Bool
     /// Late answers still owed by the device, shared by copies of this session.
     private let pending: PendingAnswers
@@ -355,14 +355,18 @@ public struct CommandSession: Sendable {
                 }
                 guard stripsEcho, !echo.isEmpty else { return response }
                 let start = response.drop { $0 == 0x0D || $0 == 0x0A }
-                if start.starts(with: echo) {
-                    return Array(start.dropFirst(echo.count).drop { $0 == 0x0D || $0 == 0x0A })
+                let rest = start.dropFirst(echo.count)
+                // The echo is the whole first line: "01" does not echo "010C".
+                if start.starts(with: echo), rest.first.map({ $0 == 0x0D || $0 == 0x0A }) ?? true {
+                    return Array(rest.drop { $0 == 0x0D || $0 == 0x0A })
                 }
-                // Not this command's echo: a late answer to an earlier one. Skip it.
+                // Not this command's echo. With an answer owed it is that late answer: skip it.
+                // Otherwise the device does not echo (ELM327 after ATE0): the response is as is.
+                guard pending.count > 0 else { return response }
                 pending.settle(1)
             }
         } catch let error as TransportError where error.kind == .timedOut {
-            if lateAnswerWait != nil { pending.add() }
+            pending.add()
             throw TransportError(.timedOut, "\(connection.url) did not answer with '\(String(decoding: terminator, as: UTF8.self))' within \(timeout.secondsText); is the device on and at the right bit rate?")
         }
     }
