@@ -197,6 +197,17 @@ struct HostileUseTests {
         try await sink.close()
     }
 
+    @Test(.enabled(if: getuid() == 0 && FileManager.default.isExecutableFile(atPath: "/usr/sbin/runuser"),
+                   "needs root to run the CLI as an unprivileged user"))
+    func aLinkWhereTheUserMayNotWriteSaysSo() async throws {
+        let running = try CLI.Running(["connect", "pty://?link=/root/tk-link-\(getpid())"], launchAs: "nobody")
+        running.endInput()
+        let result = await running.wait(timeout: 15)
+        #expect(result.status == 1)
+        #expect(result.stderr.contains("this user may not create files in /root"), "\(result.stderr)")
+        #expect(result.stderr.contains("EACCES"), "\(result.stderr)")
+    }
+
     // MARK: - Unix listeners
 
     @Test func aUnixBridgeRelaysClientsThatSendAndCloseAtOnce() async throws {
