@@ -283,7 +283,9 @@ struct HostileUseTests {
                 }
             }
         }
-        let bridge = try CLI.Running(["bridge", "--json", "--listen", "tcp://127.0.0.1:0", "tcp://127.0.0.1:\(echo.url.port ?? 0)"])
+        // --linger 30: each client half-closes after its MiB; the echo of the rest must not be cut
+        // short by the default 0.5 s on a slow machine (or under ThreadSanitizer).
+        let bridge = try CLI.Running(["bridge", "--json", "--linger", "30", "--listen", "tcp://127.0.0.1:0", "tcp://127.0.0.1:\(echo.url.port ?? 0)"])
         let url = try #require(await Self.listeningURL(of: bridge))
         var payload = [UInt8](repeating: 0, count: 1 << 20)
         for index in payload.indices { payload[index] = UInt8(truncatingIfNeeded: index &* 2_654_435_761 >> 13) }
