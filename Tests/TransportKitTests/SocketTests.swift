@@ -383,16 +383,23 @@ struct WriteBoundTests {
         defer { _ = Glibc.close(peer) }
         let total = 16 << 20
         let chunk = 64 << 10
-        // The loop's only thread sleeps: nothing handed over is written meanwhile.
-        group.next().execute { usleep(600_000) }
+        // The loop's only thread is held until the test has looked: nothing handed over is
+        // written meanwhile, however slowly this machine runs (no time window to miss).
+        let release = DispatchSemaphore(value: 0)
+        group.next().execute { release.wait() }
         let writer = Task {
             for index in 0..<(total / chunk) {
                 try await connection.write(ByteBuffer(repeating: UInt8(index & 0xFF), count: chunk))
             }
             try await connection.closeWrite()
         }
-        try await Task.sleep(for: .milliseconds(300))
-        let accepted = connection.bytesWritten
+        // The writer goes on until it parks: wait until the count stays put for 200 ms.
+        var accepted = -1
+        while accepted != connection.bytesWritten {
+            accepted = connection.bytesWritten
+            try await Task.sleep(for: .milliseconds(200))
+        }
+        release.signal()
         #expect(accepted < total, "the writer was held while the loop was blocked")
         #expect(accepted <= ChannelBackend.inFlightCap + chunk, "\(accepted) bytes accepted while the loop was blocked")
         #expect(accepted >= ChannelBackend.inFlightCap - chunk, "the writer went on up to the cap (\(accepted))")
