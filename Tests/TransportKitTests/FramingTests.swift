@@ -138,9 +138,9 @@ struct FramingTests {
 
 /// A prompt-driven device like an ELM327 OBD-II adapter: answers end with "\r\r>"; with `echo`
 /// each answer starts with the command and "\r" (the adapter's default, ATE1). "SLOW" is answered
-/// after `slowDelay`, long after the tests' 0.5 s timeout (margins for a loaded machine).
+/// after `slowDelay`, long after the tests' 1 s timeout (margins for a loaded machine).
 func runFakeELM327(_ device: Connection, silentOn: String = "ATMA", echo: Bool = false,
-                   slowDelay: Duration = .milliseconds(1200)) async throws {
+                   slowDelay: Duration = .milliseconds(2500)) async throws {
     while let command = try await device.readFrame(.delimiter("\r")) {
         let text = String(decoding: command, as: UTF8.self)
         let answer: String
@@ -200,8 +200,8 @@ struct CommandSessionTests {
 
     @Test func aLateAnswerIsDroppedAndTheNextCommandGetsItsOwn() async throws {
         try await withFakeELM327 { (connection: Connection) async throws in
-            let elm = CommandSession(connection, timeout: .milliseconds(500), lateAnswerWait: .seconds(5))
-            _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }   // answered after 1.2 s
+            let elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: .seconds(5))
+            _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }   // answered after 2.5 s
             #expect(try await elm.send("ATRV") == "12.6V", "the late answer to SLOW is not taken for ATRV's")
             #expect(try await elm.send("ATZ") == "ELM327 v1.5", "and the session stays in step")
         }
@@ -210,9 +210,9 @@ struct CommandSessionTests {
     @Test func withoutResynchronisationTheLateAnswerComesNext() async throws {
         // What the default prevents: every answer one behind.
         try await withFakeELM327 { (connection: Connection) async throws in
-            let elm = CommandSession(connection, timeout: .milliseconds(500), lateAnswerWait: nil)
+            let elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: nil)
             _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }
-            try await Task.sleep(for: .milliseconds(1500))
+            try await Task.sleep(for: .milliseconds(3000))
             #expect(try await elm.send("ATRV") == "LATE ANSWER")
             #expect(try await elm.send("ATZ") == "12.6V", "and every later answer one behind")
             _ = try await connection.readFrame(.delimiter(">"), timeout: .seconds(10))   // ATZ's, so the close is clean
@@ -221,7 +221,7 @@ struct CommandSessionTests {
 
     @Test func anAnswerThatNeverComesCostsOneWaitOnly() async throws {
         try await withFakeELM327 { (connection: Connection) async throws in
-            let elm = CommandSession(connection, timeout: .milliseconds(500), lateAnswerWait: .milliseconds(200))
+            let elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: .milliseconds(200))
             _ = await expectTransportError(.timedOut) { try await elm.send("ATMA") }   // never answered
             #expect(try await elm.send("ATRV") == "12.6V")
             #expect(try await elm.send("ATZ") == "ELM327 v1.5")
@@ -232,11 +232,11 @@ struct CommandSessionTests {
         try await withFakeELM327(echo: true) { (connection: Connection) async throws in
             let echoing = CommandSession(connection)
             #expect(try await echoing.send("ATRV") == "ATRV\n12.6V", "without stripsEcho the echo is the first line")
-            var elm = CommandSession(connection, timeout: .milliseconds(500), lateAnswerWait: nil)
+            var elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: nil)
             elm.stripsEcho = true
             #expect(try await elm.send("ATZ") == "ELM327 v1.5")
             _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }
-            try await Task.sleep(for: .milliseconds(1500))
+            try await Task.sleep(for: .milliseconds(3000))
             // "SLOW\rLATE ANSWER" arrives first; it does not echo ATRV, so it is skipped.
             #expect(try await elm.send("ATRV") == "12.6V")
             // A command that is a prefix of others: its echo is the whole first line.
