@@ -111,9 +111,15 @@ enum StandardOutput {
         }
     }
 
-    /// Writes `bytes` in pieces of at most a page, each after poll(2) says the descriptor has room
-    /// for it (a pipe reports POLLOUT when a page is free), so a reader that stopped reading
-    /// (a pager, a stopped job) blocks a cancellable wait, never a write(2) a signal cannot end.
+    /// A page for pipes and files (a pipe reports POLLOUT when a page is free); 256 bytes for a
+    /// terminal, which reports POLLOUT with less room than a page (n_tty wakes writers below 256
+    /// queued characters).
+    static let pieceSize = isatty(1) == 1 ? 256 : 4096
+
+    /// Writes `bytes` in pieces, each after poll(2) says the descriptor has room for it, so a
+    /// reader that stopped reading (a pager, a stopped job) blocks a cancellable wait rather than
+    /// a write(2) a signal cannot end. On a terminal that is held (Ctrl-S) a piece can still block
+    /// inside write(2); the tool's 3-second exit after a signal covers that case.
     static func writeAll(_ bytes: [UInt8], waiting writable: DescriptorWait) async throws {
         var offset = 0
         while offset < bytes.count {
@@ -121,10 +127,16 @@ enum StandardOutput {
             if poll(&ready, 1, 0) == 0 {
                 guard await writable.next() != nil else { throw CancellationError() }
             }
-            let end = min(bytes.count, offset + 4096)
+            let end = min(bytes.count, offset + pieceSize)
             let written = bytes[offset..<end].withUnsafeBytes { Glibc.write(1, $0.baseAddress, $0.count) }
             if written < 0 {
-                if errno == EINTR || errno == EAGAIN { continue }
+                if errno == EINTR { continue }
+                if errno == EAGAIN {
+                    // Standard output is non-blocking (shared with a shell that set it) and poll(2)
+                    // said there was room for less than this piece: wait a moment, not a spin.
+                    try await Task.sleep(for: .milliseconds(1))
+                    continue
+                }
                 if errno == EPIPE { throw StandardStreamError.outputClosed }
                 throw TransportError.posix("write", errno: Errno(rawValue: errno), what: "standard output")
             }

@@ -244,6 +244,21 @@ struct CommandSessionTests {
         }
     }
 
+    @Test func anEchoedLateAnswerAfterTheWaitGaveUpIsStillSkipped() async throws {
+        try await withFakeELM327(echo: true) { (connection: Connection) async throws in
+            // The late answer (2.5 s) comes after the next command's wait for it gave up (0.2 s):
+            // its echo still marks it as SLOW's.
+            var elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: .milliseconds(200))
+            elm.stripsEcho = true
+            _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }
+            // The fake device answers in turn: ATRV waits behind SLOW and times out too.
+            _ = await expectTransportError(.timedOut) { try await elm.send("ATRV") }
+            try await Task.sleep(for: .milliseconds(2000))   // both late answers are in by now
+            #expect(try await elm.send("ATZ") == "ELM327 v1.5", "in step after the late answer passed")
+            #expect(try await elm.send("ATRV") == "12.6V")
+        }
+    }
+
     @Test func stripsEchoLeavesAResponseWithoutEchoAlone() async throws {
         try await withFakeELM327(echo: false) { (connection: Connection) async throws in
             let elm = CommandSession(connection, stripsEcho: true)   // a device after ATE0

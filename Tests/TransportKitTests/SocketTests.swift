@@ -299,6 +299,24 @@ struct AbortTests {
         #expect(connection.isClosed)
         connection.abort()   // again: nothing happens
     }
+
+    @Test func abortWakesAParkedLoopReaderAndWriter() async throws {
+        let connection = try await Transport.connect(to: "loop://?buffer=16")
+        let reader = Task { try await connection.read(maxBytes: 1 << 20) }
+        try await connection.write([UInt8](repeating: 1, count: 16))   // the buffer is full now
+        let writer = Task { try await connection.write([UInt8](repeating: 2, count: 16)) }
+        _ = try await reader.value   // took the first 16 bytes
+        let second = Task { () -> [UInt8]? in
+            try await Task.sleep(for: .milliseconds(200))
+            return try await connection.read()
+        }
+        try await Task.sleep(for: .milliseconds(50))
+        connection.abort()
+        _ = try? await writer.value
+        let after = try? await second.value
+        #expect(after == nil || after == .some(nil), "a read after abort() ends instead of waiting")
+        #expect(connection.isClosed)
+    }
 }
 
 @Suite("unix://")

@@ -134,6 +134,12 @@ final class LoopBackend: ConnectionBackend {
         inbound.discardBuffered()
     }
 
+    /// Dropped or aborted: wake a parked reader and writer at once.
+    func connectionDropped() {
+        end()
+        inbound.discardBuffered()
+    }
+
     private func end() {
         turn.withLock { $0.ended = true }
         inbound.finish()

@@ -182,8 +182,11 @@ final class SerialBackend: ConnectionBackend {
     }
 
     func connectionDropped() {
+        // Output flushed before any descriptor closes, so neither NIO's duplicate nor ours waits
+        // for a queue that flow control holds.
+        device.discardOutput()
         channel.connectionDropped()
-        device.close()
+        device.close(discardingOutput: true)
         cleanup()
     }
 }

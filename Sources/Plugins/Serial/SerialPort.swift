@@ -215,13 +215,22 @@ final class TTYDevice: Sendable {
         return fd
     }
 
-    /// Releases the exclusive lock and closes the descriptor. Idempotent.
-    func close() {
+    /// Drops what the driver has not sent yet (tcflush(3) TCOFLUSH). Best effort.
+    func discardOutput() {
+        if let fd = fd.withLock({ $0 }) { _ = tcflush(fd.rawValue, TCOFLUSH) }
+    }
+
+    /// Releases the exclusive lock and closes the descriptor. Idempotent. With
+    /// `discardingOutput` (an abort, a dropped connection) the driver's output queue is flushed
+    /// first (tcflush TCOFLUSH): close(2) on a tty otherwise waits for it to drain, up to the
+    /// port's closing_wait (30 s by default), which flow control can make forever.
+    func close(discardingOutput: Bool = false) {
         let fd = self.fd.withLock { fd in
             defer { fd = nil }
             return fd
         }
         guard let fd else { return }
+        if discardingOutput { _ = tcflush(fd.rawValue, TCOFLUSH) }
         if let original, restoresOnClose.load(ordering: .relaxed) {
             // TCSETS2 applies at once: let the driver send what it holds at the old rate first
             // (TIOCOUTQ, up to half a second; flow control may hold bytes forever). Best effort:

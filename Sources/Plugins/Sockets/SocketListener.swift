@@ -71,7 +71,7 @@ final class SocketListener: ListenerBackend {
         let server = try await bind(bootstrap)
         // Appended after bind so it sits behind NIO's AcceptHandler; nothing is accepted before
         // the first accept() because the server channel does not auto-read.
-        try await server.pipeline.addHandler(AcceptedChannelHandler { child in deliver(child, to: accepted) }).get()
+        try await server.pipeline.addHandler(AcceptedChannelHandler { child in take(child, from: accepted) }).get()
         accepted.withLock { $0.server = server }
         server.closeFuture.whenComplete { _ in accepted.update { $0.closed = true; $0.server = nil } }
         return SocketListener(server: server, accepted: accepted, onClose: onClose)
@@ -86,19 +86,23 @@ final class SocketListener: ListenerBackend {
         }
     }
 
-    private static func deliver(_ child: any Channel, to accepted: AsyncCondition<Accepted>) {
-        let (connection, refused) = accepted.update { state -> (Connection?, Bool) in
-            guard let connection = state.staged.removeValue(forKey: ObjectIdentifier(child)) else { return (nil, false) }
-            if state.closed { return (connection, true) }
-            state.ready.append(connection)
-            return (connection, false)
+    /// Unstages `child`'s connection (from then on NIO closing the child cannot lose it) and
+    /// returns the step that makes it ready for accept(), or closes it if the listener closed.
+    private static func take(_ child: any Channel, from accepted: AsyncCondition<Accepted>) -> @Sendable () -> Void {
+        guard let connection = accepted.withLock({ $0.staged.removeValue(forKey: ObjectIdentifier(child)) }) else {
+            return {
+                child.close(promise: nil)
+                // The read that accepted it is spent: a waiting accept() asks for the next one.
+                if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
+            }
         }
-        if connection == nil {
-            child.close(promise: nil)
-            // The read that accepted it is spent: a waiting accept() asks for the next connection.
-            if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
-        } else if refused, let connection {
-            Task { try? await connection.close() }
+        return {
+            let refused = accepted.update { state -> Bool in
+                if state.closed { return true }
+                state.ready.append(connection)
+                return false
+            }
+            if refused { Task { try? await connection.close() } }
         }
     }
 
@@ -127,21 +131,25 @@ final class SocketListener: ListenerBackend {
 }
 
 /// Sits in the server channel's pipeline and receives each accepted child channel once NIO has
-/// finished setting it up, delivers it, then passes the event on: NIO registers the child with
-/// its event loop only when the event reaches the end of the server pipeline.
+/// finished setting it up, and passes the event on: NIO registers the child with its event loop
+/// only when the event reaches the end of the server pipeline.
 private final class AcceptedChannelHandler: ChannelInboundHandler, Sendable {
     typealias InboundIn = any Channel
     typealias InboundOut = any Channel
-    private let accepted: @Sendable (any Channel) -> Void
+    /// Unstages the child's connection and returns what hands it to accept().
+    private let take: @Sendable (any Channel) -> @Sendable () -> Void
 
-    init(_ accepted: @escaping @Sendable (any Channel) -> Void) { self.accepted = accepted }
+    init(_ take: @escaping @Sendable (any Channel) -> @Sendable () -> Void) { self.take = take }
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
-        // Delivered before it is passed on: passing it on schedules the child's registration on
-        // its event loop, after which a peer that already hung up (a unix client that sent and
-        // closed at once) can close the child on another thread before it was delivered.
+        // Taken before the child is passed on: passing it on schedules its registration on its
+        // event loop, after which a peer that already hung up (a unix client that sent and closed
+        // at once) can close the child on another thread and unstage it. Handed to accept() only
+        // after: by then the registration is queued ahead of anything accept()'s caller does
+        // with the connection (a write, a close).
         let child = Self.unwrapInboundIn(data)
-        accepted(child)
+        let handOver = take(child)
         context.fireChannelRead(data)
+        handOver()
     }
 }

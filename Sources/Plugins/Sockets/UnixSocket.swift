@@ -122,12 +122,13 @@ enum UnixSocket {
             let fields = line.split(separator: " ", maxSplits: 7, omittingEmptySubsequences: true)
             guard fields.count == 8, let flags = Int(fields[3], radix: 16), flags & 0x10000 != 0 else { continue }
             let bound = String(fields[7])
+            // Only paths with the same file name are looked at (no stat(2) of every socket on the
+            // machine, some of which may sit on a hung network file system).
+            guard !bound.hasPrefix("@"), bound.split(separator: "/").last.map(String.init) == name else { continue }
             if bound.hasPrefix("/") {
                 // The same file by another spelling (/var/run and /run, a doubled slash) counts.
                 var other = stat()
                 guard bound == path || (file != nil && stat(bound, &other) == 0 && other.st_dev == file?.0 && other.st_ino == file?.1) else { continue }
-            } else if bound.hasPrefix("@") || bound.split(separator: "/").last.map(String.init) != name {
-                continue
             }
             return .listening(inode: Int(fields[6]))
         }

@@ -279,7 +279,8 @@ extension ByteBufferView {
 /// next command it waits up to ``lateAnswerWait`` for that late answer's prompt and drops it, so
 /// the next response is the next command's, not the previous one's. With ``stripsEcho`` the echo
 /// of the command (ELM327 adapters echo by default, `ATE1`) is removed from each response, and a
-/// response that does not start with the echo is known to be stale and is skipped.
+/// response that starts with an earlier command's echo is known to be stale and is skipped, even
+/// when it comes later than ``lateAnswerWait``.
 ///
 /// ```swift
 /// var elm = CommandSession(connection, terminator: ">", lineEnding: "\r")
@@ -303,8 +304,9 @@ public struct CommandSession: Sendable {
     /// the next command's response). Default 1 second.
     public var lateAnswerWait: Duration?
     /// Remove the echo of the command (its whole first line) from the start of each response, and
-    /// while a late answer is owed, skip a response that does not start with it. For devices that
-    /// echo, such as ELM327 adapters after reset; a response without an echo is returned as is.
+    /// skip a response that starts with the echo of an earlier command (its late answer). For
+    /// devices that echo, such as ELM327 adapters after reset; a response without an echo is
+    /// returned as is.
     public var stripsEcho: Bool
     /// Late answers still owed by the device, shared by copies of this session.
     private let pending: PendingAnswers
@@ -344,6 +346,7 @@ public struct CommandSession: Sendable {
         }
         try await connection.write(bytes)
         let echo = Self.echo(of: bytes)
+        let earlier = pending.sent(Array(echo))
         let clock = ContinuousClock()
         let deadline = clock.now.advanced(by: timeout)
         do {
@@ -354,15 +357,15 @@ public struct CommandSession: Sendable {
                     throw TransportError(.disconnected, "\(connection.url) closed before answering")
                 }
                 guard stripsEcho, !echo.isEmpty else { return response }
-                let start = response.drop { $0 == 0x0D || $0 == 0x0A }
-                let rest = start.dropFirst(echo.count)
                 // The echo is the whole first line: "01" does not echo "010C".
-                if start.starts(with: echo), rest.first.map({ $0 == 0x0D || $0 == 0x0A }) ?? true {
-                    return Array(rest.drop { $0 == 0x0D || $0 == 0x0A })
+                let start = response.drop { $0 == 0x0D || $0 == 0x0A }
+                let firstLine = start.prefix { $0 != 0x0D && $0 != 0x0A }
+                if firstLine.elementsEqual(echo) {
+                    return Array(start.dropFirst(echo.count).drop { $0 == 0x0D || $0 == 0x0A })
                 }
-                // Not this command's echo. With an answer owed it is that late answer: skip it.
-                // Otherwise the device does not echo (ELM327 after ATE0): the response is as is.
-                guard pending.count > 0 else { return response }
+                // The echo of an earlier command: that command's late answer. Skip it.
+                // Anything else is returned as is: a device that does not echo (ELM327 after ATE0).
+                guard earlier.contains(where: { firstLine.elementsEqual($0) }) else { return response }
                 pending.settle(1)
             }
         } catch let error as TransportError where error.kind == .timedOut {
@@ -395,14 +398,30 @@ public struct CommandSession: Sendable {
     }
 }
 
-/// The number of answers a ``CommandSession`` still expects late.
+/// What a ``CommandSession`` remembers between commands: the answers it still expects late, and
+/// the echoes of the last commands sent (to recognise a late answer by its echo).
 private final class PendingAnswers: Sendable {
-    /// Guards the count; a session is used by one task at a time, copies share it.
-    private let late = Mutex(0)
+    private struct State {
+        var late = 0
+        var echoes: [[UInt8]] = []
+    }
+    /// Guards the state; a session is used by one task at a time, copies share it.
+    private let state = Mutex(State())
 
-    var count: Int { late.withLock { $0 } }
-    func add() { late.withLock { $0 += 1 } }
-    func settle(_ answers: Int) { late.withLock { $0 = max(0, $0 - answers) } }
+    var count: Int { state.withLock { $0.late } }
+    func add() { state.withLock { $0.late += 1 } }
+    func settle(_ answers: Int) { state.withLock { $0.late = max(0, $0.late - answers) } }
+
+    /// Records `echo` as sent and returns the echoes of up to 16 earlier commands that differ
+    /// from it (a repeated command's late answer cannot be told from its own).
+    func sent(_ echo: [UInt8]) -> [[UInt8]] {
+        state.withLock { state in
+            let earlier = state.echoes.filter { $0 != echo }
+            state.echoes.append(echo)
+            if state.echoes.count > 16 { state.echoes.removeFirst() }
+            return earlier
+        }
+    }
 }
 
 extension String {
