@@ -82,6 +82,8 @@ struct SchemeJSON: Encodable {
     var path: String
     var canListen: Bool
     var wraps: Bool
+    /// One connection at a time (a serial port): `bridge --listen` serves one client at a time.
+    var exclusive: Bool
     var options: [Option]
 
     init(_ descriptor: SchemeDescriptor) {
@@ -95,6 +97,7 @@ struct SchemeJSON: Encodable {
         path = descriptor.path.rawValue
         canListen = descriptor.canListen
         wraps = descriptor.wraps
+        exclusive = descriptor.exclusive
         // A wrapper's options are written with its prefix (spy.format).
         let prefix = descriptor.wraps ? descriptor.scheme + "." : ""
         options = descriptor.allOptions.map { Option(name: prefix + $0.name, type: $0.kind.label, default: $0.defaultValue, help: $0.help) }

@@ -166,6 +166,8 @@ struct CLITests {
         #expect(tcp["grammar"] as? String == "tcp://HOST:PORT[?OPTIONS]")
         #expect(tcp["canListen"] as? Bool == true)
         #expect(tcp["portRange"] as? [Int] == [0, 65535])
+        #expect(tcp["exclusive"] as? Bool == false)
+        #expect(byName["tty"]?["exclusive"] as? Bool == true, "a serial port serves one connection at a time")
         let options = try #require(tcp["options"] as? [[String: Any]])
         let noDelay = try #require(options.first { $0["name"] as? String == "noDelay" })
         #expect(noDelay["type"] as? String == "bool")
