@@ -137,8 +137,7 @@ enum StandardOutput {
                     try await Task.sleep(for: .milliseconds(1))
                     continue
                 }
-                if errno == EPIPE { throw StandardStreamError.outputClosed }
-                throw TransportError.posix("write", errno: Errno(rawValue: errno), what: "standard output")
+                throw outputError(Errno(rawValue: errno))
             }
             offset += written
         }
@@ -146,16 +145,14 @@ enum StandardOutput {
 
     /// Writes a line (`watch`), blocking; EPIPE throws `StandardStreamError.outputClosed`.
     static func writeLine(_ line: String) throws {
-        var bytes = Array((line + "\n").utf8)[...]
-        while !bytes.isEmpty {
-            let written = bytes.withUnsafeBytes { Glibc.write(1, $0.baseAddress, $0.count) }
-            if written < 0 {
-                if errno == EINTR { continue }
-                if errno == EPIPE { throw StandardStreamError.outputClosed }
-                throw TransportError.posix("write", errno: Errno(rawValue: errno), what: "standard output")
-            }
-            bytes = bytes.dropFirst(written)
-        }
+        if let failure = writeFully(1, Array((line + "\n").utf8)[...]) { throw outputError(failure) }
+    }
+
+    /// What a failed write to standard output means: its reader left (EPIPE), or an I/O error.
+    static func outputError(_ failure: Errno) -> any Error {
+        failure == .brokenPipe
+            ? StandardStreamError.outputClosed
+            : TransportError.posix("write", errno: failure, what: "standard output")
     }
 
     /// Returns when the reader of standard output goes away (poll(2) reports POLLERR on a pipe
@@ -179,12 +176,22 @@ enum StandardOutput {
 /// not worth a crash that skips the cleanup.
 enum StandardError {
     static func write(_ text: String) {
-        var bytes = Array(text.utf8)[...]
-        while !bytes.isEmpty {
-            let written = bytes.withUnsafeBytes { Glibc.write(2, $0.baseAddress, $0.count) }
-            if written < 0 && errno == EINTR { continue }
-            guard written > 0 else { return }
-            bytes = bytes.dropFirst(written)
-        }
+        _ = writeFully(2, Array(text.utf8)[...])
     }
+}
+
+/// write(2) until every byte of `bytes` went to `fd` (blocking), retrying EINTR; the errno that
+/// stopped it, or nil (also when write(2) took nothing, which only a closed end can cause).
+func writeFully(_ fd: Int32, _ bytes: ArraySlice<UInt8>) -> Errno? {
+    var rest = bytes
+    while !rest.isEmpty {
+        let written = rest.withUnsafeBytes { Glibc.write(fd, $0.baseAddress, $0.count) }
+        if written < 0 {
+            if errno == EINTR { continue }
+            return Errno(rawValue: errno)
+        }
+        guard written > 0 else { return nil }
+        rest = rest.dropFirst(written)
+    }
+    return nil
 }

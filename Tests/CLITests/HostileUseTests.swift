@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import Synchronization
+import TestSupport
 import Testing
 import TransportKit
 
@@ -26,7 +27,7 @@ struct HostileUseTests {
     }
 
     @Test func connectEndsAfterAUnixPeersCloseWithStdinOpen() async throws {
-        let path = Self.temporaryPath("peer.sock")
+        let path = temporaryPath("peer.sock")
         let listener = try await Transport.listen(on: "unix://\(path)")
         let server = Task {
             let connection = try #require(try await listener.accept())
@@ -86,23 +87,23 @@ struct HostileUseTests {
     // MARK: - Signals
 
     @Test func sigtermRemovesThePtyLinkAndExits143() async throws {
-        let link = Self.temporaryPath("ttyFAKE")
+        let link = temporaryPath("ttyFAKE")
         let running = try CLI.Running(["connect", "pty://?link=\(link)"])
-        #expect(await eventuallyTrue { FileManager.default.destinationOfSymbolicLinkAtPathOrNil(link) != nil }, "the link appears")
+        #expect(await eventually(10) { FileManager.default.destinationOfSymbolicLinkAtPathOrNil(link) != nil }, "the link appears")
         running.signal(SIGTERM)
         let result = await running.wait(timeout: 15)
         #expect(result.status == 143, "\(result.stderr)")
         #expect(FileManager.default.destinationOfSymbolicLinkAtPathOrNil(link) == nil, "the link is removed")
         // The same command works again at once.
         let again = try CLI.Running(["connect", "pty://?link=\(link)"])
-        #expect(await eventuallyTrue { FileManager.default.destinationOfSymbolicLinkAtPathOrNil(link) != nil })
+        #expect(await eventually(10) { FileManager.default.destinationOfSymbolicLinkAtPathOrNil(link) != nil })
         again.signal(SIGINT)
         #expect(await again.wait(timeout: 15).status == 130)
     }
 
     @Test func aPtyWithoutALinkNamesItsNodeOnStderr() async throws {
         let running = try CLI.Running(["connect", "pty://"])
-        #expect(await eventuallyTrue { running.stderrLines.contains { $0.hasPrefix("pty: /dev/pts/") } }, "\(running.stderrLines)")
+        #expect(await eventually(10) { running.stderrLines.contains { $0.hasPrefix("pty: /dev/pts/") } }, "\(running.stderrLines)")
         let node = running.stderrLines.first { $0.hasPrefix("pty: ") }.map { String($0.dropFirst(5)) } ?? ""
         #expect(FileManager.default.fileExists(atPath: node), "\(node)")
         running.signal(SIGINT)
@@ -114,7 +115,7 @@ struct HostileUseTests {
         let before = try pty.peerSettings()
         let running = try CLI.Running(["connect", "tty://\(pty.peerPath)?baud=115200"])
         #expect(await pty.waitUntilOpened(by: running.process.processIdentifier))
-        #expect(await eventuallyTrue { (try? pty.peerSettings()) != before }, "the tool changed the settings")
+        #expect(await eventually(10) { (try? pty.peerSettings()) != before }, "the tool changed the settings")
         running.signal(SIGINT)
         let result = await running.wait(timeout: 15)
         #expect(result.status == 130, "\(result.stderr)")
@@ -135,9 +136,9 @@ struct HostileUseTests {
     }
 
     @Test func sighupEndsABridgeAndRemovesItsSocketFile() async throws {
-        let path = Self.temporaryPath("hup.sock")
+        let path = temporaryPath("hup.sock")
         let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "loop://"])
-        #expect(await eventuallyTrue { bridge.stderrLines.contains { $0.hasPrefix("listening") } })
+        #expect(await eventually(10) { bridge.stderrLines.contains { $0.hasPrefix("listening") } })
         #expect(FileManager.default.fileExists(atPath: path))
         bridge.signal(SIGHUP)
         let result = await bridge.wait(timeout: 15)
@@ -147,9 +148,9 @@ struct HostileUseTests {
 
     @Test func aSignalIgnoredAtStartStaysIgnored() async throws {
         // nohup starts the tool with SIGHUP ignored: a logout must not end it.
-        let path = Self.temporaryPath("nohup.sock")
+        let path = temporaryPath("nohup.sock")
         let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "loop://"], wrapper: "/usr/bin/nohup")
-        #expect(await eventuallyTrue { FileManager.default.fileExists(atPath: path) })
+        #expect(await eventually(10) { FileManager.default.fileExists(atPath: path) })
         bridge.signal(SIGHUP)
         try await Task.sleep(for: .milliseconds(500))
         #expect(bridge.isRunning, "SIGHUP stays ignored under nohup")
@@ -159,10 +160,10 @@ struct HostileUseTests {
     }
 
     @Test func aClosedStandardErrorDoesNotCrashTheBridge() async throws {
-        let path = Self.temporaryPath("noerr.sock")
+        let path = temporaryPath("noerr.sock")
         // Standard error is closed after the first status line ("listening …").
         let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "loop://"], closeStderrAfter: 1)
-        #expect(await eventuallyTrue { FileManager.default.fileExists(atPath: path) })
+        #expect(await eventually(10) { FileManager.default.fileExists(atPath: path) })
         try await Task.sleep(for: .milliseconds(200))
         for _ in 0..<3 {   // each client prints status lines into the closed pipe
             let client = try await Transport.connect(to: "unix://\(path)")
@@ -181,9 +182,9 @@ struct HostileUseTests {
         // A target that accepts and never reads: the bridge's writes to it stall.
         let sink = try await Transport.listen(on: "tcp://127.0.0.1:0")
         let held = Task { try await sink.accept() }
-        let path = Self.temporaryPath("stall.sock")
+        let path = temporaryPath("stall.sock")
         let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "tcp://127.0.0.1:\(sink.url.port ?? 0)"])
-        #expect(await eventuallyTrue { FileManager.default.fileExists(atPath: path) })
+        #expect(await eventually(10) { FileManager.default.fileExists(atPath: path) })
         let client = try await Transport.connect(to: "unix://\(path)")
         let feeding = Task { try await client.write([UInt8](repeating: 2, count: 64 << 20)) }
         try await Task.sleep(for: .milliseconds(500))
@@ -212,15 +213,15 @@ struct HostileUseTests {
 
     @Test func aUnixBridgeRelaysClientsThatSendAndCloseAtOnce() async throws {
         let (target, received) = try await Self.countingTarget()
-        let path = Self.temporaryPath("burst.sock")
+        let path = temporaryPath("burst.sock")
         let bridge = try CLI.Running(["bridge", "--json", "--listen", "unix://\(path)", "tcp://127.0.0.1:\(target.url.port ?? 0)"])
-        #expect(await eventuallyTrue { bridge.stderrLines.contains { $0.contains("\"listening\"") } })
+        #expect(await eventually(10) { bridge.stderrLines.contains { $0.contains("\"listening\"") } })
         let payload = Array(repeating: UInt8(7), count: 65536)
         for round in 1...20 {
             let client = try await Transport.connect(to: "unix://\(path)")
             try await client.write(payload)
             try await client.close()   // at once
-            #expect(await eventuallyTrue(10) { received.withLock { $0.count } == round }, "client \(round) was relayed")
+            #expect(await eventually(10) { received.withLock { $0.count } == round }, "client \(round) was relayed")
         }
         #expect(received.withLock { $0 } == Array(repeating: 65536, count: 20), "every byte of every client arrived")
         bridge.signal(SIGTERM)
@@ -233,24 +234,24 @@ struct HostileUseTests {
     @Test func aOneShotUnixBridgeRelaysAClientThatClosesAtOnce() async throws {
         let (target, received) = try await Self.countingTarget()
         for round in 1...10 {
-            let path = Self.temporaryPath("once\(round).sock")
+            let path = temporaryPath("once\(round).sock")
             let bridge = try CLI.Running(["bridge", "--once", "--json", "--listen", "unix://\(path)", "tcp://127.0.0.1:\(target.url.port ?? 0)"])
-            #expect(await eventuallyTrue { bridge.stderrLines.contains { $0.contains("\"listening\"") } })
+            #expect(await eventually(10) { bridge.stderrLines.contains { $0.contains("\"listening\"") } })
             let client = try await Transport.connect(to: "unix://\(path)")
             try await client.write(Array(repeating: UInt8(1), count: 65536))
             try await client.close()
             let result = await bridge.wait(timeout: 15)
             #expect(result.status == 0, "round \(round): \(result.stderr)")
         }
-        #expect(await eventuallyTrue { received.withLock { $0.count } == 10 })
+        #expect(await eventually(10) { received.withLock { $0.count } == 10 })
         #expect(received.withLock { $0 } == Array(repeating: 65536, count: 10))
         try await target.close()
     }
 
     @Test func aSecondUnixListenerFailsAndTheFirstKeepsServing() async throws {
-        let path = Self.temporaryPath("shared.sock")
+        let path = temporaryPath("shared.sock")
         let first = try CLI.Running(["bridge", "--listen", "unix://\(path)", "loop://"])
-        #expect(await eventuallyTrue { first.stderrLines.contains { $0.hasPrefix("listening") } })
+        #expect(await eventually(10) { first.stderrLines.contains { $0.hasPrefix("listening") } })
         let second = try await CLI.run(["bridge", "--listen", "unix://\(path)", "loop://"])
         #expect(second.status == 1)
         #expect(second.stderr.contains("process \(first.process.processIdentifier) (transportkit) is listening on \(path)"), "\(second.stderr)")
@@ -338,7 +339,7 @@ struct HostileUseTests {
         #expect(await pty.readMaster(count: 3) == Array("two".utf8), "the first client is undisturbed")
         try await first.close()
         // Once the first is gone the device serves the next client.
-        #expect(await eventuallyTrue(10) { bridge.stderrLines.contains { $0.contains("\"closed\"") } })
+        #expect(await eventually(10) { bridge.stderrLines.contains { $0.contains("\"closed\"") } })
         let third = try await Transport.connect(to: url)
         try await third.write("three")
         #expect(await pty.readMaster(count: 5) == Array("three".utf8))
@@ -519,9 +520,9 @@ struct HostileUseTests {
     }
 
     @Test func everyMalformedInputGetsASpecificErrorAndNoOutput() async throws {
-        let fifo = Self.temporaryPath("fifo")
+        let fifo = temporaryPath("fifo")
         #expect(mkfifo(fifo, 0o600) == 0)
-        let socketPath = Self.temporaryPath("not-a-tty.sock")
+        let socketPath = temporaryPath("not-a-tty.sock")
         let listener = try await Transport.listen(on: "unix://\(socketPath)")
         let table = Self.badInputs(fifo: fifo, socket: socketPath)
         #expect(table.count >= 100)
@@ -551,14 +552,6 @@ struct HostileUseTests {
     }
 
     // MARK: - Helpers
-
-    static func temporaryPath(_ name: String) -> String {
-        let directory = "/tmp/tk-hostile-\(getpid())"
-        try? FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
-        let path = "\(directory)/\(UUID().uuidString.prefix(8))-\(name)"
-        unlink(path)
-        return path
-    }
 
     /// The URL a bridge started with --json reports it listens on.
     static func listeningURL(of bridge: CLI.Running) async -> String? {
@@ -602,15 +595,6 @@ final class Locked<Value: Sendable>: Sendable {
     func withLock<Result>(_ body: (inout Value) -> Result) -> Result { mutex.withLock { body(&$0) } }
 }
 
-/// Polls `condition` until it holds or `seconds` pass.
-func eventuallyTrue(_ seconds: Double = 10, _ condition: () -> Bool) async -> Bool {
-    let deadline = Date().addingTimeInterval(seconds)
-    while Date() < deadline {
-        if condition() { return true }
-        try? await Task.sleep(for: .milliseconds(20))
-    }
-    return condition()
-}
 
 extension FileManager {
     func destinationOfSymbolicLinkAtPathOrNil(_ path: String) -> String? {
@@ -675,7 +659,7 @@ final class PTY: Sendable {
 
     /// Waits until process `pid` has the peer node open.
     func waitUntilOpened(by pid: Int32) async -> Bool {
-        await eventuallyTrue {
+        await eventually(10) {
             let fds = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/\(pid)/fd")) ?? []
             return fds.contains { (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/\(pid)/fd/\($0)")) == peerPath }
         }

@@ -18,6 +18,18 @@ public func eventually(_ seconds: Double = 2, every interval: Duration = .millis
     return condition()
 }
 
+/// A path for a file a test creates (a socket, a link, a FIFO), unique to this process and call,
+/// in a directory of this process under the temporary directory. Nothing exists there yet.
+///
+/// ```swift
+/// let path = temporaryPath("echo.sock")
+/// ```
+public func temporaryPath(_ name: String) -> String {
+    let directory = FileManager.default.temporaryDirectory.path + "/tk-tests-\(getpid())"
+    try? FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+    return directory + "/" + name + "-\(UInt32.random(in: 0...UInt32.max))"
+}
+
 /// This process's open file descriptors, read from /proc/self/fd.
 public enum Descriptors {
     /// Each open descriptor with what it refers to ("socket:[4711]", "/dev/pts/3", …).

@@ -166,9 +166,7 @@ enum Support {
     }
 
     static func temporaryPath(_ name: String) -> String {
-        let directory = FileManager.default.temporaryDirectory.path + "/tk-tests-\(getpid())"
-        try? FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
-        return directory + "/" + name + "-\(UInt32.random(in: 0...UInt32.max)).sock"
+        TestSupport.temporaryPath(name) + ".sock"
     }
 }
 
