@@ -8,6 +8,8 @@ import PackageDescription
 //                           worker threads. Glibc, swift-system and NIOPosix only; never imported by the core.
 //   TransportKitUdev        shared device discovery for plugins: sysfs records, USB ancestry, the udev
 //                           monitor. The only importer of CUdev (it links libudev).
+//   TransportKitDBus        a D-Bus client for plugins (sd-bus on a thread of its own: calls, signals,
+//                           exported objects, descriptors). The only importer of CSDBus (links libsystemd).
 //   Plugins/<Name>          one target per scheme family.
 //   TransportKitFoundation  the InputStream/OutputStream bridge, its own product.
 //   TransportKit            the umbrella product: re-exports the core and registers every built-in plugin.
@@ -29,6 +31,8 @@ let package = Package(
         .library(name: "TransportKitSockets", targets: ["TransportKitSockets"]),
         // Plugins that list devices and report hot-plug: Sysfs, USBAncestry, UdevMonitor. Links libudev.
         .library(name: "TransportKitUdev", targets: ["TransportKitUdev"]),
+        // Plugins that talk to system services over D-Bus (BlueZ, ModemManager). Links libsystemd.
+        .library(name: "TransportKitDBus", targets: ["TransportKitDBus"]),
         // Code written for Foundation streams (CornucopiaStreams' stream pairs).
         .library(name: "TransportKitFoundation", targets: ["TransportKitFoundation"]),
         .executable(name: "transportkit", targets: ["transportkit"]),
@@ -45,6 +49,7 @@ let package = Package(
         // Thin C targets: a module map and one shim header each. Providers only print a hint; Scripts/setup installs them.
         .systemLibrary(name: "CBlueZ", path: "Sources/CBlueZ", pkgConfig: "bluez", providers: [.apt(["libbluetooth-dev"])]),
         .systemLibrary(name: "CUdev", path: "Sources/CUdev", pkgConfig: "libudev", providers: [.apt(["libudev-dev"])]),
+        .systemLibrary(name: "CSDBus", path: "Sources/CSDBus", pkgConfig: "libsystemd", providers: [.apt(["libsystemd-dev"])]),
         .systemLibrary(name: "CLibUSB", path: "Sources/CLibUSB", pkgConfig: "libusb-1.0", providers: [.apt(["libusb-1.0-0-dev"])]),
 
         .target(
@@ -63,6 +68,12 @@ let package = Package(
             name: "TransportKitUdev",
             dependencies: ["TransportKitCore", "TransportKitLinux", "CUdev", system],
             path: "Sources/Plugins/Support/Udev",
+            swiftSettings: strict
+        ),
+        .target(
+            name: "TransportKitDBus",
+            dependencies: ["TransportKitCore", "TransportKitLinux", "CSDBus", system],
+            path: "Sources/Plugins/Support/DBus",
             swiftSettings: strict
         ),
         .target(
@@ -129,7 +140,7 @@ let package = Package(
         .testTarget(
             name: "TransportKitTests",
             // CUdev: the libudev reference enumeration the sysfs listing is checked against.
-            dependencies: ["TransportKit", "TransportKitFoundation", "TransportKitLinux", "TransportKitUdev", "TransportKitSerial",
+            dependencies: ["TransportKit", "TransportKitFoundation", "TransportKitLinux", "TransportKitUdev", "TransportKitSerial", "TransportKitDBus",
                            "CUdev", "TestSupport", nioPosix, system, logging],
             swiftSettings: strict
         ),

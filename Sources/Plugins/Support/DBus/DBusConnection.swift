@@ -1,0 +1,708 @@
+// DBusConnection.swift: a D-Bus client over sd-bus (sd-bus(3), sd_bus_call_async(3),
+// sd_bus_add_match_async(3), sd_bus_add_object(3), sd_bus_get_events(3)), for plugins that talk to
+// system services such as bluetoothd.
+//
+// sd-bus objects must never be used from two threads at once, so each connection lives on a thread
+// of its own (a WorkerThread): every sd-bus call happens there. Callers queue jobs and wake the
+// thread through a pipe; the thread runs the jobs, lets sd-bus process until it has nothing left,
+// and waits in poll(2) on the bus descriptor, the wake pipe and sd-bus's next timeout.
+
+import CSDBus
+import Glibc
+import Synchronization
+import SystemPackage
+import TransportKitCore
+import TransportKitLinux
+
+/// A connection to a D-Bus bus: method calls, signal subscriptions and exported objects.
+///
+/// ```swift
+/// let bus = try DBusConnection(.system)
+/// let objects = try await bus.call(destination: "org.bluez", path: "/",
+///                                  interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
+/// await bus.close()
+/// ```
+public final class DBusConnection: Sendable {
+    /// Which bus to connect to.
+    public enum Bus: Sendable, CustomStringConvertible {
+        /// The system bus (bluetoothd's): `DBUS_SYSTEM_BUS_ADDRESS`, else /run/dbus/system_bus_socket.
+        case system
+        /// A bus by its address (`unix:path=/tmp/dbus-…`), as `dbus-daemon --print-address` prints it.
+        case address(String)
+
+        public var description: String {
+            switch self {
+            case .system: "the system bus (\(getenv("DBUS_SYSTEM_BUS_ADDRESS").map { String(cString: $0) } ?? "/run/dbus/system_bus_socket"))"
+            case .address(let address): "the D-Bus bus at \(address)"
+            }
+        }
+    }
+
+    private let loop: BusLoop
+    private let thread: WorkerThread
+    /// The bus, for messages.
+    public let bus: Bus
+
+    /// Connects and authenticates; calls wait until the bus has answered the connection's Hello.
+    ///
+    /// - Throws: `TransportError` `.notFound` when no bus listens there (dbus-daemon not running),
+    ///   `.permissionDenied` when this user may not connect.
+    public init(_ bus: Bus = .system) throws {
+        self.bus = bus
+        let pointer = try Self.open(bus)
+        let loop: BusLoop
+        do {
+            loop = try BusLoop(bus: pointer, describing: bus.description)
+        } catch {
+            sd_bus_flush_close_unref(pointer)
+            throw error
+        }
+        self.loop = loop
+        thread = try WorkerThread(name: "d-bus") { isStopping in
+            loop.run(isStopping: isStopping)
+        } interrupt: {
+            loop.wake()
+        }
+    }
+
+    /// Stops the bus thread and closes the connection: calls still waiting fail with `.closed`,
+    /// signal streams end, exported objects go away.
+    public func close() async {
+        await thread.stop()
+    }
+
+    deinit {
+        // Not closed: stop the thread anyway (it would keep the bus alive forever).
+        loop.requestStop()
+    }
+
+    private static func open(_ bus: Bus) throws -> OpaquePointer {
+        var pointer: OpaquePointer?
+        var result: Int32
+        switch bus {
+        case .address(let address):
+            result = sd_bus_new(&pointer)
+            if result >= 0, let pointer {
+                result = sd_bus_set_address(pointer, address)
+                if result >= 0 { result = sd_bus_set_bus_client(pointer, 1) }   // or no Hello is sent
+                if result >= 0 { result = sd_bus_start(pointer) }
+                if result < 0 { sd_bus_unref(pointer) }
+            }
+        case .system:
+            result = sd_bus_open_system(&pointer)
+        }
+        guard result >= 0, let pointer else {
+            let errno = Errno(rawValue: -result)
+            if errno == .permissionDenied {
+                throw TransportError(.permissionDenied, "this user may not connect to \(bus): the socket's permissions or the D-Bus policy refuse it",
+                                     errno: errno, syscall: "sd_bus_start")
+            }
+            throw TransportError(.notFound, "cannot connect to \(bus): is dbus-daemon running? (`systemctl start dbus`)",
+                                 errno: errno, syscall: "sd_bus_start")
+        }
+        return pointer
+    }
+
+    /// Calls a method and returns the reply's values. Descriptors in the reply (`h`) are the
+    /// caller's to close.
+    ///
+    /// - Parameter timeout: how long to wait for the reply; `nil` is sd-bus's default (25 s).
+    /// - Throws: `TransportError` with the D-Bus error's name and message: `.notFound` when the
+    ///   destination is not running, `.permissionDenied` when the policy refuses, `.timedOut` when no
+    ///   reply came; `CancellationError` when the task is cancelled (the reply is then dropped).
+    ///
+    /// ```swift
+    /// let owner = try await bus.call(destination: "org.freedesktop.DBus", path: "/org/freedesktop/DBus",
+    ///                                interface: "org.freedesktop.DBus", member: "GetNameOwner", [.string("org.bluez")])
+    /// ```
+    public func call(destination: String, path: String, interface: String, member: String,
+                     _ arguments: [DBusValue] = [], timeout: Duration? = nil) async throws -> [DBusValue] {
+        let pending = PendingCall(describing: "\(destination) \(path) \(interface).\(member)")
+        let micros = timeout.map { UInt64(max($0.components.seconds, 0)) * 1_000_000 + UInt64(max($0.components.attoseconds, 0) / 1_000_000_000_000) } ?? 0
+        let loop = self.loop
+        return try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { continuation in
+                guard pending.wait(continuation) else { return }
+                loop.submit { state in
+                    pending.start(on: state, destination: destination, path: path, interface: interface, member: member,
+                                  arguments: arguments, timeoutMicros: micros)
+                } orElse: { error in
+                    pending.finish(.failure(error))
+                }
+            }
+        } onCancel: {
+            pending.finish(.failure(CancellationError()))
+            loop.submit { state in state.remove(pending) } orElse: { _ in }
+        }
+    }
+
+    /// Subscribes to signals that match `rule`; returns once the bus has installed the match, so
+    /// every matching signal sent after this returns is delivered. The stream ends with an error
+    /// when the connection ends; ending its iteration removes the match.
+    ///
+    /// ```swift
+    /// let added = try await bus.signals(DBusMatch(sender: "org.bluez", interface: "org.freedesktop.DBus.ObjectManager"))
+    /// for try await signal in added { print(signal.member, signal.values) }
+    /// ```
+    public func signals(_ rule: DBusMatch) async throws -> AsyncThrowingStream<DBusSignal, any Error> {
+        let (stream, continuation) = AsyncThrowingStream<DBusSignal, any Error>.makeStream()
+        let subscription = Subscription(rule: rule.description, continuation: continuation)
+        let loop = self.loop
+        continuation.onTermination = { _ in
+            loop.submit { state in state.remove(subscription) } orElse: { _ in }
+        }
+        try await withCheckedThrowingContinuation { (installed: CheckedContinuation<Void, any Error>) in
+            subscription.awaitInstall(installed)
+            loop.submit { state in subscription.install(on: state) } orElse: { error in
+                subscription.installFinished(.failure(error))
+            }
+        }
+        return stream
+    }
+
+    /// Serves method calls on `path` (and, with `subtree`, every path below it) with `handler`,
+    /// which runs on the bus thread and must not block. Keep the returned object; ``DBusExport/remove()``
+    /// takes the object off the bus.
+    ///
+    /// ```swift
+    /// let profile = try await bus.export(path: "/org/transportkit/spp") { call in
+    ///     guard call.member == "NewConnection", case .unixFD(let fd)? = call.arguments.dropFirst().first else { return .notHandled }
+    ///     accepted.yield(fd)
+    ///     return .reply([])
+    /// }
+    /// ```
+    public func export(path: String, subtree: Bool = false,
+                       _ handler: @escaping @Sendable (DBusMethodCall) -> DBusMethodResult) async throws -> DBusExport {
+        let object = ExportedObject(path: path, subtree: subtree, handler: handler)
+        let loop = self.loop
+        try await perform { state in try object.register(on: state) }
+        return DBusExport(path: path) {
+            await withCheckedContinuation { (done: CheckedContinuation<Void, Never>) in
+                loop.submit { state in
+                    state.remove(object)
+                    done.resume()
+                } orElse: { _ in done.resume() }
+            }
+        }
+    }
+
+    /// Sends a signal from `path` (PropertiesChanged, InterfacesAdded, …).
+    public func emitSignal(path: String, interface: String, member: String, _ values: [DBusValue] = []) async throws {
+        try await perform { state in
+            var message: OpaquePointer?
+            let what = "the signal \(interface).\(member) from \(path)"
+            try check(sd_bus_message_new_signal(state.bus, &message, path, interface, member), "sd_bus_message_new_signal", what)
+            guard let message else { throw TransportError(.io, "\(what): sd-bus made no message") }
+            defer { sd_bus_message_unref(message) }
+            try DBusWriter(message: message, what: what).append(values)
+            try check(sd_bus_send(state.bus, message, nil), "sd_bus_send", what)
+        }
+    }
+
+    /// This connection's unique name on the bus (`:1.42`): the destination for calls to the
+    /// objects it exports.
+    public func uniqueName() async throws -> String {
+        // Until the Hello reply has arrived the name is not known: ask the bus's own GetId-free way,
+        // a round trip, which orders this after Hello.
+        _ = try await call(destination: "org.freedesktop.DBus", path: "/org/freedesktop/DBus",
+                           interface: "org.freedesktop.DBus", member: "GetId")
+        return try await perform { state in
+            var name: UnsafePointer<CChar>?
+            try check(sd_bus_get_unique_name(state.bus, &name), "sd_bus_get_unique_name", "\(state.describing)")
+            return name.map { String(cString: $0) } ?? ""
+        }
+    }
+
+    /// Runs `body` on the bus thread and returns its result.
+    private func perform<T: Sendable>(_ body: @escaping @Sendable (BusState) throws -> T) async throws -> T {
+        let loop = self.loop
+        return try await withCheckedThrowingContinuation { continuation in
+            loop.submit { state in
+                continuation.resume(with: Result { try body(state) })
+            } orElse: { error in
+                continuation.resume(throwing: error)
+            }
+        }
+    }
+}
+
+/// A match rule for ``DBusConnection/signals(_:)`` (dbus-specification, "Match Rules").
+public struct DBusMatch: Sendable, CustomStringConvertible {
+    public var sender: String?
+    public var path: String?
+    /// Matches the path and every path below it.
+    public var pathNamespace: String?
+    public var interface: String?
+    public var member: String?
+    /// The first argument, when it is a string (PropertiesChanged's interface name).
+    public var arg0: String?
+
+    public init(sender: String? = nil, path: String? = nil, pathNamespace: String? = nil, interface: String? = nil,
+                member: String? = nil, arg0: String? = nil) {
+        self.sender = sender
+        self.path = path
+        self.pathNamespace = pathNamespace
+        self.interface = interface
+        self.member = member
+        self.arg0 = arg0
+    }
+
+    public var description: String {
+        let fields: [(String, String?)] = [("sender", sender), ("path", path), ("path_namespace", pathNamespace),
+                                           ("interface", interface), ("member", member), ("arg0", arg0)]
+        let quoted = fields.compactMap { key, value in value.map { "\(key)='\($0.replacingQuotes())'" } }
+        return (["type='signal'"] + quoted).joined(separator: ",")
+    }
+}
+
+private extension String {
+    /// A match rule value cannot contain a quote; D-Bus names and paths never do.
+    func replacingQuotes() -> String { String(filter { $0 != "'" }) }
+}
+
+/// A signal received through ``DBusConnection/signals(_:)``.
+public struct DBusSignal: Sendable {
+    public let sender: String
+    public let path: String
+    public let interface: String
+    public let member: String
+    /// The values; descriptors among them are the receiver's to close.
+    public let values: [DBusValue]
+}
+
+/// A method call on an exported object.
+public struct DBusMethodCall: Sendable {
+    public let sender: String
+    public let path: String
+    public let interface: String
+    public let member: String
+    /// The arguments; descriptors among them (`h`) are the handler's to close or keep.
+    public let arguments: [DBusValue]
+}
+
+/// What an exported object's handler answers.
+public enum DBusMethodResult: Sendable {
+    /// A method return with these values. Descriptors among them (`h`) are taken: closed once the
+    /// reply holds its own duplicates.
+    case reply([DBusValue])
+    /// An error reply: a D-Bus error name (`org.bluez.Error.Rejected`) and a message.
+    case error(name: String, message: String)
+    /// Not this object's method: the caller gets `org.freedesktop.DBus.Error.UnknownMethod`.
+    case notHandled
+}
+
+/// An object served on the bus by ``DBusConnection/export(path:subtree:_:)``.
+public struct DBusExport: Sendable {
+    public let path: String
+    private let removal: @Sendable () async -> Void
+
+    init(path: String, removal: @escaping @Sendable () async -> Void) {
+        self.path = path
+        self.removal = removal
+    }
+
+    /// Takes the object off the bus; calls to it fail from then on.
+    public func remove() async { await removal() }
+}
+
+/// Turns D-Bus error names into errors a person can act on.
+public enum DBusErrors {
+    /// The error for a D-Bus error reply `name: message` to `call`.
+    public static func map(name: String, message: String, call: String) -> TransportError {
+        let detail = "\(call) failed: \(name): \(message)"
+        switch name {
+        case "org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner":
+            return TransportError(.notFound, "\(detail). The service is not running (for Bluetooth: start bluetoothd, `systemctl start bluetooth`)")
+        case "org.freedesktop.DBus.Error.AccessDenied":
+            return TransportError(.permissionDenied, "\(detail). The D-Bus policy (/etc/dbus-1/system.d/, /usr/share/dbus-1/system.d/) "
+                                  + "does not allow this user the call: run as a user the policy names (for BlueZ: a member of group 'bluetooth' on most distributions) or as root")
+        case "org.freedesktop.DBus.Error.NoReply", "org.freedesktop.DBus.Error.Timeout":
+            return TransportError(.timedOut, detail)
+        default:
+            return TransportError(.io, detail)
+        }
+    }
+}
+
+private func check(_ result: Int32, _ function: String, _ what: String) throws {
+    if result < 0 { throw TransportError.posix(function, errno: Errno(rawValue: -result), what: what) }
+}
+
+// MARK: - The bus thread
+
+/// The queue of jobs, the wake pipe and the loop the bus thread runs.
+private final class BusLoop: Sendable {
+    /// Jobs for the bus thread, and whether it still takes them (false once it has ended).
+    private let jobs = Mutex<(open: Bool, queue: [Job])>((true, []))
+    private let stopRequested = Atomic<Bool>(false)
+    private let wakeRead: Int32
+    private let wakeWrite: Int32
+    private let state: BusState
+
+    struct Job {
+        let run: @Sendable (BusState) -> Void
+        let fail: @Sendable (TransportError) -> Void
+    }
+
+    init(bus: OpaquePointer, describing: String) throws {
+        var ends: [Int32] = [-1, -1]
+        guard pipe(&ends) == 0 else {
+            throw TransportError.posix("pipe", errno: Errno(rawValue: errno), what: "the D-Bus thread's wake pipe")
+        }
+        for end in ends {
+            _ = fcntl(end, F_SETFD, FD_CLOEXEC)
+            _ = fcntl(end, F_SETFL, O_NONBLOCK)
+        }
+        wakeRead = ends[0]
+        wakeWrite = ends[1]
+        state = BusState(bus: bus, describing: describing)
+    }
+
+    deinit {
+        Glibc.close(wakeRead)
+        Glibc.close(wakeWrite)
+    }
+
+    func wake() {
+        var one: UInt8 = 1
+        _ = Glibc.write(wakeWrite, &one, 1)
+    }
+
+    func requestStop() {
+        stopRequested.store(true, ordering: .sequentiallyConsistent)
+        wake()
+    }
+
+    /// Queues `job` for the bus thread; `fail` instead when the connection has ended.
+    func submit(_ job: @escaping @Sendable (BusState) -> Void, orElse fail: @escaping @Sendable (TransportError) -> Void) {
+        let queued = jobs.withLock { jobs in
+            guard jobs.open else { return false }
+            jobs.queue.append(Job(run: job, fail: fail))
+            return true
+        }
+        if queued {
+            wake()
+        } else {
+            fail(TransportError(.disconnected, "the D-Bus connection to \(state.describing) is closed"))
+        }
+    }
+
+    /// The bus thread's loop.
+    func run(isStopping: () -> Bool) {
+        var drain = [UInt8](repeating: 0, count: 64)
+        while !isStopping() && !stopRequested.load(ordering: .sequentiallyConsistent) {
+            for job in jobs.withLock({ jobs in defer { jobs.queue = [] }; return jobs.queue }) {
+                if let ended = state.ended { job.fail(ended) } else { job.run(state) }
+            }
+            var timeout: Int32 = -1
+            var fds = [pollfd(fd: wakeRead, events: Int16(POLLIN), revents: 0)]
+            if state.ended == nil {
+                state.processAll()
+            }
+            if state.ended == nil {
+                fds.append(pollfd(fd: sd_bus_get_fd(state.bus), events: Int16(truncatingIfNeeded: max(sd_bus_get_events(state.bus), 0)), revents: 0))
+                timeout = state.pollTimeout()
+            }
+            _ = poll(&fds, nfds_t(fds.count), timeout)
+            if fds[0].revents != 0 { while Glibc.read(wakeRead, &drain, drain.count) > 0 {} }
+        }
+        let leftover = jobs.withLock { jobs in
+            defer { jobs = (false, []) }
+            return jobs.queue
+        }
+        let closed = TransportError(.disconnected, "the D-Bus connection to \(state.describing) is closed")
+        for job in leftover { job.fail(closed) }
+        state.shutDown(closed)
+    }
+}
+
+/// What only the bus thread touches: the sd-bus object and the slots of calls, matches and
+/// exported objects, each with the record its callbacks reach through their userdata.
+final class BusState: @unchecked Sendable {
+    // @unchecked Sendable: created before the bus thread starts, then used only on that thread
+    // (every access happens in a job or callback the bus thread runs).
+    let bus: OpaquePointer
+    let describing: String
+    /// Set when the connection has ended (closed, or lost): every later job fails with it.
+    private(set) var ended: TransportError?
+    /// Keeps each record alive while sd-bus may call back into it.
+    private var records: [ObjectIdentifier: any SlotRecord] = [:]
+
+    init(bus: OpaquePointer, describing: String) {
+        self.bus = bus
+        self.describing = describing
+    }
+
+    func keep(_ record: any SlotRecord) { records[ObjectIdentifier(record)] = record }
+
+    /// Releases the record's slot (no callback after this) and forgets it.
+    func remove(_ record: any SlotRecord) {
+        if let slot = record.slot {
+            record.slot = nil
+            sd_bus_slot_unref(slot)
+        }
+        records[ObjectIdentifier(record)] = nil
+    }
+
+    /// Lets sd-bus do everything it can without waiting; notices a lost connection.
+    func processAll() {
+        var result: Int32
+        repeat { result = sd_bus_process(bus, nil) } while result > 0
+        if result < 0 || sd_bus_is_open(bus) <= 0 {
+            // Let pending calls receive the errors sd-bus synthesises for a closed connection.
+            while sd_bus_process(bus, nil) > 0 {}
+            shutDown(TransportError(.disconnected, "the D-Bus connection to \(describing) was lost (dbus-daemon stopped?)",
+                                    errno: result < 0 ? Errno(rawValue: -result) : nil, syscall: result < 0 ? "sd_bus_process" : nil))
+        }
+    }
+
+    /// poll(2)'s timeout in milliseconds for sd-bus's next deadline, -1 when there is none.
+    func pollTimeout() -> Int32 {
+        var deadline: UInt64 = 0
+        guard sd_bus_get_timeout(bus, &deadline) >= 0, deadline != UInt64.max else { return -1 }
+        var now = timespec()
+        clock_gettime(CLOCK_MONOTONIC, &now)
+        let nowMicros = UInt64(now.tv_sec) * 1_000_000 + UInt64(now.tv_nsec / 1000)
+        guard deadline > nowMicros else { return 0 }
+        return Int32(min((deadline - nowMicros + 999) / 1000, UInt64(Int32.max)))
+    }
+
+    /// Ends every record with `error` and closes the bus (once).
+    func shutDown(_ error: TransportError) {
+        guard ended == nil else { return }
+        ended = error
+        let all = records.values
+        records = [:]
+        for record in all {
+            if let slot = record.slot {
+                record.slot = nil
+                sd_bus_slot_unref(slot)
+            }
+            record.connectionEnded(error)
+        }
+        sd_bus_flush_close_unref(bus)
+    }
+}
+
+/// Something that holds an sd-bus slot and hears about the connection's end.
+protocol SlotRecord: AnyObject {
+    /// Touched only on the bus thread.
+    var slot: OpaquePointer? { get set }
+    func connectionEnded(_ error: TransportError)
+}
+
+/// One method call in flight.
+private final class PendingCall: SlotRecord, @unchecked Sendable {
+    // @unchecked Sendable: `slot` is touched only on the bus thread; the continuation is behind its Mutex.
+    var slot: OpaquePointer?
+    private let continuation = Mutex<(finished: Bool, waiting: CheckedContinuation<[DBusValue], any Error>?)>((false, nil))
+    let describing: String
+
+    init(describing: String) { self.describing = describing }
+
+    /// Stores the continuation; false (and resumed) when the call already finished (cancelled).
+    func wait(_ waiting: CheckedContinuation<[DBusValue], any Error>) -> Bool {
+        let finished = continuation.withLock { state in
+            if !state.finished { state.waiting = waiting }
+            return state.finished
+        }
+        if finished { waiting.resume(throwing: CancellationError()) }
+        return !finished
+    }
+
+    /// Resumes the caller once; a later result is dropped (its descriptors closed).
+    func finish(_ result: Result<[DBusValue], any Error>) {
+        let (first, waiting) = continuation.withLock { state in
+            defer { state.finished = true; state.waiting = nil }
+            return (!state.finished, state.waiting)
+        }
+        guard first else {
+            if case .success(let values) = result { DBusValue.closeDescriptors(in: values) }
+            return
+        }
+        waiting?.resume(with: result)
+        if waiting == nil, case .success(let values) = result { DBusValue.closeDescriptors(in: values) }
+    }
+
+    var isFinished: Bool { continuation.withLock { $0.finished } }
+
+    func connectionEnded(_ error: TransportError) { finish(.failure(error)) }
+
+    /// On the bus thread.
+    func start(on state: BusState, destination: String, path: String, interface: String, member: String,
+               arguments: [DBusValue], timeoutMicros: UInt64) {
+        guard !isFinished else { return }
+        do {
+            var message: OpaquePointer?
+            try check(sd_bus_message_new_method_call(state.bus, &message, destination, path, interface, member),
+                      "sd_bus_message_new_method_call", describing)
+            guard let message else { throw TransportError(.io, "\(describing): sd-bus made no message") }
+            defer { sd_bus_message_unref(message) }
+            try DBusWriter(message: message, what: describing).append(arguments)
+            var slot: OpaquePointer?
+            try check(sd_bus_call_async(state.bus, &slot, message, { reply, userdata, _ in
+                guard let reply, let userdata else { return 0 }
+                let call = Unmanaged<PendingCall>.fromOpaque(userdata).takeUnretainedValue()
+                call.received(reply)
+                call.owner?.remove(call)
+                return 0
+            }, Unmanaged.passUnretained(self).toOpaque(), timeoutMicros), "sd_bus_call_async", describing)
+            self.slot = slot
+            owner = state
+            state.keep(self)
+        } catch {
+            finish(.failure(error))
+        }
+    }
+
+    /// The state that keeps this record (bus thread only).
+    private(set) weak var owner: BusState?
+
+    private func received(_ reply: OpaquePointer) {
+        if sd_bus_message_is_method_error(reply, nil) > 0 {
+            let error = sd_bus_message_get_error(reply)
+            let name = error?.pointee.name.map { String(cString: $0) } ?? "?"
+            let text = error?.pointee.message.map { String(cString: $0) } ?? ""
+            return finish(.failure(DBusErrors.map(name: name, message: text, call: describing)))
+        }
+        guard !isFinished else { return }
+        finish(Result { try DBusReader(message: reply, what: "the reply to \(describing)").readAll() })
+    }
+}
+
+/// One signal match.
+private final class Subscription: SlotRecord, @unchecked Sendable {
+    // @unchecked Sendable: `slot` and `installed` are touched only on the bus thread (the
+    // continuation is set before the install job is queued); the stream continuation is Sendable.
+    var slot: OpaquePointer?
+    let rule: String
+    private let continuation: AsyncThrowingStream<DBusSignal, any Error>.Continuation
+    private var installed: CheckedContinuation<Void, any Error>?
+
+    init(rule: String, continuation: AsyncThrowingStream<DBusSignal, any Error>.Continuation) {
+        self.rule = rule
+        self.continuation = continuation
+    }
+
+    func awaitInstall(_ waiting: CheckedContinuation<Void, any Error>) { installed = waiting }
+
+    func installFinished(_ result: Result<Void, any Error>) {
+        let waiting = installed
+        installed = nil
+        waiting?.resume(with: result)
+        if case .failure(let error) = result { continuation.finish(throwing: error) }
+    }
+
+    func connectionEnded(_ error: TransportError) {
+        installFinished(.failure(error))
+        continuation.finish(throwing: error)
+    }
+
+    /// On the bus thread.
+    func install(on state: BusState) {
+        var slot: OpaquePointer?
+        let userdata = Unmanaged.passUnretained(self).toOpaque()
+        let result = sd_bus_add_match_async(state.bus, &slot, rule, { message, userdata, _ in
+            guard let message, let userdata else { return 0 }
+            Unmanaged<Subscription>.fromOpaque(userdata).takeUnretainedValue().received(message)
+            return 0
+        }, { reply, userdata, _ in
+            guard let userdata else { return 0 }
+            let subscription = Unmanaged<Subscription>.fromOpaque(userdata).takeUnretainedValue()
+            if let reply, sd_bus_message_is_method_error(reply, nil) > 0 {
+                let error = sd_bus_message_get_error(reply)
+                let name = error?.pointee.name.map { String(cString: $0) } ?? "?"
+                let text = error?.pointee.message.map { String(cString: $0) } ?? ""
+                subscription.installFinished(.failure(DBusErrors.map(name: name, message: text, call: "AddMatch \(subscription.rule)")))
+            } else {
+                subscription.installFinished(.success(()))
+            }
+            return 0
+        }, userdata)
+        guard result >= 0 else {
+            return installFinished(.failure(TransportError.posix("sd_bus_add_match_async", errno: Errno(rawValue: -result), what: rule)))
+        }
+        self.slot = slot
+        state.keep(self)
+    }
+
+    private func received(_ message: OpaquePointer) {
+        let text = { (pointer: UnsafePointer<CChar>?) in pointer.map { String(cString: $0) } ?? "" }
+        do {
+            let values = try DBusReader(message: message, what: "a signal").readAll()
+            let signal = DBusSignal(sender: text(sd_bus_message_get_sender(message)), path: text(sd_bus_message_get_path(message)),
+                                    interface: text(sd_bus_message_get_interface(message)), member: text(sd_bus_message_get_member(message)),
+                                    values: values)
+            if case .dropped(let dropped) = continuation.yield(signal) { DBusValue.closeDescriptors(in: dropped.values) }
+        } catch {
+            continuation.finish(throwing: error)
+        }
+    }
+}
+
+/// One exported object (or subtree).
+private final class ExportedObject: SlotRecord, @unchecked Sendable {
+    // @unchecked Sendable: `slot` is touched only on the bus thread; the rest is immutable.
+    var slot: OpaquePointer?
+    let path: String
+    let subtree: Bool
+    let handler: @Sendable (DBusMethodCall) -> DBusMethodResult
+
+    init(path: String, subtree: Bool, handler: @escaping @Sendable (DBusMethodCall) -> DBusMethodResult) {
+        self.path = path
+        self.subtree = subtree
+        self.handler = handler
+    }
+
+    func connectionEnded(_ error: TransportError) {}
+
+    /// On the bus thread.
+    func register(on state: BusState) throws {
+        var slot: OpaquePointer?
+        let userdata = Unmanaged.passUnretained(self).toOpaque()
+        let callback: sd_bus_message_handler_t = { message, userdata, replyError in
+            guard let message, let userdata else { return 0 }
+            return Unmanaged<ExportedObject>.fromOpaque(userdata).takeUnretainedValue().handle(message, replyError)
+        }
+        let result = subtree ? sd_bus_add_fallback(state.bus, &slot, path, callback, userdata)
+                             : sd_bus_add_object(state.bus, &slot, path, callback, userdata)
+        try check(result, subtree ? "sd_bus_add_fallback" : "sd_bus_add_object", "the D-Bus object \(path)")
+        self.slot = slot
+        state.keep(self)
+    }
+
+    private func handle(_ message: OpaquePointer, _ replyError: UnsafeMutablePointer<sd_bus_error>?) -> Int32 {
+        guard sd_bus_message_is_method_call(message, nil, nil) > 0 else { return 0 }
+        let text = { (pointer: UnsafePointer<CChar>?) in pointer.map { String(cString: $0) } ?? "" }
+        let path = text(sd_bus_message_get_path(message))
+        let member = text(sd_bus_message_get_member(message))
+        let arguments: [DBusValue]
+        do {
+            arguments = try DBusReader(message: message, what: "a call to \(path)").readAll()
+        } catch {
+            return sd_bus_error_set(replyError, "org.freedesktop.DBus.Error.InvalidArgs", "\(error)")
+        }
+        let call = DBusMethodCall(sender: text(sd_bus_message_get_sender(message)), path: path,
+                                  interface: text(sd_bus_message_get_interface(message)), member: member, arguments: arguments)
+        switch handler(call) {
+        case .notHandled:
+            DBusValue.closeDescriptors(in: arguments)
+            return 0
+        case .error(let name, let text):
+            return sd_bus_error_set(replyError, name, text)
+        case .reply(let values):
+            var reply: OpaquePointer?
+            guard sd_bus_message_new_method_return(message, &reply) >= 0, let reply else { return -ENOMEM }
+            defer { sd_bus_message_unref(reply) }
+            // The reply takes the handler's descriptors: sd-bus has its own duplicates once appended.
+            defer { DBusValue.closeDescriptors(in: values) }
+            do {
+                try DBusWriter(message: reply, what: "the reply to \(member) on \(path)").append(values)
+            } catch {
+                return sd_bus_error_set(replyError, "org.freedesktop.DBus.Error.Failed", "\(error)")
+            }
+            let sent = sd_bus_send(sd_bus_message_get_bus(message), reply, nil)
+            return sent < 0 ? sent : 1
+        }
+    }
+}

@@ -1,0 +1,238 @@
+import Foundation
+import Glibc
+import Synchronization
+import Testing
+import TransportKit
+import TransportKitDBus
+
+/// A private dbus-daemon (the real one, with the session configuration) for a test.
+final class PrivateBus: Sendable {
+    /// Guards the process: started in init, stopped once.
+    private let process: Mutex<Process?>
+    let address: String
+
+    init() throws {
+        let process = Process()
+        let output = Pipe()
+        process.executableURL = URL(fileURLWithPath: "/usr/bin/dbus-daemon")
+        process.arguments = ["--session", "--nofork", "--print-address=1"]
+        process.standardOutput = output
+        process.standardError = FileHandle.nullDevice
+        try process.run()
+        var line = Data()
+        while !line.contains(UInt8(ascii: "\n")) {
+            let chunk = output.fileHandleForReading.availableData
+            if chunk.isEmpty { break }
+            line.append(chunk)
+        }
+        address = String(decoding: line, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
+        self.process = Mutex(process)
+    }
+
+    func stop() {
+        guard let process = process.withLock({ process in defer { process = nil }; return process }) else { return }
+        // dbus-daemon --session does not end on SIGTERM here: kill it.
+        kill(process.processIdentifier, SIGKILL)
+        process.waitUntilExit()
+    }
+
+    deinit { stop() }
+}
+
+@Suite("D-Bus client (sd-bus) against a private dbus-daemon",
+       .enabled(if: FileManager.default.isExecutableFile(atPath: "/usr/bin/dbus-daemon"), "needs dbus-daemon (package dbus)"))
+struct DBusTests {
+    static let daemon = (name: "org.freedesktop.DBus", path: "/org/freedesktop/DBus")
+
+    @Test func callsTheBusAndDecodesItsReplies() async throws {
+        let daemon = try PrivateBus()
+        let bus = try DBusConnection(.address(daemon.address))
+        let id = try await bus.call(destination: Self.daemon.name, path: Self.daemon.path, interface: Self.daemon.name, member: "GetId")
+        #expect(id.first?.text?.count == 32, "\(id)")
+        let names = try await bus.call(destination: Self.daemon.name, path: Self.daemon.path, interface: Self.daemon.name, member: "ListNames")
+        #expect(names.first?.strings?.contains("org.freedesktop.DBus") == true, "\(names)")
+        let owner = try await bus.call(destination: Self.daemon.name, path: Self.daemon.path, interface: Self.daemon.name,
+                                       member: "GetNameOwner", [.string("org.freedesktop.DBus")])
+        #expect(owner == [.string("org.freedesktop.DBus")])
+        let unique = try await bus.uniqueName()
+        #expect(unique.hasPrefix(":1."), "\(unique)")
+        await bus.close()
+        await expectTransportError(.disconnected) { try await bus.call(destination: Self.daemon.name, path: Self.daemon.path, interface: Self.daemon.name, member: "GetId") }
+    }
+
+    @Test func aServiceThatIsNotRunningSaysStartBluetoothd() async throws {
+        let daemon = try PrivateBus()
+        let bus = try DBusConnection(.address(daemon.address))
+        let error = await expectTransportError(.notFound) {
+            try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
+        }
+        #expect(error?.message.contains("org.freedesktop.DBus.Error.ServiceUnknown") == true, "\(String(describing: error))")
+        #expect(error?.message.contains("start bluetoothd") == true)
+        await bus.close()
+    }
+
+    @Test func aBusThatIsNotThereIsNotFound() async throws {
+        let error = await expectTransportError(.notFound) { try DBusConnection(.address("unix:path=/tmp/no-such-bus-\(getpid())")) }
+        #expect(error?.message.contains("is dbus-daemon running?") == true, "\(String(describing: error))")
+        #expect(error?.errno == .noSuchFileOrDirectory, "\(String(describing: error))")
+    }
+
+    @Test func valuesOfEveryKindSurviveARoundTripThroughAnExportedObject() async throws {
+        let daemon = try PrivateBus()
+        let server = try DBusConnection(.address(daemon.address))
+        let client = try DBusConnection(.address(daemon.address))
+        let export = try await server.export(path: "/org/transportkit/Test") { call in
+            switch call.member {
+            case "Echo": return .reply(call.arguments)
+            case "Refuse": return .error(name: "org.transportkit.Error.Refused", message: "no, thanks")
+            default: return .notHandled
+            }
+        }
+        let name = try await server.uniqueName()
+        let values: [DBusValue] = [
+            .byte(7), .bool(true), .int16(-2), .uint16(0xFFF0), .int32(-70000), .uint32(4_000_000_000), .int64(-1), .uint64(.max),
+            .double(0.25), .string("grüße"), .objectPath("/org/bluez/hci0"), .signature("a{sv}"),
+            .bytes([0, 1, 2, 255]), .array(element: "s", []), .array(element: "o", [.objectPath("/a"), .objectPath("/b")]),
+            .dictionary(["Transport": .string("le"), "RSSI": .int16(-60), "UUIDs": .array(element: "s", [.string("6e400001-b5a3-f393-e0a9-e50e24dcca9e")])]),
+            .structure([.objectPath("/x"), .dictionary([:])]),
+            .variant(.variant(.uint32(3))),
+        ]
+        let echoed = try await client.call(destination: name, path: "/org/transportkit/Test", interface: "org.transportkit.Test", member: "Echo", values)
+        #expect(echoed == values)
+        #expect(echoed[15].dictionary?["RSSI"]?.integer == -60)
+        #expect(echoed[12].bytes == [0, 1, 2, 255])
+
+        let refused = await expectTransportError(.io) {
+            try await client.call(destination: name, path: "/org/transportkit/Test", interface: "org.transportkit.Test", member: "Refuse")
+        }
+        #expect(refused?.message.contains("org.transportkit.Error.Refused: no, thanks") == true, "\(String(describing: refused))")
+        let unknown = await expectTransportError(.io) {
+            try await client.call(destination: name, path: "/org/transportkit/Test", interface: "org.transportkit.Test", member: "Nope")
+        }
+        #expect(unknown?.message.contains("UnknownMethod") == true, "\(String(describing: unknown))")
+
+        await export.remove()
+        let gone = await expectTransportError(.io) {
+            try await client.call(destination: name, path: "/org/transportkit/Test", interface: "org.transportkit.Test", member: "Echo")
+        }
+        #expect(gone?.message.contains("UnknownObject") == true || gone?.message.contains("UnknownMethod") == true, "\(String(describing: gone))")
+        await client.close()
+        await server.close()
+    }
+
+    @Test func descriptorsTravelBothWaysAndTheReceiverOwnsItsCopy() async throws {
+        let daemon = try PrivateBus()
+        let server = try DBusConnection(.address(daemon.address))
+        let client = try DBusConnection(.address(daemon.address))
+        // The server hands out the read end of a pipe that already holds bytes (as BlueZ's
+        // AcquireNotify hands out a socket), and reads from a descriptor it is given.
+        let received = Mutex<[UInt8]>([])
+        let export = try await server.export(path: "/org/transportkit/Pipe") { call in
+            switch call.member {
+            case "Acquire":
+                var ends: [Int32] = [-1, -1]
+                guard pipe(&ends) == 0 else { return .error(name: "org.transportkit.Error.Failed", message: "pipe") }
+                _ = write(ends[1], "hello", 5)
+                close(ends[1])
+                return .reply([.unixFD(ends[0]), .uint16(517)])
+            case "Give":
+                guard case .unixFD(let fd)? = call.arguments.first else { return .error(name: "org.transportkit.Error.Failed", message: "no fd") }
+                var buffer = [UInt8](repeating: 0, count: 16)
+                let count = read(fd, &buffer, buffer.count)
+                close(fd)
+                received.withLock { $0 = Array(buffer.prefix(max(count, 0))) }
+                return .reply([])
+            default: return .notHandled
+            }
+        }
+        let name = try await server.uniqueName()
+        let reply = try await client.call(destination: name, path: "/org/transportkit/Pipe", interface: "org.transportkit.Pipe", member: "Acquire")
+        guard case .unixFD(let fd)? = reply.first else { Issue.record("no descriptor in \(reply)"); return }
+        #expect(reply.last == .uint16(517))
+        #expect(fcntl(fd, F_GETFD) & FD_CLOEXEC != 0, "the received descriptor is close-on-exec")
+        var buffer = [UInt8](repeating: 0, count: 16)
+        #expect(read(fd, &buffer, buffer.count) == 5)
+        #expect(Array(buffer.prefix(5)) == Array("hello".utf8))
+        #expect(close(fd) == 0)
+
+        var ends: [Int32] = [-1, -1]
+        #expect(pipe(&ends) == 0)
+        _ = write(ends[1], "world", 5)
+        close(ends[1])
+        _ = try await client.call(destination: name, path: "/org/transportkit/Pipe", interface: "org.transportkit.Pipe", member: "Give", [.unixFD(ends[0])])
+        #expect(fcntl(ends[0], F_GETFD) >= 0, "a descriptor passed as an argument stays the caller's")
+        close(ends[0])
+        #expect(received.withLock { $0 } == Array("world".utf8))
+        await export.remove()
+        await client.close()
+        await server.close()
+    }
+
+    @Test func signalsArriveOnceTheMatchIsInstalledAndEndWithTheConnection() async throws {
+        let daemon = try PrivateBus()
+        let sender = try DBusConnection(.address(daemon.address))
+        let listener = try DBusConnection(.address(daemon.address))
+        let name = try await sender.uniqueName()
+        let signals = try await listener.signals(DBusMatch(sender: name, interface: "org.freedesktop.DBus.ObjectManager"))
+        try await sender.emitSignal(path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "InterfacesAdded",
+                                    [.objectPath("/org/bluez/hci0/dev_00_AA_01_01_00_01"), .array(element: "{sa{sv}}", [])])
+        try await sender.emitSignal(path: "/", interface: "org.freedesktop.DBus.Unrelated", member: "Ignored")
+        try await sender.emitSignal(path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "InterfacesRemoved",
+                                    [.objectPath("/org/bluez/hci0/dev_00_AA_01_01_00_01"), .array(element: "s", [.string("org.bluez.Device1")])])
+        var iterator = signals.makeAsyncIterator()
+        let first = try await iterator.next()
+        #expect(first?.member == "InterfacesAdded")
+        #expect(first?.values.first == .objectPath("/org/bluez/hci0/dev_00_AA_01_01_00_01"))
+        #expect(first?.sender == name)
+        let second = try await iterator.next()
+        #expect(second?.member == "InterfacesRemoved", "the unrelated interface's signal does not match")
+        #expect(second?.values.last?.strings == ["org.bluez.Device1"])
+
+        // The bus goes away: the stream ends with an error that says so, and calls fail.
+        daemon.stop()
+        do {
+            while try await iterator.next() != nil {}
+            Issue.record("the signal stream ended without an error")
+        } catch let error as TransportError {
+            #expect(error.kind == .disconnected, "\(error)")
+            #expect(error.message.contains("lost"), "\(error)")
+        }
+        await expectTransportError(.disconnected) { try await listener.uniqueName() }
+        await listener.close()
+        await sender.close()
+    }
+
+    @Test func slowRepliesTimeOutAndCancellationAndCloseEndWaitingCalls() async throws {
+        let daemon = try PrivateBus()
+        let server = try DBusConnection(.address(daemon.address))
+        let client = try DBusConnection(.address(daemon.address))
+        // A handler that blocks its own bus thread for a while (test only: handlers must not block).
+        let export = try await server.export(path: "/slow") { _ in
+            usleep(800_000)
+            return .reply([.string("late")])
+        }
+        let name = try await server.uniqueName()
+        let call = { @Sendable (timeout: Duration?) in
+            try await client.call(destination: name, path: "/slow", interface: "org.transportkit.Slow", member: "Wait", timeout: timeout)
+        }
+        let timedOut = await expectTransportError(.timedOut) { try await call(.milliseconds(200)) }
+        #expect(timedOut?.message.contains("NoReply") == true || timedOut?.message.contains("Timeout") == true, "\(String(describing: timedOut))")
+
+        let cancelled = Task { try await call(nil) }
+        try await Task.sleep(for: .milliseconds(100))
+        cancelled.cancel()
+        await #expect(throws: CancellationError.self) { try await cancelled.value }
+
+        let pending = Task { try await call(nil) }
+        try await Task.sleep(for: .milliseconds(100))
+        await client.close()
+        do {
+            _ = try await pending.value
+            Issue.record("a call still waiting when the connection closed returned")
+        } catch let error as TransportError {
+            #expect(error.kind == .disconnected, "\(error)")
+        }
+        await export.remove()
+        await server.close()
+    }
+}
