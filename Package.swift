@@ -95,6 +95,12 @@ let package = Package(
             swiftSettings: strict
         ),
         .target(
+            name: "TransportKitBluetooth",
+            dependencies: ["TransportKitCore", "TransportKitLinux", "TransportKitDBus", "CBlueZ", nioCore, system],
+            path: "Sources/Plugins/Bluetooth",
+            swiftSettings: strict
+        ),
+        .target(
             name: "TransportKitSpy",
             dependencies: ["TransportKitCore", nioCore, system],
             path: "Sources/Plugins/Spy",
@@ -108,7 +114,7 @@ let package = Package(
         ),
         .target(
             name: "TransportKit",
-            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy"],
+            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy", "TransportKitBluetooth"],
             path: "Sources/TransportKit/BuiltIns",
             swiftSettings: strict
         ),

@@ -7,6 +7,7 @@
 @_exported import TransportKitSerial
 @_exported import TransportKitSockets
 @_exported import TransportKitSpy
+@_exported import TransportKitBluetooth
 
 extension TransportRegistry {
     /// A registry with every built-in plugin registered. `Transport` uses it; applications add
@@ -38,7 +39,7 @@ extension TransportRegistry {
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin(), SerialPlugin(), SpyPlugin()]
+        [LoopPlugin(), SocketsPlugin(), SerialPlugin(), SpyPlugin(), BluetoothPlugin()]
     }
 
     /// The registry behind these functions.

@@ -65,6 +65,9 @@ public final class DBusConnection: Sendable {
         }
     }
 
+    /// `false` once the connection was closed or lost (dbus-daemon stopped): open a new one then.
+    public var isConnected: Bool { !loop.hasEnded }
+
     /// Stops the bus thread and closes the connection: calls still waiting fail with `.closed`,
     /// signal streams end, exported objects go away.
     public func close() async {
@@ -106,7 +109,13 @@ public final class DBusConnection: Sendable {
     /// Calls a method and returns the reply's values. Descriptors in the reply (`h`) are the
     /// caller's to close.
     ///
-    /// - Parameter timeout: how long to wait for the reply; `nil` is sd-bus's default (25 s).
+    /// - Parameters:
+    ///   - destination: the service's bus name (`org.bluez`) or a unique name (`:1.42`).
+    ///   - path: the object (`/org/bluez/hci0`).
+    ///   - interface: the method's interface (`org.bluez.Adapter1`).
+    ///   - member: the method (`StartDiscovery`).
+    ///   - arguments: the arguments, with their exact types.
+    ///   - timeout: how long to wait for the reply; `nil` is sd-bus's default (25 s).
     /// - Throws: `TransportError` with the D-Bus error's name and message: `.notFound` when the
     ///   destination is not running, `.permissionDenied` when the policy refuses, `.timedOut` when no
     ///   reply came; `CancellationError` when the task is cancelled (the reply is then dropped).
@@ -338,6 +347,7 @@ private final class BusLoop: Sendable {
     private let wakeRead: Int32
     private let wakeWrite: Int32
     private let state: BusState
+    var hasEnded: Bool { state.hasEnded.load(ordering: .acquiring) }
 
     struct Job {
         let run: @Sendable (BusState) -> Void
@@ -425,6 +435,8 @@ final class BusState: @unchecked Sendable {
     let describing: String
     /// Set when the connection has ended (closed, or lost): every later job fails with it.
     private(set) var ended: TransportError?
+    /// `ended != nil`, readable from any thread.
+    let hasEnded = Atomic<Bool>(false)
     /// Keeps each record alive while sd-bus may call back into it.
     private var records: [ObjectIdentifier: any SlotRecord] = [:]
 
@@ -471,6 +483,7 @@ final class BusState: @unchecked Sendable {
     func shutDown(_ error: TransportError) {
         guard ended == nil else { return }
         ended = error
+        hasEnded.store(true, ordering: .releasing)
         let all = records.values
         records = [:]
         for record in all {

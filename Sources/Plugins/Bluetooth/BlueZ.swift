@@ -1,0 +1,261 @@
+// BlueZ.swift: bluetoothd's D-Bus API (org.bluez: ObjectManager on "/", Adapter1, Device1; BlueZ
+// doc/adapter-api.txt and device-api.txt at 5.66) as the Bluetooth plugins need it: adapters,
+// devices, the adapter a URL asks for, a device found by address (discovering it when BlueZ does
+// not know it yet), and errors a person can act on. Data never goes through D-Bus: it flows
+// through kernel sockets (BluetoothSocket.swift) or descriptors BlueZ hands out.
+
+import Synchronization
+import TransportKitCore
+import TransportKitDBus
+
+/// A Bluetooth controller as bluetoothd reports it (org.bluez.Adapter1).
+public struct BluetoothAdapter: Sendable, Hashable, Codable {
+    /// The D-Bus object path, `/org/bluez/hci0`.
+    public var path: String
+    /// The kernel's name, `hci0`: what `adapter=` takes.
+    public var name: String
+    /// The controller's index (0 for hci0), as btmgmt's `--index` takes it.
+    public var index: Int?
+    public var address: String
+    public var alias: String?
+    public var powered: Bool
+    public var discoverable: Bool
+    public var discovering: Bool
+}
+
+/// A Bluetooth device bluetoothd knows about (org.bluez.Device1): seen in a scan, paired or connected.
+public struct BluetoothDevice: Sendable, Hashable, Codable {
+    /// The D-Bus object path, `/org/bluez/hci0/dev_00_AA_01_01_00_01`.
+    public var path: String
+    /// The adapter's object path.
+    public var adapterPath: String
+    public var address: String
+    /// `public` or `random` (LE); BR/EDR devices are `public`.
+    public var addressType: String
+    public var name: String?
+    public var alias: String?
+    /// The signal strength of the last advertisement or inquiry result, in dBm; nil when not in range recently.
+    public var rssi: Int?
+    /// Service UUIDs, lower-case, 128-bit form.
+    public var uuids: [String]
+    public var connected: Bool
+    public var paired: Bool
+    public var servicesResolved: Bool
+    /// Manufacturer data by company identifier.
+    public var manufacturerData: [UInt16: [UInt8]]
+    /// Service data by service UUID.
+    public var serviceData: [String: [UInt8]]
+}
+
+/// The BlueZ client the Bluetooth plugins share: one D-Bus connection per process, opened on first
+/// use and opened again after it was lost (bluetoothd or dbus-daemon restarted).
+final class BlueZ: Sendable {
+    static let service = "org.bluez"
+    static let objectManager = "org.freedesktop.DBus.ObjectManager"
+    static let adapterInterface = "org.bluez.Adapter1"
+    static let deviceInterface = "org.bluez.Device1"
+
+    let bus: DBusConnection
+
+    private init(bus: DBusConnection) { self.bus = bus }
+
+    /// One client per bus (the system bus, or the one a host app or test gave the plugin).
+    private static let clients = Mutex<[String: BlueZ]>([:])
+
+    /// The shared client for `bus`.
+    ///
+    /// - Throws: `.notFound` when there is no such bus (no dbus-daemon), `.permissionDenied` when
+    ///   this user may not connect to it.
+    static func shared(_ bus: DBusConnection.Bus) throws -> BlueZ {
+        try clients.withLock { clients in
+            if let client = clients[bus.description], client.bus.isConnected { return client }
+            let connection: DBusConnection
+            do {
+                connection = try DBusConnection(bus)
+            } catch let error as TransportError {
+                throw TransportError(error.kind, "Bluetooth goes through bluetoothd on the system D-Bus, and that failed: \(error.message)",
+                                     errno: error.errno, syscall: error.syscall)
+            }
+            let client = BlueZ(bus: connection)
+            clients[bus.description] = client
+            return client
+        }
+    }
+
+    /// Calls a BlueZ method, with BlueZ's errors turned into ones a person can act on.
+    func call(_ path: String, _ interface: String, _ member: String, _ arguments: [DBusValue] = [],
+              timeout: Duration? = nil, about what: String) async throws -> [DBusValue] {
+        do {
+            return try await bus.call(destination: Self.service, path: path, interface: interface, member: member, arguments, timeout: timeout)
+        } catch let error as TransportError {
+            throw Self.explain(error, about: what)
+        }
+    }
+
+    /// Every adapter and device bluetoothd manages.
+    func objects() async throws -> (adapters: [BluetoothAdapter], devices: [BluetoothDevice]) {
+        let reply = try await call("/", Self.objectManager, "GetManagedObjects", about: "listing Bluetooth adapters and devices")
+        var adapters: [BluetoothAdapter] = []
+        var devices: [BluetoothDevice] = []
+        for (path, interfaces) in reply.first?.dictionary ?? [:] {
+            guard let interfaces = interfaces.dictionary else { continue }
+            if let properties = interfaces[Self.adapterInterface]?.dictionary {
+                adapters.append(Self.adapter(path: path, properties))
+            }
+            if let properties = interfaces[Self.deviceInterface]?.dictionary {
+                devices.append(Self.device(path: path, properties))
+            }
+        }
+        return (adapters.sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }, devices.sorted { $0.path < $1.path })
+    }
+
+    static func adapter(path: String, _ properties: [String: DBusValue]) -> BluetoothAdapter {
+        let name = String(path.split(separator: "/").last ?? "")
+        return BluetoothAdapter(path: path, name: name, index: name.hasPrefix("hci") ? Int(name.dropFirst(3)) : nil,
+                                address: properties["Address"]?.text ?? "", alias: properties["Alias"]?.text,
+                                powered: properties["Powered"]?.boolValue ?? false,
+                                discoverable: properties["Discoverable"]?.boolValue ?? false,
+                                discovering: properties["Discovering"]?.boolValue ?? false)
+    }
+
+    static func device(path: String, _ properties: [String: DBusValue]) -> BluetoothDevice {
+        var manufacturer: [UInt16: [UInt8]] = [:]
+        for (company, value) in properties["ManufacturerData"]?.unwrapped.integerKeyedDictionary ?? [:] {
+            if let bytes = value.bytes, let id = UInt16(exactly: company) { manufacturer[id] = bytes }
+        }
+        var service: [String: [UInt8]] = [:]
+        for (uuid, value) in properties["ServiceData"]?.unwrapped.dictionary ?? [:] {
+            if let bytes = value.bytes { service[uuid.lowercased()] = bytes }
+        }
+        return BluetoothDevice(path: path, adapterPath: properties["Adapter"]?.text ?? "",
+                               address: properties["Address"]?.text ?? "", addressType: properties["AddressType"]?.text ?? "public",
+                               name: properties["Name"]?.text, alias: properties["Alias"]?.text,
+                               rssi: properties["RSSI"]?.integer.map { Int($0) }, uuids: (properties["UUIDs"]?.strings ?? []).map { $0.lowercased() },
+                               connected: properties["Connected"]?.boolValue ?? false, paired: properties["Paired"]?.boolValue ?? false,
+                               servicesResolved: properties["ServicesResolved"]?.boolValue ?? false,
+                               manufacturerData: manufacturer, serviceData: service)
+    }
+
+    /// The adapter `name` (`hci1`), or the first powered one.
+    ///
+    /// - Throws: `.notFound` when there is no adapter or not the one named (the message lists the
+    ///   others), `.unsupported` when the one to use is powered off (with the command that powers it on).
+    func adapter(named name: String?) async throws -> BluetoothAdapter {
+        let adapters = try await objects().adapters
+        let known = adapters.map { "\($0.name) (\($0.address)\($0.powered ? "" : ", powered off"))" }.joined(separator: ", ")
+        guard !adapters.isEmpty else {
+            throw TransportError(.notFound, "no Bluetooth adapter: bluetoothd manages none (is a controller plugged in and not blocked? `rfkill list`, `btmgmt info`)")
+        }
+        if let name {
+            guard let adapter = adapters.first(where: { $0.name == name || $0.address.uppercased() == name.uppercased() }) else {
+                throw TransportError(.notFound, "no Bluetooth adapter \(name); adapters: \(known)")
+            }
+            guard adapter.powered else { throw Self.poweredOff(adapter) }
+            return adapter
+        }
+        guard let adapter = adapters.first(where: \.powered) else {
+            guard let first = adapters.first else { throw TransportError(.notFound, "no Bluetooth adapter") }
+            throw Self.poweredOff(first)
+        }
+        return adapter
+    }
+
+    static func poweredOff(_ adapter: BluetoothAdapter) -> TransportError {
+        TransportError(.unsupported, "Bluetooth adapter \(adapter.name) (\(adapter.address)) is powered off: power it on with "
+                       + "`bluetoothctl power on`\(adapter.index.map { " or `btmgmt --index \($0) power on`" } ?? "") (and check `rfkill list`)")
+    }
+
+    /// Turns BlueZ's D-Bus errors (org.bluez.Error.*) into errors that say what to do.
+    static func explain(_ error: TransportError, about what: String) -> TransportError {
+        let message = error.message
+        func has(_ name: String) -> Bool { message.contains("org.bluez.Error.\(name)") }
+        if has("NotReady") {
+            return TransportError(.unsupported, "\(what): the adapter is not ready (powered off?): `bluetoothctl power on`. \(message)")
+        }
+        if has("AuthenticationFailed") || has("AuthenticationRejected") || has("AuthenticationCanceled") || has("AuthenticationTimeout") {
+            return TransportError(.permissionDenied, "\(what): pairing failed: pair the device first (`bluetoothctl pair ADDRESS`) "
+                                  + "with an agent running (bluetoothctl is one), or ask for less security. \(message)")
+        }
+        if has("NotAuthorized") || has("NotPermitted") {
+            return TransportError(.permissionDenied, "\(what): BlueZ refused: the device needs pairing or authorization (`bluetoothctl pair ADDRESS`, "
+                                  + "`bluetoothctl trust ADDRESS`) with an agent running. \(message)")
+        }
+        if has("DoesNotExist") {
+            return TransportError(.notFound, "\(what): BlueZ no longer knows the device (it expired after its last advertisement); scan again. \(message)")
+        }
+        if has("InProgress") || has("Busy") {
+            return TransportError(.busy, "\(what): another operation is under way on the adapter (one LE connection attempt at a time); try again. \(message)")
+        }
+        if has("NotAvailable") || message.contains("br-connection-profile-unavailable") {
+            return TransportError(.refused, "\(what): the device does not offer that profile or service. \(message)")
+        }
+        if message.contains("le-connection-abort-by-local") || message.contains("page-timeout") || message.contains("br-connection-page-timeout") {
+            return TransportError(.timedOut, "\(what): the device did not answer (out of range, switched off, or not connectable). \(message)")
+        }
+        if error.kind == .notFound && message.contains("ServiceUnknown") {
+            return TransportError(.notFound, "\(what): bluetoothd is not running (org.bluez has no owner on the system bus): "
+                                  + "`systemctl start bluetooth`, or start /usr/libexec/bluetooth/bluetoothd")
+        }
+        if error.kind == .permissionDenied {
+            return TransportError(.permissionDenied, "\(what): \(message)")
+        }
+        return error
+    }
+
+    /// The device with `address` on `adapter`. When bluetoothd does not know it, a discovery runs
+    /// (LE or BR/EDR by `transport`) until it appears or `deadline` passes.
+    ///
+    /// - Throws: `.notFound` "not found within N s" when it never appears.
+    func device(address: String, on adapter: BluetoothAdapter, transport: String, deadline: ContinuousClock.Instant?) async throws -> BluetoothDevice {
+        let wanted = address.uppercased()
+        if let known = try await objects().devices.first(where: { $0.adapterPath == adapter.path && $0.address.uppercased() == wanted }) {
+            return known
+        }
+        let signals = try await bus.signals(DBusMatch(sender: Self.service, interface: Self.objectManager, member: "InterfacesAdded"))
+        let filter = DBusValue.dictionary(["Transport": .string(transport), "DuplicateData": .bool(false)])
+        _ = try await call(adapter.path, Self.adapterInterface, "SetDiscoveryFilter", [filter], about: "setting a discovery filter on \(adapter.name)")
+        _ = try await call(adapter.path, Self.adapterInterface, "StartDiscovery", about: "starting discovery on \(adapter.name)")
+        let started = ContinuousClock.now
+        // End the search a little before the connect deadline, so the error says "not found"
+        // rather than the registry's general "took longer than".
+        let limit: ContinuousClock.Instant
+        if let deadline {
+            let remaining = deadline - started
+            limit = deadline - min(.seconds(1), remaining / 5)
+        } else {
+            limit = started.advanced(by: .seconds(10))
+        }
+        defer {
+            let bluez = self
+            Task { _ = try? await bluez.call(adapter.path, Self.adapterInterface, "StopDiscovery", about: "stopping discovery") }
+        }
+        // The device may have appeared between the first look and the subscription.
+        if let known = try await objects().devices.first(where: { $0.adapterPath == adapter.path && $0.address.uppercased() == wanted }) {
+            return known
+        }
+        let found = try await withThrowingTaskGroup(of: BluetoothDevice?.self) { group in
+            group.addTask {
+                for try await signal in signals {
+                    guard case .objectPath(let path)? = signal.values.first, path.hasPrefix(adapter.path + "/"),
+                          let properties = signal.values.dropFirst().first?.dictionary?[Self.deviceInterface]?.dictionary else { continue }
+                    let device = Self.device(path: path, properties)
+                    if device.address.uppercased() == wanted { return device }
+                }
+                return nil
+            }
+            group.addTask {
+                try await Task.sleep(until: limit, clock: .continuous)
+                return nil
+            }
+            let first = try await group.next() ?? nil
+            group.cancelAll()
+            return first
+        }
+        guard let found else {
+            let seconds = (ContinuousClock.now - started).components.seconds
+            throw TransportError(.notFound, "Bluetooth device \(address) not found within \(seconds) s on \(adapter.name): is it switched on, in range, "
+                                 + "and advertising (LE) or discoverable (classic)? Give more time with timeout=SECONDS")
+        }
+        return found
+    }
+}

@@ -1,0 +1,274 @@
+// rfcomm:// and ble:// — Bluetooth through BlueZ: bluetoothd's D-Bus API for adapters and devices
+// (BlueZ.swift), kernel sockets for the data (BluetoothSocket.swift). Never raw HCI: it fights
+// bluetoothd ("Command Disallowed").
+//
+// Grammar:
+//   rfcomm://MAC:CHANNEL[?adapter=hciN]                  Bluetooth Classic, RFCOMM channel 1…30
+//   ble://SERVICE:PSM/MAC[?adapter=hciN&addressType=…&mtu=N&security=…]
+//                                                        an LE L2CAP connection-oriented channel
+//   ea://…                                               refused: Apple's External Accessory has no Linux counterpart
+// Not built yet (issue 14 continues): rfcomm:// without a channel (SDP), listen modes, ble:// GATT
+// serial (no PSM), ble:// without a device (scan and choose). Each is refused with a message that says so.
+
+import NIOCore
+import Synchronization
+import SystemPackage
+@_spi(Plugins) import TransportKitCore
+import TransportKitDBus
+import TransportKitLinux
+
+/// The `rfcomm://` and `ble://` schemes, Bluetooth adapters in the device listing, and their
+/// arrival and removal as device events.
+///
+/// ```swift
+/// let spp = try await Transport.connect(to: "rfcomm://00:AA:01:01:00:01:1")
+/// let coc = try await Transport.connect(to: "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0")
+/// print(coc.metadata.mtu ?? 0)   // the channel's send MTU
+/// ```
+public struct BluetoothPlugin: TransportPlugin {
+    /// The bus bluetoothd is on.
+    public let bus: DBusConnection.Bus
+
+    /// The plugin; `Transport.builtInPlugins` has one on the system bus. Another `bus` is for a
+    /// bluetoothd (or a stand-in for it) on a private bus.
+    public init(bus: DBusConnection.Bus = .system) {
+        self.bus = bus
+    }
+
+    static let adapter = URLOption.string("adapter", help: "The Bluetooth adapter to use, by name (hci1) or address (default: the first powered one)")
+    static let addressType = URLOption.choice("addressType", default: AddressType.bluez,
+                                              help: "ble://: the device's LE address type; bluez (default) asks bluetoothd, discovering the device if needed")
+    static let mtu = URLOption.integer("mtu", in: 23...65535, help: "ble://…:PSM: the receive MTU to offer (default: the kernel's, 672)")
+    static let security = URLOption.choice("security", default: BluetoothSocket.Security.low,
+                                           help: "ble://…:PSM: link security; medium and high encrypt the link and may start pairing (needs an agent)")
+
+    enum AddressType: String, CaseIterable, Sendable {
+        case bluez, `public`, random
+    }
+
+    public var schemes: [Scheme] {
+        [
+            Scheme(SchemeDescriptor(
+                scheme: "rfcomm",
+                summary: "Bluetooth Classic RFCOMM (Serial Port Profile) through BlueZ",
+                grammar: "rfcomm://MAC:CHANNEL[?adapter=hciN]",
+                examples: ["rfcomm://00:0A:3A:22:68:73:1", "rfcomm://00:0A:3A:22:68:73:3?adapter=hci1"],
+                host: .required, port: .optional, portRange: 1...30, path: .forbidden,
+                options: [Self.adapter]
+            ), connect: { [bus] in try await BluetoothConnector.rfcomm($0, bus: bus) }),
+            Scheme(SchemeDescriptor(
+                scheme: "ble",
+                summary: "Bluetooth LE through BlueZ: an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE)",
+                grammar: "ble://SERVICE:PSM/MAC[?adapter=hciN&addressType=bluez|public|random&mtu=N&security=low|medium|high]",
+                examples: ["ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024"],
+                host: .required, port: .optional, portRange: 1...255, path: .optional,
+                options: [Self.adapter, Self.addressType, Self.mtu, Self.security]
+            ), connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) }),
+            Scheme(SchemeDescriptor(
+                scheme: "ea",
+                summary: "Apple External Accessory: not available on Linux (use rfcomm:// or usb://)",
+                grammar: "ea://PROTOCOL (refused on Linux)",
+                examples: ["ea://com.example.protocol"],
+                host: .optional, port: .forbidden, path: .optional,
+                options: []
+            ), connect: { request in
+                throw TransportError(.unsupported, "\(request.url): ea:// is Apple's External Accessory framework (MFi accessories on iOS), which Linux "
+                                     + "does not have. The same accessories are reached here over Bluetooth Classic as rfcomm://MAC:CHANNEL, "
+                                     + "or over USB as usb://VID:PID")
+            }),
+        ]
+    }
+
+    /// The Bluetooth adapters bluetoothd manages. Quietly none when this machine has no system bus
+    /// or no bluetoothd (no Bluetooth to offer); an error when the D-Bus policy refuses this user.
+    public func devices(includeAll: Bool) async throws -> [DeviceRecord] {
+        do {
+            return try await BlueZ.shared(bus).objects().adapters.map(Self.record)
+        } catch let error as TransportError where error.kind == .notFound {
+            return []
+        }
+    }
+
+    /// Adapters arriving and going away (a USB dongle plugged in, a controller removed), from
+    /// bluetoothd's InterfacesAdded and InterfacesRemoved. `nil` when there is no system bus.
+    public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        guard let bluez = try? BlueZ.shared(bus) else { return nil }
+        return AdapterEvents.stream(bluez)
+    }
+
+    static func record(_ adapter: BluetoothAdapter) -> DeviceRecord {
+        DeviceRecord(url: "adapter=\(adapter.name)", scheme: "bluetooth", devnode: nil, name: adapter.name,
+                     product: "Bluetooth adapter \(adapter.address)\(adapter.powered ? "" : " (powered off)")",
+                     driver: "bluetooth", sysPath: "/sys/class/bluetooth/\(adapter.name)",
+                     properties: ["address": adapter.address, "powered": String(adapter.powered), "discoverable": String(adapter.discoverable),
+                                  "index": adapter.index.map(String.init) ?? "", "alias": adapter.alias ?? "", "path": adapter.path])
+    }
+}
+
+/// Adapter arrivals and removals.
+enum AdapterEvents {
+    static func stream(_ bluez: BlueZ) -> AsyncThrowingStream<DeviceEvent, any Error> {
+        let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream()
+        let task = Task {
+            do {
+                let signals = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager))
+                // Known adapters, so a removal can say what went away.
+                var known: [String: BluetoothAdapter] = [:]
+                if let adapters = try? await bluez.objects().adapters {
+                    for adapter in adapters { known[adapter.path] = adapter }
+                }
+                for try await signal in signals {
+                    guard case .objectPath(let path)? = signal.values.first else { continue }
+                    switch signal.member {
+                    case "InterfacesAdded":
+                        guard let properties = signal.values.dropFirst().first?.dictionary?[BlueZ.adapterInterface]?.dictionary else { continue }
+                        let adapter = BlueZ.adapter(path: path, properties)
+                        known[path] = adapter
+                        continuation.yield(DeviceEvent(.added, BluetoothPlugin.record(adapter)))
+                    case "InterfacesRemoved":
+                        guard signal.values.dropFirst().first?.strings?.contains(BlueZ.adapterInterface) == true else { continue }
+                        let adapter = known.removeValue(forKey: path) ?? BluetoothAdapter(
+                            path: path, name: String(path.split(separator: "/").last ?? ""), index: nil, address: "",
+                            alias: nil, powered: false, discoverable: false, discovering: false)
+                        continuation.yield(DeviceEvent(.removed, BluetoothPlugin.record(adapter)))
+                    default:
+                        continue
+                    }
+                }
+                continuation.finish()
+            } catch {
+                continuation.finish(throwing: error)
+            }
+        }
+        continuation.onTermination = { _ in task.cancel() }
+        return stream
+    }
+}
+
+/// Connecting rfcomm:// and ble://.
+enum BluetoothConnector {
+    static func rfcomm(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Connection {
+        let url = request.url
+        guard let device = BluetoothAddress(request.host) else {
+            throw TransportError(.invalidURL, "\(url): '\(request.host)' is not a Bluetooth address (six hexadecimal pairs, 00:0A:3A:22:68:73). Grammar: \(request.scheme.grammar)")
+        }
+        guard let channel = url.port else {
+            throw TransportError(.unsupported, "\(url): finding the RFCOMM channel through SDP is not built yet; give the channel: "
+                                 + "rfcomm://\(device):CHANNEL (`sdptool search --bdaddr \(device) SP` shows it)")
+        }
+        let bluez = try BlueZ.shared(bus)
+        let adapter = try await bluez.adapter(named: request[BluetoothPlugin.adapter])
+        guard let local = BluetoothAddress(adapter.address) else {
+            throw TransportError(.io, "\(url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
+        }
+        let known = try? await bluez.objects().devices.first { $0.adapterPath == adapter.path && $0.address.uppercased() == device.description }
+        let describing = url.description
+        let fd = try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: UInt8(channel), describing: describing,
+                                                        deadline: request.deadline)
+        let backend = try await DescriptorChannel.adoptSocket(fd, describing: describing)
+        var metadata = metadata(device: known, address: device, adapter: adapter)
+        metadata.extra["addressType"] = "public"
+        metadata.extra["channel"] = String(channel)
+        return Connection(url: url, backend: BluetoothBackend(channel: backend, device: device), metadata: metadata)
+    }
+
+    static func ble(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Connection {
+        let url = request.url
+        guard let psm = url.port else {
+            throw TransportError(.unsupported, "\(url): GATT serial (ble://SERVICE[/DEVICE] without a PSM) is not built yet; "
+                                 + "an L2CAP channel works: ble://SERVICE:PSM/DEVICE")
+        }
+        let deviceText = String(url.path.drop { $0 == "/" })
+        guard !deviceText.isEmpty else {
+            throw TransportError(.unsupported, "\(url): choosing a device by scanning (no /DEVICE) is not built yet; give the device: ble://\(request.host):\(psm)/MAC")
+        }
+        guard let device = BluetoothAddress(deviceText) else {
+            throw TransportError(.invalidURL, "\(url): '\(deviceText)' is not a Bluetooth address (six hexadecimal pairs, E3:2E:44:66:A2:4A). Grammar: \(request.scheme.grammar)")
+        }
+        let bluez = try BlueZ.shared(bus)
+        let adapter = try await bluez.adapter(named: request[BluetoothPlugin.adapter])
+        guard let local = BluetoothAddress(adapter.address) else {
+            throw TransportError(.io, "\(url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
+        }
+        var known: BluetoothDevice?
+        let addressType: String
+        switch request[BluetoothPlugin.addressType] {
+        case .public: addressType = "public"
+        case .random: addressType = "random"
+        case .bluez:
+            let found = try await bluez.device(address: device.description, on: adapter, transport: "le", deadline: request.deadline)
+            known = found
+            addressType = found.addressType
+        }
+        let describing = url.description
+        let channel = try await BluetoothSocket.connectL2CAP(adapter: local, device: device, addressType: addressType, psm: UInt16(psm),
+                                                             receiveMTU: request[BluetoothPlugin.mtu], security: request[BluetoothPlugin.security],
+                                                             describing: describing, deadline: request.deadline)
+        let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
+                                          maximumWriteSize: channel.sendMTU) { errno in
+            BluetoothBackend.disconnected(device, errno: errno, syscall: errno == nil ? nil : "recv")
+        }
+        var metadata = metadata(device: known, address: device, adapter: adapter)
+        metadata.mtu = channel.sendMTU
+        metadata.extra["addressType"] = addressType
+        metadata.extra["psm"] = String(psm)
+        metadata.extra["sendMTU"] = String(channel.sendMTU)
+        metadata.extra["receiveMTU"] = String(channel.receiveMTU)
+        return Connection(url: url, backend: backend, metadata: metadata)
+    }
+
+    /// CornucopiaStreams' CC_meta: the device's name, address, address type and signal strength where known.
+    static func metadata(device: BluetoothDevice?, address: BluetoothAddress, adapter: BluetoothAdapter) -> ConnectionMetadata {
+        var metadata = ConnectionMetadata(name: device?.alias ?? device?.name, localAddress: adapter.address, remoteAddress: address.description)
+        metadata.extra["adapter"] = adapter.name
+        if let rssi = device?.rssi { metadata.extra["rssi"] = String(rssi) }
+        if let name = device?.name { metadata.extra["deviceName"] = name }
+        return metadata
+    }
+}
+
+/// An RFCOMM stream on the event loop. RFCOMM has no half-close an application relies on: any end
+/// that this side did not ask for (the peer closed, the link dropped, the adapter went away) ends
+/// reads with "disconnected", after every byte received before it.
+final class BluetoothBackend: ConnectionBackend {
+    let channel: ChannelBackend
+    let device: BluetoothAddress
+    let supportsHalfClose = false
+
+    init(channel: ChannelBackend, device: BluetoothAddress) {
+        self.channel = channel
+        self.device = device
+    }
+
+    static func disconnected(_ device: BluetoothAddress, errno: Errno?, syscall: String?) -> TransportError {
+        TransportError(.disconnected, "Bluetooth device \(device) disconnected (the link dropped, the peer closed it, or the adapter went away); "
+                       + "reconnect when it is back", errno: errno, syscall: syscall)
+    }
+
+    var preferredExecutor: (any TaskExecutor)? { channel.preferredExecutor }
+
+    func read() async throws -> ByteBuffer? {
+        do {
+            guard let buffer = try await channel.read() else { throw Self.disconnected(device, errno: nil, syscall: nil) }
+            return buffer
+        } catch let error as TransportError where error.kind == .disconnected {
+            throw Self.disconnected(device, errno: error.errno, syscall: error.syscall)
+        }
+    }
+
+    func write(_ buffer: ByteBuffer) async throws {
+        do {
+            try await channel.write(buffer)
+        } catch let error as TransportError where error.kind == .disconnected {
+            throw Self.disconnected(device, errno: error.errno, syscall: error.syscall)
+        }
+    }
+
+    func closeWrite() async throws {
+        throw TransportError(.unsupported, "rfcomm:// cannot half-close (Serial Port Profile peers expect the link to stay or go); close the connection instead")
+    }
+
+    func close() async throws { try await channel.close() }
+
+    func connectionDropped() { channel.connectionDropped() }
+}

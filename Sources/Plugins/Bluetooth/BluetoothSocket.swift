@@ -1,0 +1,179 @@
+// BluetoothSocket.swift: the kernel's Bluetooth sockets (AF_BLUETOOTH; bluetooth.h, rfcomm.h,
+// l2cap.h): RFCOMM streams for rfcomm://, LE L2CAP connection-oriented channels (SOCK_SEQPACKET)
+// for ble://SERVICE:PSM/DEVICE. Every call goes through Syscall (errno and the call's name kept).
+//
+// Facts (shared/PLATFORM-NOTES.md): the LE address type comes from BlueZ (Device1.AddressType);
+// BT_RCVMTU is set before connect, BT_SNDMTU is known only after it; a record larger than the send
+// MTU fails with EMSGSIZE; security above low starts pairing, which needs an agent; one LE connect
+// may be pending per controller (EBUSY).
+
+import CBlueZ
+import Glibc
+import SystemPackage
+import TransportKitCore
+import TransportKitLinux
+
+/// A Bluetooth device address, `00:AA:01:01:00:01`.
+struct BluetoothAddress: Sendable, Hashable, CustomStringConvertible {
+    /// The six bytes as written, most significant first.
+    let bytes: [UInt8]
+
+    init?(_ text: String) {
+        let parts = text.split(separator: ":", omittingEmptySubsequences: false)
+        guard parts.count == 6 else { return nil }
+        var bytes: [UInt8] = []
+        for part in parts {
+            guard part.count == 2, let byte = UInt8(part, radix: 16) else { return nil }
+            bytes.append(byte)
+        }
+        self.bytes = bytes
+    }
+
+    /// bdaddr_t keeps the bytes least significant first.
+    var kernel: bdaddr_t {
+        var address = bdaddr_t()
+        withUnsafeMutableBytes(of: &address.b) { raw in
+            for (index, byte) in bytes.reversed().enumerated() { raw[index] = byte }
+        }
+        return address
+    }
+
+    var description: String { bytes.map { String($0, radix: 16, uppercase: true).leftPadded(to: 2) }.joined(separator: ":") }
+}
+
+private extension String {
+    func leftPadded(to width: Int) -> String { String(repeating: "0", count: max(0, width - count)) + self }
+}
+
+/// Opening Bluetooth sockets, bound to an adapter, connected within a deadline.
+enum BluetoothSocket {
+    /// How L2CAP security is asked for (BT_SECURITY): above `low` the link is encrypted and pairing may start.
+    enum Security: String, CaseIterable, Sendable {
+        case low, medium, high
+        var level: UInt8 {
+            switch self {
+            case .low: UInt8(BT_SECURITY_LOW)
+            case .medium: UInt8(BT_SECURITY_MEDIUM)
+            case .high: UInt8(BT_SECURITY_HIGH)
+            }
+        }
+    }
+
+    /// An RFCOMM stream socket connected to `device` on `channel`, bound to `adapter`.
+    static func connectRFCOMM(adapter: BluetoothAddress, device: BluetoothAddress, channel: UInt8, describing: String,
+                              deadline: ContinuousClock.Instant?) async throws -> SystemPackage.FileDescriptor {
+        let fd = try open(SOCK_STREAM, BTPROTO_RFCOMM, describing: describing)
+        do {
+            try Syscall.run("bind", on: describing) { tk_bt_rfcomm_bind(fd.rawValue, adapter.kernel, 0) }
+            try await connect(fd, describing: describing, deadline: deadline, what: "RFCOMM channel \(channel) on \(device)") {
+                tk_bt_rfcomm_connect(fd.rawValue, device.kernel, channel)
+            }
+            return fd
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
+    }
+
+    /// The MTUs of a connected L2CAP channel.
+    struct Channel {
+        let fd: SystemPackage.FileDescriptor
+        let sendMTU: Int
+        let receiveMTU: Int
+    }
+
+    /// An LE L2CAP connection-oriented channel (SOCK_SEQPACKET) to `device` on `psm`.
+    static func connectL2CAP(adapter: BluetoothAddress, device: BluetoothAddress, addressType: String, psm: UInt16,
+                             receiveMTU: Int?, security: Security, describing: String,
+                             deadline: ContinuousClock.Instant?) async throws -> Channel {
+        let fd = try open(SOCK_SEQPACKET, BTPROTO_L2CAP, describing: describing)
+        do {
+            let type = UInt8(addressType == "random" ? BDADDR_LE_RANDOM : BDADDR_LE_PUBLIC)
+            try Syscall.run("bind", on: describing) { tk_bt_l2cap_bind(fd.rawValue, adapter.kernel, UInt8(BDADDR_LE_PUBLIC), 0) }
+            if let receiveMTU {
+                var mtu = UInt16(clamping: receiveMTU)
+                try Syscall.run("setsockopt(BT_RCVMTU)", on: describing) {
+                    setsockopt(fd.rawValue, SOL_BLUETOOTH, BT_RCVMTU, &mtu, socklen_t(MemoryLayout<UInt16>.size))
+                }
+            }
+            if security != .low {
+                var level = bt_security(level: security.level, key_size: 0)
+                try Syscall.run("setsockopt(BT_SECURITY)", on: describing) {
+                    setsockopt(fd.rawValue, SOL_BLUETOOTH, BT_SECURITY, &level, socklen_t(MemoryLayout<bt_security>.size))
+                }
+            }
+            try await connect(fd, describing: describing, deadline: deadline, what: "L2CAP PSM \(psm) on \(device)") {
+                tk_bt_l2cap_connect(fd.rawValue, device.kernel, type, psm)
+            }
+            return Channel(fd: fd, sendMTU: try mtu(fd, BT_SNDMTU, describing), receiveMTU: try mtu(fd, BT_RCVMTU, describing))
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
+    }
+
+    private static func mtu(_ fd: SystemPackage.FileDescriptor, _ option: Int32, _ describing: String) throws -> Int {
+        var value: UInt16 = 0
+        var length = socklen_t(MemoryLayout<UInt16>.size)
+        try Syscall.run(option == BT_SNDMTU ? "getsockopt(BT_SNDMTU)" : "getsockopt(BT_RCVMTU)", on: describing) {
+            getsockopt(fd.rawValue, SOL_BLUETOOTH, option, &value, &length)
+        }
+        return Int(value)
+    }
+
+    private static func open(_ type: __socket_type, _ proto: Int32, describing: String) throws -> SystemPackage.FileDescriptor {
+        try Syscall.descriptor("socket(AF_BLUETOOTH)", on: describing,
+                               hint: "this kernel has no Bluetooth support (module bluetooth not loaded?)") {
+            socket(AF_BLUETOOTH, Int32(type.rawValue) | Int32(SOCK_CLOEXEC.rawValue) | Int32(SOCK_NONBLOCK.rawValue), proto)
+        }
+    }
+
+    /// A non-blocking connect(2): waits for writability (or the deadline), then reads SO_ERROR.
+    private static func connect(_ fd: SystemPackage.FileDescriptor, describing: String, deadline: ContinuousClock.Instant?, what: String,
+                                _ start: () -> Int32) async throws {
+        switch Syscall.attempt(start) {
+        case .success: return
+        case .failure(.nowInProgress), .failure(.resourceTemporarilyUnavailable): break
+        case .failure(let errno): throw failure(errno, describing: describing, what: what)
+        }
+        let waiting = Task { try await fd.wait(until: .writable) }
+        let timer = Task {
+            if let deadline {
+                try await Task.sleep(until: deadline, clock: .continuous)
+                waiting.cancel()
+            }
+        }
+        defer { timer.cancel() }
+        do {
+            try await withTaskCancellationHandler {
+                try await waiting.value
+            } onCancel: {
+                waiting.cancel()
+            }
+        } catch {
+            if Task.isCancelled { throw CancellationError() }
+            throw TransportError(.timedOut, "\(describing): connecting to \(what) timed out; is the device in range and switched on?")
+        }
+        var code: Int32 = 0
+        var length = socklen_t(MemoryLayout<Int32>.size)
+        try Syscall.run("getsockopt(SO_ERROR)", on: describing) { getsockopt(fd.rawValue, SOL_SOCKET, SO_ERROR, &code, &length) }
+        if code != 0 { throw failure(Errno(rawValue: code), describing: describing, what: what) }
+    }
+
+    static func failure(_ errno: Errno, describing: String, what: String) -> TransportError {
+        switch errno {
+        case .connectionRefused:
+            return TransportError(.refused, "\(describing): nobody listens on \(what) (the device refused the connection)", errno: errno, syscall: "connect")
+        case .hostIsDown, .timedOut, .noRouteToHost:
+            return TransportError(.timedOut, "\(describing): \(what) did not answer: out of range, switched off, or not connectable", errno: errno, syscall: "connect")
+        case .resourceBusy:
+            return TransportError(.busy, "\(describing): the adapter is busy with another connection attempt (one LE connect at a time); try again", errno: errno, syscall: "connect")
+        case .permissionDenied, .notPermitted:
+            return TransportError(.permissionDenied, "\(describing): connecting to \(what) needs pairing or a privilege (PSMs below 128 need CAP_NET_BIND_SERVICE)", errno: errno, syscall: "connect")
+        case .connectionReset, .connectionAbort:
+            return TransportError(.refused, "\(describing): \(what) closed the connection during setup (security or pairing refused?)", errno: errno, syscall: "connect")
+        default:
+            return TransportError.posix("connect", errno: errno, what: "\(describing) (\(what))")
+        }
+    }
+}

@@ -1,0 +1,167 @@
+// PacketSocket.swift: a connected SOCK_SEQPACKET socket (socket(7), recv(2), send(2)) as a
+// ConnectionBackend, for descriptors SwiftNIO's stream channels must not carry: an LE L2CAP
+// channel (a write larger than the send MTU fails with EMSGSIZE, and NIO would gather several
+// writes into one writev), and the AF_UNIX sockets BlueZ hands out for GATT AcquireWrite and
+// AcquireNotify (one datagram, one attribute value). Every record read is one message; every write
+// is sent as one record.
+//
+// Readiness comes from FileDescriptor.wait(until:) (no thread parked). Closing shuts the socket down
+// first, so a read or write waiting for readiness wakes and leaves, and closes the descriptor only
+// once nothing waits on it.
+
+import Glibc
+import NIOCore
+import SystemPackage
+import TransportKitCore
+
+/// A connected SOCK_SEQPACKET socket as a connection: records in, records out.
+///
+/// ```swift
+/// let backend = PacketSocketBackend(adopting: fd, describing: "ble://FFF0:128/00:AA:01:01:00:01",
+///                                   receiveSize: 672, maximumWriteSize: 672) { errno in
+///     TransportError(.disconnected, "00:AA:01:01:00:01 disconnected", errno: errno, syscall: "recv")
+/// }
+/// return Connection(url: request.url, backend: backend, metadata: metadata)
+/// ```
+public final class PacketSocketBackend: ConnectionBackend {
+    public let supportsHalfClose = false
+    public let carriesMessages = true
+    public let maximumWriteSize: Int?
+    private let fd: SystemPackage.FileDescriptor
+    private let describing: String
+    private let receiveSize: Int
+    private let inbound: InboundQueue
+    /// `true` while the reader may take records from the socket (false once the queue asked it to pause).
+    private let producing = AsyncCondition(true)
+    /// Reads and writes inside a readiness wait or a system call on `fd`, and whether it was closed.
+    private let users = AsyncCondition<(count: Int, closed: Bool)>((0, false))
+    private let reader = AsyncCondition<Task<Void, Never>?>(nil)
+    private let hangUp: @Sendable (Errno?) -> TransportError
+
+    /// Takes ownership of a connected SOCK_SEQPACKET socket and starts reading it.
+    ///
+    /// - Parameters:
+    ///   - fd: the connected socket; the backend owns it and closes it.
+    ///   - describing: the URL or name the errors use.
+    ///   - receiveSize: the largest record expected (the receive MTU); a longer one is cut (MSG_TRUNC).
+    ///   - maximumWriteSize: the largest record the peer accepts (the send MTU); the connection chunks writes to it.
+    ///   - watermarks: where reading pauses while the application does not read.
+    ///   - hangUp: the error that ends the connection when the peer goes away (with the errno, if any).
+    public init(adopting fd: SystemPackage.FileDescriptor, describing: String, receiveSize: Int, maximumWriteSize: Int?,
+                watermarks: InboundQueue.Watermarks = .standard, hangUp: @escaping @Sendable (Errno?) -> TransportError) {
+        self.fd = fd
+        self.describing = describing
+        self.receiveSize = max(receiveSize, 1)
+        self.maximumWriteSize = maximumWriteSize
+        self.hangUp = hangUp
+        let producing = self.producing
+        inbound = InboundQueue(watermarks: watermarks, messages: true) { producing.update { $0 = true } }
+        let task = Task { [self] in await self.readLoop() }
+        reader.update { $0 = task }
+    }
+
+    /// What the kernel reports when the link or the peer is gone (l2cap_chan_del's reasons).
+    static let hangUps: [Errno] = [.connectionReset, .socketNotConnected, .hostIsDown, .timedOut, .connectionAbort, .brokenPipe]
+
+    public func read() async throws -> ByteBuffer? { try await inbound.next() }
+
+    public func write(_ buffer: ByteBuffer) async throws {
+        guard enter() else { throw TransportError(.misuse, "\(describing) is closed") }
+        defer { leave() }
+        let bytes = Array(buffer.readableBytesView)
+        while true {
+            let result = Syscall.attempt { bytes.withUnsafeBytes { send(fd.rawValue, $0.baseAddress, $0.count, Int32(MSG_NOSIGNAL | MSG_DONTWAIT)) } }
+            switch result {
+            case .success: return
+            case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
+                try await fd.wait(until: .writable)
+                if users.withLock({ $0.closed }) { throw TransportError(.misuse, "\(describing) was closed during a write") }
+            case .failure(.messageTooLong):
+                throw TransportError.posix("send", errno: .messageTooLong, what: describing,
+                                           hint: "a write of \(bytes.count) bytes is larger than the peer accepts (\(maximumWriteSize.map(String.init) ?? "?") bytes)")
+            case .failure(let errno) where Self.hangUps.contains(errno):
+                throw hangUp(errno)
+            case .failure(let errno):
+                throw TransportError.posix("send", errno: errno, what: describing)
+            }
+        }
+    }
+
+    public func closeWrite() async throws {
+        throw TransportError(.unsupported, "\(describing) cannot half-close (a SEQPACKET channel has no end-of-stream of its own); close the connection instead")
+    }
+
+    public func close() async throws {
+        await shutDown()
+    }
+
+    public func connectionDropped() {
+        Task { await self.shutDown() }
+    }
+
+    private func readLoop() async {
+        var buffer = [UInt8](repeating: 0, count: receiveSize)
+        while true {
+            do {
+                try await producing.wait { $0 ? () : nil }
+            } catch {
+                return   // cancelled: closing
+            }
+            guard enter() else { return }
+            let result = Syscall.attempt { buffer.withUnsafeMutableBytes { recv(fd.rawValue, $0.baseAddress, $0.count, Int32(MSG_DONTWAIT)) } }
+            switch result {
+            case .success(0):
+                leave()
+                inbound.fail(hangUp(nil))
+                return
+            case .success(let count):
+                leave()
+                if inbound.append(ByteBuffer(bytes: buffer.prefix(count))) == .pause {
+                    producing.update { $0 = false }
+                }
+            case .failure(.resourceTemporarilyUnavailable):
+                do {
+                    try await fd.wait(until: .readable)
+                    leave()
+                } catch {
+                    leave()
+                    return
+                }
+            case .failure(let errno):
+                leave()
+                if users.withLock({ $0.closed }) { return }
+                inbound.fail(Self.hangUps.contains(errno) ? hangUp(errno) : TransportError.posix("recv", errno: errno, what: describing))
+                return
+            }
+        }
+    }
+
+    /// Counts a user of the descriptor; false once it is being closed.
+    private func enter() -> Bool {
+        users.update { state in
+            guard !state.closed else { return false }
+            state.count += 1
+            return true
+        }
+    }
+
+    private func leave() { users.update { $0.count -= 1 } }
+
+    private func shutDown() async {
+        let first = users.update { state in
+            defer { state.closed = true }
+            return !state.closed
+        }
+        guard first else { return }
+        // Wakes every readiness wait on the socket (it becomes readable and writable with an error).
+        _ = Glibc.shutdown(fd.rawValue, Int32(SHUT_RDWR))
+        let task = reader.withLock { $0 }
+        task?.cancel()
+        await task?.value
+        // Not cancellable: the descriptor must not be closed under a readiness wait.
+        let users = self.users
+        await Task.detached { try? await users.wait { $0.count == 0 ? () : nil } }.value
+        fd.closeOwned()
+        inbound.finish()
+    }
+}

@@ -1,0 +1,262 @@
+import CBlueZ
+import Foundation
+import Glibc
+import Synchronization
+import SystemPackage
+import Testing
+import TestSupport
+import TransportKit
+
+/// A program running in the background in a process group of its own (rctest and l2test fork a
+/// child per connection): stopped by killing the group.
+final class BackgroundProgram: Sendable {
+    let pid: pid_t
+
+    init(_ executable: String, _ arguments: [String]) throws {
+        var attributes = posix_spawnattr_t()
+        posix_spawnattr_init(&attributes)
+        defer { posix_spawnattr_destroy(&attributes) }
+        posix_spawnattr_setflags(&attributes, Int16(POSIX_SPAWN_SETPGROUP))
+        posix_spawnattr_setpgroup(&attributes, 0)
+        var actions = posix_spawn_file_actions_t()
+        posix_spawn_file_actions_init(&actions)
+        defer { posix_spawn_file_actions_destroy(&actions) }
+        posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0)
+        posix_spawn_file_actions_addopen(&actions, 1, "/tmp/lab-background.log", O_WRONLY | O_CREAT | O_APPEND, 0o644)
+        posix_spawn_file_actions_adddup2(&actions, 1, 2)
+        let argv = ([executable] + arguments).map { strdup($0) } + [nil]
+        defer { argv.forEach { free($0) } }
+        var pid: pid_t = 0
+        let result = posix_spawn(&pid, executable, &actions, &attributes, argv, environ)
+        guard result == 0 else { throw TransportError(.io, "posix_spawn \(executable)", errno: Errno(rawValue: result), syscall: "posix_spawn") }
+        self.pid = pid
+    }
+
+    /// SIGKILL to the whole group, then reaps the leader.
+    func kill() {
+        _ = Glibc.kill(-pid, SIGKILL)
+        var status: Int32 = 0
+        while waitpid(pid, &status, 0) < 0 && errno == EINTR {}
+    }
+}
+
+/// rfcomm:// and ble:// L2CAP through the real bluetoothd, between the lab's two emulated
+/// controllers: hci0 connects, hci1 is the peer (BlueZ's own rctest and l2test, or a plain socket).
+@Suite("lab: Bluetooth through BlueZ (rfcomm://, ble:// L2CAP)", .serialized, .enabled(if: Lab.isActive, "needs the qemu lab: run Scripts/lab"))
+struct BlueZLabTests {
+    struct Controllers {
+        var hci0: String
+        var hci1: String
+    }
+
+    /// Both controllers up, bluetoothd running and managing them, hci1 advertising.
+    static func setUp() async throws -> Controllers {
+        let output = try await Lab.ctl("bt-up")
+        var addresses: [String: String] = [:]
+        for line in output.split(separator: "\n") {
+            let words = line.split(separator: " ")
+            if words.count == 2 { addresses[String(words[0])] = String(words[1]) }
+        }
+        let controllers = Controllers(hci0: try #require(addresses["hci0"], "bt-up printed \(output)"),
+                                      hci1: try #require(addresses["hci1"], "bt-up printed \(output)"))
+        try await Lab.ctl("bluez-start")
+        let plugin = BluetoothPlugin()
+        var both = false
+        let until = ContinuousClock.now + .seconds(15)
+        while !both && ContinuousClock.now < until {
+            let records = (try? await plugin.devices(includeAll: false)) ?? []
+            both = records.filter { $0.properties["powered"] == "true" }.count >= 2
+            if !both { try await Task.sleep(for: .milliseconds(100)) }
+        }
+        try #require(both, "bluetoothd did not report hci0 and hci1 powered")
+        // bluetoothd takes over the controllers' settings: advertise again so hci0 can reach hci1 over LE.
+        _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "advertising", "on"])
+        return controllers
+    }
+
+    /// Connects, retrying while the peer's listener is not up yet (refused) for up to 10 s.
+    static func connect(_ url: String) async throws -> Connection {
+        let until = ContinuousClock.now + .seconds(10)
+        while true {
+            do {
+                return try await Transport.connect(to: url)
+            } catch let error as TransportError where error.kind == .refused && ContinuousClock.now < until {
+                try await Task.sleep(for: .milliseconds(200))
+            }
+        }
+    }
+
+    static func pattern(_ count: Int) -> [UInt8] { (0..<count).map { UInt8(truncatingIfNeeded: $0 &* 7 &+ $0 / 256) } }
+
+    @Test func adaptersAreListedAndTheirRemovalAndArrivalReported() async throws {
+        let controllers = try await Self.setUp()
+        let records = try await BluetoothPlugin().devices(includeAll: false)
+        #expect(records.first { $0.name == "hci0" }?.properties["address"] == controllers.hci0, "\(records)")
+        #expect(records.first { $0.name == "hci1" }?.properties["address"] == controllers.hci1, "\(records)")
+
+        let collector = EventCollector()
+        defer { collector.stop() }
+        try await Task.sleep(for: .milliseconds(300))
+        let start = collector.events.count
+        try await Lab.ctl("bt-down")
+        let removed = await collector.waitFor(from: start, seconds: 15) { $0.action == .removed && $0.device.scheme == "bluetooth" && $0.device.name == "hci1" }
+        #expect(removed != nil, "no removal of hci1: \(collector.events) \(collector.failure ?? "")")
+        #expect(removed.map { collector.events[$0].device.properties["address"] } == controllers.hci1)
+        let back = collector.events.count
+        _ = try await Self.setUp()
+        let added = await collector.waitFor(from: back, seconds: 15) { $0.action == .added && $0.device.scheme == "bluetooth" && $0.device.name == "hci0" }
+        #expect(added != nil, "no arrival of hci0: \(collector.events) \(collector.failure ?? "")")
+    }
+
+    /// A plain kernel socket on hci1 (RFCOMM channel or LE PSM) that reads `expecting` bytes, then
+    /// sends `reply` in pieces of `piece` bytes; returns the sizes of the reads and the bytes.
+    static func peer(listener: Int32, expecting: Int, reply: [UInt8], piece: Int) -> Task<(records: [Int], bytes: [UInt8]), Never> {
+        Task.detached {
+            let server = accept(listener, nil, nil)
+            guard server >= 0 else { return ([], []) }
+            defer { close(server) }
+            var limit = timeval(tv_sec: 10, tv_usec: 0)
+            setsockopt(server, SOL_SOCKET, SO_RCVTIMEO, &limit, socklen_t(MemoryLayout<timeval>.size))
+            var records: [Int] = []
+            var bytes: [UInt8] = []
+            var buffer = [UInt8](repeating: 0, count: 4096)
+            while bytes.count < expecting {
+                let count = recv(server, &buffer, buffer.count, 0)
+                guard count > 0 else { break }
+                records.append(count)
+                bytes += buffer[..<count]
+            }
+            var offset = 0
+            while offset < reply.count {
+                let end = min(offset + piece, reply.count)
+                guard reply[offset..<end].withUnsafeBytes({ send(server, $0.baseAddress, $0.count, 0) }) > 0 else { break }
+                offset = end
+            }
+            usleep(500_000)
+            return (records, bytes)
+        }
+    }
+
+    @Test func rfcommCarriesTenKiBEachWayThroughAFixedChannel() async throws {
+        let controllers = try await Self.setUp()
+        var peerAddress = bdaddr_t()
+        #expect(str2ba(controllers.hci1, &peerAddress) == 0)
+        let listener = socket(AF_BLUETOOTH, Int32(SOCK_STREAM.rawValue | SOCK_CLOEXEC.rawValue), BTPROTO_RFCOMM)
+        try #require(listener >= 0)
+        defer { close(listener) }
+        try #require(tk_bt_rfcomm_bind(listener, peerAddress, 7) == 0, "bind: \(errno)")
+        try #require(listen(listener, 1) == 0)
+        let toPeer = Self.pattern(10 * 1024)
+        let toUs = Array(Self.pattern(10 * 1024).reversed())
+        let peer = Self.peer(listener: listener, expecting: toPeer.count, reply: toUs, piece: 1000)
+        let connection = try await Self.connect("rfcomm://\(controllers.hci1):7?adapter=hci0")
+        #expect(connection.metadata.remoteAddress == controllers.hci1)
+        #expect(connection.metadata.localAddress == controllers.hci0)
+        #expect(connection.metadata.extra["channel"] == "7")
+        #expect(connection.metadata.extra["adapter"] == "hci0")
+        try await connection.write(toPeer)
+        var received: [UInt8] = []
+        while received.count < toUs.count, let chunk = try await connection.read() { received += chunk }
+        #expect(await peer.value.bytes == toPeer)
+        #expect(received == toUs)
+        try await connection.close()
+    }
+
+    @Test func aDroppedRfcommLinkEndsWithDisconnectedAfterEveryByteAndAReconnectWorks() async throws {
+        let controllers = try await Self.setUp()
+        let socketsBefore = Descriptors.open().filter { $0.target.hasPrefix("socket:[") }.count
+        let url = "rfcomm://\(controllers.hci1):8?adapter=hci0"
+        for round in 1...2 {
+            let peer = try BackgroundProgram("/usr/bin/rctest", ["-w", "-i", "hci1", "-P", "8", "-b", "512"])
+            let connection = try await Self.connect(url)
+            var received = 0
+            while received < 4096, let chunk = try await connection.read() { received += chunk.count }
+            peer.kill()   // the peer vanishes mid-transfer
+            let (rest, ending) = await Lab.readToEnd(connection)
+            #expect(ending?.kind == .disconnected, "round \(round): \(String(describing: ending))")
+            #expect(ending?.message.contains("disconnected") == true)
+            #expect(received + rest.count >= 4096)
+            try? await connection.close()
+        }
+        let closed = await eventually(5) { Descriptors.open().filter { $0.target.hasPrefix("socket:[") }.count <= socketsBefore }
+        #expect(closed, "sockets left open: \(Descriptors.open())")
+    }
+
+    @Test func bleL2CAPReceivesL2testsRecordsWhole() async throws {
+        let controllers = try await Self.setUp()
+        let peer = try BackgroundProgram("/usr/bin/l2test", ["-w", "-V", "le_public", "-P", "129", "-i", "hci1", "-b", "100"])
+        defer { peer.kill() }
+        let connection = try await Self.connect("ble://FFF0:129/\(controllers.hci1)?adapter=hci0")
+        #expect(connection.metadata.extra["addressType"] == "public")
+        #expect((connection.metadata.mtu ?? 0) > 0)
+        #expect(connection.metadata.extra["psm"] == "129")
+        var messages: [[UInt8]] = []
+        for _ in 0..<10 {
+            guard let message = try await connection.readMessage(timeout: .seconds(10)) else { break }
+            messages.append(message)
+        }
+        #expect(messages.count == 10)
+        #expect(messages.allSatisfy { $0.count == 100 }, "\(messages.map(\.count))")
+        try await connection.close()
+    }
+
+    @Test func bleL2CAPBothWaysWithWritesLargerThanTheMTU() async throws {
+        let controllers = try await Self.setUp()
+        var peerAddress = bdaddr_t()
+        #expect(str2ba(controllers.hci1, &peerAddress) == 0)
+        // A plain kernel listener on hci1 (the C socket loop's side), PSM 131 (its receive MTU is our send MTU).
+        let listener = socket(AF_BLUETOOTH, Int32(SOCK_SEQPACKET.rawValue | SOCK_CLOEXEC.rawValue), BTPROTO_L2CAP)
+        try #require(listener >= 0)
+        defer { close(listener) }
+        try #require(tk_bt_l2cap_bind(listener, peerAddress, UInt8(BDADDR_LE_PUBLIC), 131) == 0, "bind: \(errno)")
+        try #require(listen(listener, 1) == 0)
+        let toPeer = Self.pattern(10 * 1024)
+        let toUs = Array(Self.pattern(10 * 1024).reversed())
+        let peerSide = Self.peer(listener: listener, expecting: toPeer.count, reply: toUs, piece: 200)
+        let connection = try await Self.connect("ble://FFF0:131/\(controllers.hci1)?adapter=hci0&mtu=512")
+        let sendMTU = try #require(connection.metadata.mtu)
+        #expect(connection.metadata.extra["sendMTU"] == String(sendMTU))
+        #expect(connection.metadata.extra["receiveMTU"] == "512", "the mtu= option is the receive MTU offered")
+        try #require(sendMTU < toPeer.count)
+        try await connection.write(toPeer)   // one write, cut into records of the send MTU
+        var received: [UInt8] = []
+        while received.count < toUs.count, let chunk = try await connection.read() { received += chunk }
+        let peer = await peerSide.value
+        #expect(peer.bytes == toPeer)
+        #expect(peer.records.allSatisfy { $0 <= sendMTU }, "\(peer.records)")
+        #expect(peer.records.count == (toPeer.count + sendMTU - 1) / sendMTU, "\(peer.records)")
+        #expect(received == toUs)
+        try await connection.close()
+    }
+
+    @Test func errorsSayWhatToDo() async throws {
+        let controllers = try await Self.setUp()
+        let nobody = await expectError(.refused) { try await Transport.connect(to: "ble://FFF0:135/\(controllers.hci1)?adapter=hci0") }
+        #expect(nobody?.message.contains("nobody listens on L2CAP PSM 135") == true, "\(String(describing: nobody))")
+
+        let absent = await expectError(.notFound) { try await Transport.connect(to: "ble://FFF0:128/00:11:22:33:44:55?adapter=hci0&timeout=3") }
+        #expect(absent?.message.contains("not found within") == true, "\(String(describing: absent))")
+
+        let unknown = await expectError(.notFound) { try await Transport.connect(to: "rfcomm://\(controllers.hci1):7?adapter=hci9") }
+        #expect(unknown?.message.contains("no Bluetooth adapter hci9; adapters: hci0") == true, "\(String(describing: unknown))")
+
+        _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", "off"])
+        let off = await expectError(.unsupported) { try await Transport.connect(to: "rfcomm://\(controllers.hci0):7?adapter=hci1") }
+        #expect(off?.message.contains("is powered off") == true, "\(String(describing: off))")
+        _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", "on"])
+    }
+
+    func expectError(_ kind: TransportError.Kind, _ body: () async throws -> Connection) async -> TransportError? {
+        do {
+            let connection = try await body()
+            try? await connection.close()
+            Issue.record("expected a \(kind) error, got a connection")
+        } catch let error as TransportError {
+            #expect(error.kind == kind, "\(error)")
+            return error
+        } catch {
+            Issue.record("expected a TransportError, got \(error)")
+        }
+        return nil
+    }
+}

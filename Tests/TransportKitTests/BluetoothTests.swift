@@ -1,0 +1,151 @@
+import Foundation
+import Glibc
+import Synchronization
+import Testing
+import TransportKit
+import TransportKitDBus
+
+/// A stand-in for bluetoothd on a private bus: it owns org.bluez and serves ObjectManager on "/"
+/// with the adapters a test gives it, announcing changes as bluetoothd does. The real bluetoothd
+/// is exercised in the lab (Tests/LabTests/BlueZLabTests.swift); this covers what a machine
+/// without Bluetooth can check: adapter choice, listing, events and the errors.
+final class StandInBlueZ: Sendable {
+    let connection: DBusConnection
+    private final class Table: Sendable {
+        let adapters = Mutex<[String: [String: DBusValue]]>([:])
+    }
+    private let table = Table()
+    private let export = Mutex<DBusExport?>(nil)
+
+    init(address: String) async throws {
+        connection = try DBusConnection(.address(address))
+        let table = self.table
+        let served = try await connection.export(path: "/") { call in
+            guard call.interface == "org.freedesktop.DBus.ObjectManager", call.member == "GetManagedObjects" else { return .notHandled }
+            let objects = table.adapters.withLock { $0 }.sorted { $0.key < $1.key }.map { path, properties in
+                DBusValue.dictEntry(.objectPath(path), .array(element: "{sa{sv}}", [.dictEntry(.string("org.bluez.Adapter1"), .dictionary(properties))]))
+            }
+            return .reply([.array(element: "{oa{sa{sv}}}", objects)])
+        }
+        export.withLock { $0 = served }
+        // DBUS_NAME_FLAG_DO_NOT_QUEUE: fail rather than wait in line.
+        let reply = try await connection.call(destination: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
+                                              member: "RequestName", [.string("org.bluez"), .uint32(4)])
+        #expect(reply.first?.integer == 1, "became the primary owner of org.bluez")
+    }
+
+    func add(_ name: String, address: String, powered: Bool) async throws {
+        let properties: [String: DBusValue] = ["Address": .string(address), "Alias": .string("lab-\(name)"), "Powered": .bool(powered),
+                                               "Discoverable": .bool(false), "Discovering": .bool(false)]
+        table.adapters.withLock { $0["/org/bluez/\(name)"] = properties }
+        try await connection.emitSignal(path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "InterfacesAdded",
+                                        [.objectPath("/org/bluez/\(name)"),
+                                         .array(element: "{sa{sv}}", [.dictEntry(.string("org.bluez.Adapter1"), .dictionary(properties))])])
+    }
+
+    func remove(_ name: String) async throws {
+        _ = table.adapters.withLock { $0.removeValue(forKey: "/org/bluez/\(name)") }
+        try await connection.emitSignal(path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "InterfacesRemoved",
+                                        [.objectPath("/org/bluez/\(name)"), .array(element: "s", [.string("org.bluez.Adapter1")])])
+    }
+
+    func close() async {
+        await export.withLock { $0 }?.remove()
+        await connection.close()
+    }
+}
+
+@Suite("Bluetooth plugin: bluetoothd's D-Bus side, without Bluetooth hardware",
+       .enabled(if: FileManager.default.isExecutableFile(atPath: "/usr/bin/dbus-daemon"), "needs dbus-daemon (package dbus)"))
+struct BluetoothTests {
+    static let device = "rfcomm://00:AA:01:01:00:01:1"
+
+    @Test func withoutASystemBusConnectsFailSayingSoAndTheListingIsQuietlyEmpty() async throws {
+        let plugin = BluetoothPlugin(bus: .address("unix:path=/tmp/no-such-bus-\(getpid())"))
+        let registry = try TransportRegistry(plugins: [plugin])
+        let error = await expectTransportError(.notFound) { try await registry.connect(to: Self.device) }
+        #expect(error?.message.contains("Bluetooth goes through bluetoothd on the system D-Bus") == true, "\(String(describing: error))")
+        #expect(error?.message.contains("is dbus-daemon running?") == true)
+        #expect(try await plugin.devices(includeAll: false).isEmpty)
+        #expect(plugin.deviceEvents(includeAll: false) == nil, "no bus, no events to offer")
+    }
+
+    @Test func withoutBluetoothdConnectsSayStartIt() async throws {
+        let daemon = try PrivateBus()
+        let plugin = BluetoothPlugin(bus: .address(daemon.address))
+        let registry = try TransportRegistry(plugins: [plugin])
+        let error = await expectTransportError(.notFound) { try await registry.connect(to: Self.device) }
+        #expect(error?.message.contains("bluetoothd is not running") == true, "\(String(describing: error))")
+        #expect(error?.message.contains("systemctl start bluetooth") == true)
+        let ble = await expectTransportError(.notFound) { try await registry.connect(to: "ble://FFF0:128/00:AA:01:01:00:01") }
+        #expect(ble?.message.contains("bluetoothd is not running") == true, "\(String(describing: ble))")
+        #expect(try await plugin.devices(includeAll: false).isEmpty)
+    }
+
+    @Test func adaptersAreListedChosenAndTheirComingsAndGoingsReported() async throws {
+        let daemon = try PrivateBus()
+        let bluez = try await StandInBlueZ(address: daemon.address)
+        let plugin = BluetoothPlugin(bus: .address(daemon.address))
+        let registry = try TransportRegistry(plugins: [plugin])
+
+        let none = await expectTransportError(.notFound) { try await registry.connect(to: Self.device) }
+        #expect(none?.message.contains("no Bluetooth adapter") == true, "\(String(describing: none))")
+
+        let events = try #require(plugin.deviceEvents(includeAll: false))
+        var iterator = events.makeAsyncIterator()
+        try await Task.sleep(for: .milliseconds(200))   // the stream subscribes in a task of its own
+        try await bluez.add("hci0", address: "00:AA:01:00:00:00", powered: false)
+        try await bluez.add("hci1", address: "00:AA:01:01:00:01", powered: true)
+        let first = try await iterator.next()
+        #expect(first?.action == .added)
+        #expect(first?.device.name == "hci0")
+        #expect(first?.device.properties["address"] == "00:AA:01:00:00:00")
+        #expect(first?.device.url == "adapter=hci0")
+        let second = try await iterator.next()
+        #expect(second?.device.name == "hci1")
+
+        let listed = try await plugin.devices(includeAll: false)
+        #expect(listed.map(\.name) == ["hci0", "hci1"])
+        #expect(listed.first?.product?.contains("powered off") == true)
+        #expect(listed.last?.properties["powered"] == "true")
+
+        let off = await expectTransportError(.unsupported) { try await registry.connect(to: Self.device + "?adapter=hci0") }
+        #expect(off?.message.contains("hci0 (00:AA:01:00:00:00) is powered off") == true, "\(String(describing: off))")
+        #expect(off?.message.contains("btmgmt --index 0 power on") == true)
+        let missing = await expectTransportError(.notFound) { try await registry.connect(to: Self.device + "?adapter=hci7") }
+        #expect(missing?.message.contains("no Bluetooth adapter hci7; adapters: hci0 (00:AA:01:00:00:00, powered off), hci1 (00:AA:01:01:00:01)") == true,
+                "\(String(describing: missing))")
+
+        // The default is the first powered adapter (hci1). This machine's kernel may have no
+        // Bluetooth sockets at all: then the error says that, naming the call.
+        if socket(AF_BLUETOOTH, Int32(SOCK_STREAM.rawValue), 3) < 0 {
+            let noKernel = await expectTransportError(.unsupported) { try await registry.connect(to: Self.device) }
+            #expect(noKernel?.message.contains("this kernel has no Bluetooth support") == true, "\(String(describing: noKernel))")
+            #expect(noKernel?.syscall == "socket(AF_BLUETOOTH)")
+        }
+
+        try await bluez.remove("hci0")
+        let removed = try await iterator.next()
+        #expect(removed?.action == .removed)
+        #expect(removed?.device.name == "hci0")
+        #expect(removed?.device.properties["address"] == "00:AA:01:00:00:00", "a removal names what went away")
+        await bluez.close()
+    }
+
+    @Test func eaIsRefusedWithTheLinuxWaysToReachSuchAccessories() async throws {
+        let error = await expectTransportError(.unsupported) { try await Transport.connect(to: "ea://com.example.protocol") }
+        #expect(error?.message.contains("rfcomm://") == true && error?.message.contains("usb://") == true, "\(String(describing: error))")
+    }
+
+    @Test func notYetBuiltFormsSaySo() async throws {
+        let daemonless = try TransportRegistry(plugins: [BluetoothPlugin(bus: .address("unix:path=/tmp/no-such-bus-\(getpid())"))])
+        let sdp = await expectTransportError(.unsupported) { try await daemonless.connect(to: "rfcomm://00:AA:01:01:00:01") }
+        #expect(sdp?.message.contains("SDP is not built yet") == true, "\(String(describing: sdp))")
+        let gatt = await expectTransportError(.unsupported) { try await daemonless.connect(to: "ble://6e400001-b5a3-f393-e0a9-e50e24dcca9e/00:AA:01:01:00:01") }
+        #expect(gatt?.message.contains("GATT serial") == true, "\(String(describing: gatt))")
+        let scan = await expectTransportError(.unsupported) { try await daemonless.connect(to: "ble://FFF0:128") }
+        #expect(scan?.message.contains("not built yet") == true, "\(String(describing: scan))")
+        let bad = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://FFF0:128/00:AA:01:01:00") }
+        #expect(bad?.message.contains("is not a Bluetooth address") == true, "\(String(describing: bad))")
+    }
+}
