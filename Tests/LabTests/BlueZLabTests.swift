@@ -44,21 +44,10 @@ final class BackgroundProgram: Sendable {
 /// controllers: hci0 connects, hci1 is the peer (BlueZ's own rctest and l2test, or a plain socket).
 @Suite("lab: Bluetooth through BlueZ (rfcomm://, ble:// L2CAP)", .serialized, .enabled(if: Lab.isActive, "needs the qemu lab: run Scripts/lab"))
 struct BlueZLabTests {
-    struct Controllers {
-        var hci0: String
-        var hci1: String
-    }
-
-    /// Both controllers up, bluetoothd running and managing them, hci1 advertising.
-    static func setUp() async throws -> Controllers {
-        let output = try await Lab.ctl("bt-up")
-        var addresses: [String: String] = [:]
-        for line in output.split(separator: "\n") {
-            let words = line.split(separator: " ")
-            if words.count == 2 { addresses[String(words[0])] = String(words[1]) }
-        }
-        let controllers = Controllers(hci0: try #require(addresses["hci0"], "bt-up printed \(output)"),
-                                      hci1: try #require(addresses["hci1"], "bt-up printed \(output)"))
+    /// Both controllers up (BluetoothLabTests.controllers(): labctl bt-up), bluetoothd running and
+    /// managing them, hci1 advertising.
+    static func setUp() async throws -> BluetoothLabTests.Controllers {
+        let controllers = try await BluetoothLabTests.controllers()
         try await Lab.ctl("bluez-start")
         let plugin = BluetoothPlugin()
         var both = false
@@ -91,8 +80,8 @@ struct BlueZLabTests {
     @Test func adaptersAreListedAndTheirRemovalAndArrivalReported() async throws {
         let controllers = try await Self.setUp()
         let records = try await BluetoothPlugin().devices(includeAll: false)
-        #expect(records.first { $0.name == "hci0" }?.properties["address"] == controllers.hci0, "\(records)")
-        #expect(records.first { $0.name == "hci1" }?.properties["address"] == controllers.hci1, "\(records)")
+        #expect(records.first { $0.name == "hci0" }?.properties["address"] == controllers.centralText, "\(records)")
+        #expect(records.first { $0.name == "hci1" }?.properties["address"] == controllers.peripheralText, "\(records)")
 
         let collector = EventCollector()
         defer { collector.stop() }
@@ -101,7 +90,7 @@ struct BlueZLabTests {
         try await Lab.ctl("bt-down")
         let removed = await collector.waitFor(from: start, seconds: 15) { $0.action == .removed && $0.device.scheme == "bluetooth" && $0.device.name == "hci1" }
         #expect(removed != nil, "no removal of hci1: \(collector.events) \(collector.failure ?? "")")
-        #expect(removed.map { collector.events[$0].device.properties["address"] } == controllers.hci1)
+        #expect(removed.map { collector.events[$0].device.properties["address"] } == controllers.peripheralText)
         let back = collector.events.count
         _ = try await Self.setUp()
         let added = await collector.waitFor(from: back, seconds: 15) { $0.action == .added && $0.device.scheme == "bluetooth" && $0.device.name == "hci0" }
@@ -139,19 +128,16 @@ struct BlueZLabTests {
 
     @Test func rfcommCarriesTenKiBEachWayThroughAFixedChannel() async throws {
         let controllers = try await Self.setUp()
-        var peerAddress = bdaddr_t()
-        #expect(str2ba(controllers.hci1, &peerAddress) == 0)
-        let listener = socket(AF_BLUETOOTH, Int32(SOCK_STREAM.rawValue | SOCK_CLOEXEC.rawValue), BTPROTO_RFCOMM)
-        try #require(listener >= 0)
+        let listener = BluetoothLabTests.SocketKind.rfcomm(channel: 7).socket(boundTo: controllers.peripheral, listening: true)
+        try #require(listener >= 0, "socket and bind: \(errno)")
         defer { close(listener) }
-        try #require(tk_bt_rfcomm_bind(listener, peerAddress, 7) == 0, "bind: \(errno)")
         try #require(listen(listener, 1) == 0)
         let toPeer = Self.pattern(10 * 1024)
         let toUs = Array(Self.pattern(10 * 1024).reversed())
         let peer = Self.peer(listener: listener, expecting: toPeer.count, reply: toUs, piece: 1000)
-        let connection = try await Self.connect("rfcomm://\(controllers.hci1):7?adapter=hci0")
-        #expect(connection.metadata.remoteAddress == controllers.hci1)
-        #expect(connection.metadata.localAddress == controllers.hci0)
+        let connection = try await Self.connect("rfcomm://\(controllers.peripheralText):7?adapter=hci0")
+        #expect(connection.metadata.remoteAddress == controllers.peripheralText)
+        #expect(connection.metadata.localAddress == controllers.centralText)
         #expect(connection.metadata.extra["channel"] == "7")
         #expect(connection.metadata.extra["adapter"] == "hci0")
         try await connection.write(toPeer)
@@ -165,7 +151,7 @@ struct BlueZLabTests {
     @Test func aDroppedRfcommLinkEndsWithDisconnectedAfterEveryByteAndAReconnectWorks() async throws {
         let controllers = try await Self.setUp()
         let socketsBefore = Descriptors.open().filter { $0.target.hasPrefix("socket:[") }.count
-        let url = "rfcomm://\(controllers.hci1):8?adapter=hci0"
+        let url = "rfcomm://\(controllers.peripheralText):8?adapter=hci0"
         for round in 1...2 {
             let peer = try BackgroundProgram("/usr/bin/rctest", ["-w", "-i", "hci1", "-P", "8", "-b", "512"])
             let connection = try await Self.connect(url)
@@ -186,7 +172,7 @@ struct BlueZLabTests {
         let controllers = try await Self.setUp()
         let peer = try BackgroundProgram("/usr/bin/l2test", ["-w", "-V", "le_public", "-P", "129", "-i", "hci1", "-b", "100"])
         defer { peer.kill() }
-        let connection = try await Self.connect("ble://FFF0:129/\(controllers.hci1)?adapter=hci0")
+        let connection = try await Self.connect("ble://FFF0:129/\(controllers.peripheralText)?adapter=hci0")
         #expect(connection.metadata.extra["addressType"] == "public")
         #expect((connection.metadata.mtu ?? 0) > 0)
         #expect(connection.metadata.extra["psm"] == "129")
@@ -202,18 +188,15 @@ struct BlueZLabTests {
 
     @Test func bleL2CAPBothWaysWithWritesLargerThanTheMTU() async throws {
         let controllers = try await Self.setUp()
-        var peerAddress = bdaddr_t()
-        #expect(str2ba(controllers.hci1, &peerAddress) == 0)
         // A plain kernel listener on hci1 (the C socket loop's side), PSM 131 (its receive MTU is our send MTU).
-        let listener = socket(AF_BLUETOOTH, Int32(SOCK_SEQPACKET.rawValue | SOCK_CLOEXEC.rawValue), BTPROTO_L2CAP)
-        try #require(listener >= 0)
+        let listener = BluetoothLabTests.SocketKind.l2capLE(psm: 131).socket(boundTo: controllers.peripheral, listening: true)
+        try #require(listener >= 0, "socket and bind: \(errno)")
         defer { close(listener) }
-        try #require(tk_bt_l2cap_bind(listener, peerAddress, UInt8(BDADDR_LE_PUBLIC), 131) == 0, "bind: \(errno)")
         try #require(listen(listener, 1) == 0)
         let toPeer = Self.pattern(10 * 1024)
         let toUs = Array(Self.pattern(10 * 1024).reversed())
         let peerSide = Self.peer(listener: listener, expecting: toPeer.count, reply: toUs, piece: 200)
-        let connection = try await Self.connect("ble://FFF0:131/\(controllers.hci1)?adapter=hci0&mtu=512")
+        let connection = try await Self.connect("ble://FFF0:131/\(controllers.peripheralText)?adapter=hci0&mtu=512")
         let sendMTU = try #require(connection.metadata.mtu)
         #expect(connection.metadata.extra["sendMTU"] == String(sendMTU))
         #expect(connection.metadata.extra["receiveMTU"] == "512", "the mtu= option is the receive MTU offered")
@@ -231,17 +214,17 @@ struct BlueZLabTests {
 
     @Test func errorsSayWhatToDo() async throws {
         let controllers = try await Self.setUp()
-        let nobody = await expectError(.refused) { try await Transport.connect(to: "ble://FFF0:135/\(controllers.hci1)?adapter=hci0") }
+        let nobody = await expectError(.refused) { try await Transport.connect(to: "ble://FFF0:135/\(controllers.peripheralText)?adapter=hci0") }
         #expect(nobody?.message.contains("nobody listens on L2CAP PSM 135") == true, "\(String(describing: nobody))")
 
         let absent = await expectError(.notFound) { try await Transport.connect(to: "ble://FFF0:128/00:11:22:33:44:55?adapter=hci0&timeout=3") }
         #expect(absent?.message.contains("not found within") == true, "\(String(describing: absent))")
 
-        let unknown = await expectError(.notFound) { try await Transport.connect(to: "rfcomm://\(controllers.hci1):7?adapter=hci9") }
+        let unknown = await expectError(.notFound) { try await Transport.connect(to: "rfcomm://\(controllers.peripheralText):7?adapter=hci9") }
         #expect(unknown?.message.contains("no Bluetooth adapter hci9; adapters: hci0") == true, "\(String(describing: unknown))")
 
         _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", "off"])
-        let off = await expectError(.unsupported) { try await Transport.connect(to: "rfcomm://\(controllers.hci0):7?adapter=hci1") }
+        let off = await expectError(.unsupported) { try await Transport.connect(to: "rfcomm://\(controllers.centralText):7?adapter=hci1") }
         #expect(off?.message.contains("is powered off") == true, "\(String(describing: off))")
         _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", "on"])
     }

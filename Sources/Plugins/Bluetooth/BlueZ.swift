@@ -136,12 +136,11 @@ final class BlueZ: Sendable {
                                manufacturerData: manufacturer, serviceData: service)
     }
 
-    /// The adapter `name` (`hci1`), or the first powered one.
+    /// The adapter `name` (`hci1`) among `adapters`, or the first powered one.
     ///
     /// - Throws: `.notFound` when there is no adapter or not the one named (the message lists the
     ///   others), `.unsupported` when the one to use is powered off (with the command that powers it on).
-    func adapter(named name: String?) async throws -> BluetoothAdapter {
-        let adapters = try await objects().adapters
+    static func adapter(named name: String?, among adapters: [BluetoothAdapter]) throws -> BluetoothAdapter {
         let known = adapters.map { "\($0.name) (\($0.address)\($0.powered ? "" : ", powered off"))" }.joined(separator: ", ")
         guard !adapters.isEmpty else {
             throw TransportError(.notFound, "no Bluetooth adapter: bluetoothd manages none (is a controller plugged in and not blocked? `rfkill list`, `btmgmt info`)")
@@ -202,15 +201,12 @@ final class BlueZ: Sendable {
         return error
     }
 
-    /// The device with `address` on `adapter`. When bluetoothd does not know it, a discovery runs
-    /// (LE or BR/EDR by `transport`) until it appears or `deadline` passes.
+    /// The device with `address` on `adapter`, which bluetoothd did not know when the caller looked:
+    /// a discovery runs (LE or BR/EDR by `transport`) until it appears or `deadline` passes.
     ///
     /// - Throws: `.notFound` "not found within N s" when it never appears.
-    func device(address: String, on adapter: BluetoothAdapter, transport: String, deadline: ContinuousClock.Instant?) async throws -> BluetoothDevice {
+    func discover(address: String, on adapter: BluetoothAdapter, transport: String, deadline: ContinuousClock.Instant?) async throws -> BluetoothDevice {
         let wanted = address.uppercased()
-        if let known = try await objects().devices.first(where: { $0.adapterPath == adapter.path && $0.address.uppercased() == wanted }) {
-            return known
-        }
         let signals = try await bus.signals(DBusMatch(sender: Self.service, interface: Self.objectManager, member: "InterfacesAdded"))
         let filter = DBusValue.dictionary(["Transport": .string(transport), "DuplicateData": .bool(false)])
         _ = try await call(adapter.path, Self.adapterInterface, "SetDiscoveryFilter", [filter], about: "setting a discovery filter on \(adapter.name)")

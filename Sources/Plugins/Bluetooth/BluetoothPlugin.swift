@@ -156,12 +156,7 @@ enum BluetoothConnector {
             throw TransportError(.unsupported, "\(url): finding the RFCOMM channel through SDP is not built yet; give the channel: "
                                  + "rfcomm://\(device):CHANNEL (`sdptool search --bdaddr \(device) SP` shows it)")
         }
-        let bluez = try BlueZ.shared(bus)
-        let adapter = try await bluez.adapter(named: request[BluetoothPlugin.adapter])
-        guard let local = BluetoothAddress(adapter.address) else {
-            throw TransportError(.io, "\(url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
-        }
-        let known = try? await bluez.objects().devices.first { $0.adapterPath == adapter.path && $0.address.uppercased() == device.description }
+        let (_, adapter, local, known) = try await resolve(request, bus: bus, device: device)
         let describing = url.description
         let fd = try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: UInt8(channel), describing: describing,
                                                         deadline: request.deadline)
@@ -185,18 +180,19 @@ enum BluetoothConnector {
         guard let device = BluetoothAddress(deviceText) else {
             throw TransportError(.invalidURL, "\(url): '\(deviceText)' is not a Bluetooth address (six hexadecimal pairs, E3:2E:44:66:A2:4A). Grammar: \(request.scheme.grammar)")
         }
-        let bluez = try BlueZ.shared(bus)
-        let adapter = try await bluez.adapter(named: request[BluetoothPlugin.adapter])
-        guard let local = BluetoothAddress(adapter.address) else {
-            throw TransportError(.io, "\(url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
-        }
-        var known: BluetoothDevice?
+        let (bluez, adapter, local, seen) = try await resolve(request, bus: bus, device: device)
+        var known = seen
         let addressType: String
         switch request[BluetoothPlugin.addressType] {
         case .public: addressType = "public"
         case .random: addressType = "random"
         case .bluez:
-            let found = try await bluez.device(address: device.description, on: adapter, transport: "le", deadline: request.deadline)
+            let found: BluetoothDevice
+            if let seen {
+                found = seen
+            } else {
+                found = try await bluez.discover(address: device.description, on: adapter, transport: "le", deadline: request.deadline)
+            }
             known = found
             addressType = found.addressType
         }
@@ -215,6 +211,20 @@ enum BluetoothConnector {
         metadata.extra["sendMTU"] = String(channel.sendMTU)
         metadata.extra["receiveMTU"] = String(channel.receiveMTU)
         return Connection(url: url, backend: backend, metadata: metadata)
+    }
+
+    /// The shared BlueZ client, the adapter the URL asks for (with its address) and what bluetoothd
+    /// knows of `device` on it, from one GetManagedObjects.
+    static func resolve(_ request: ConnectRequest, bus: DBusConnection.Bus, device: BluetoothAddress) async throws
+        -> (bluez: BlueZ, adapter: BluetoothAdapter, local: BluetoothAddress, known: BluetoothDevice?) {
+        let bluez = try BlueZ.shared(bus)
+        let objects = try await bluez.objects()
+        let adapter = try BlueZ.adapter(named: request[BluetoothPlugin.adapter], among: objects.adapters)
+        guard let local = BluetoothAddress(adapter.address) else {
+            throw TransportError(.io, "\(request.url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
+        }
+        let known = objects.devices.first { $0.adapterPath == adapter.path && $0.address.uppercased() == device.description }
+        return (bluez, adapter, local, known)
     }
 
     /// CornucopiaStreams' CC_meta: the device's name, address, address type and signal strength where known.

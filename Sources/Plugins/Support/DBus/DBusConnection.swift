@@ -200,11 +200,11 @@ public final class DBusConnection: Sendable {
         try await perform { state in
             var message: OpaquePointer?
             let what = "the signal \(interface).\(member) from \(path)"
-            try check(sd_bus_message_new_signal(state.bus, &message, path, interface, member), "sd_bus_message_new_signal", what)
+            try SDBus.check(sd_bus_message_new_signal(state.bus, &message, path, interface, member), "sd_bus_message_new_signal", what)
             guard let message else { throw TransportError(.io, "\(what): sd-bus made no message") }
             defer { sd_bus_message_unref(message) }
             try DBusWriter(message: message, what: what).append(values)
-            try check(sd_bus_send(state.bus, message, nil), "sd_bus_send", what)
+            try SDBus.check(sd_bus_send(state.bus, message, nil), "sd_bus_send", what)
         }
     }
 
@@ -217,8 +217,8 @@ public final class DBusConnection: Sendable {
                            interface: "org.freedesktop.DBus", member: "GetId")
         return try await perform { state in
             var name: UnsafePointer<CChar>?
-            try check(sd_bus_get_unique_name(state.bus, &name), "sd_bus_get_unique_name", "\(state.describing)")
-            return name.map { String(cString: $0) } ?? ""
+            try SDBus.check(sd_bus_get_unique_name(state.bus, &name), "sd_bus_get_unique_name", "\(state.describing)")
+            return SDBus.string(name)
         }
     }
 
@@ -333,8 +333,25 @@ public enum DBusErrors {
     }
 }
 
-private func check(_ result: Int32, _ function: String, _ what: String) throws {
-    if result < 0 { throw TransportError.posix(function, errno: Errno(rawValue: -result), what: what) }
+/// sd-bus's conventions, in one place: a negative result is -errno; strings may be NULL.
+enum SDBus {
+    /// Throws the errno of a failed sd-bus call (`result < 0`), naming the call.
+    static func check(_ result: Int32, _ function: String, _ what: String) throws {
+        if result < 0 { throw TransportError.posix(function, errno: Errno(rawValue: -result), what: what) }
+    }
+
+    /// A C string sd-bus returned, "" for NULL.
+    static func string(_ pointer: UnsafePointer<CChar>?) -> String {
+        pointer.map { String(cString: $0) } ?? ""
+    }
+
+    /// The error a reply carries, turned into one a person can act on; nil for a method return.
+    static func error(in reply: OpaquePointer, call: String) -> TransportError? {
+        guard sd_bus_message_is_method_error(reply, nil) > 0 else { return nil }
+        let error = sd_bus_message_get_error(reply)
+        let name = error?.pointee.name.map { String(cString: $0) } ?? "?"
+        return DBusErrors.map(name: name, message: string(error?.pointee.message), call: call)
+    }
 }
 
 // MARK: - The bus thread
@@ -547,13 +564,13 @@ private final class PendingCall: SlotRecord, @unchecked Sendable {
         guard !isFinished else { return }
         do {
             var message: OpaquePointer?
-            try check(sd_bus_message_new_method_call(state.bus, &message, destination, path, interface, member),
+            try SDBus.check(sd_bus_message_new_method_call(state.bus, &message, destination, path, interface, member),
                       "sd_bus_message_new_method_call", describing)
             guard let message else { throw TransportError(.io, "\(describing): sd-bus made no message") }
             defer { sd_bus_message_unref(message) }
             try DBusWriter(message: message, what: describing).append(arguments)
             var slot: OpaquePointer?
-            try check(sd_bus_call_async(state.bus, &slot, message, { reply, userdata, _ in
+            try SDBus.check(sd_bus_call_async(state.bus, &slot, message, { reply, userdata, _ in
                 guard let reply, let userdata else { return 0 }
                 let call = Unmanaged<PendingCall>.fromOpaque(userdata).takeUnretainedValue()
                 call.received(reply)
@@ -572,12 +589,7 @@ private final class PendingCall: SlotRecord, @unchecked Sendable {
     private(set) weak var owner: BusState?
 
     private func received(_ reply: OpaquePointer) {
-        if sd_bus_message_is_method_error(reply, nil) > 0 {
-            let error = sd_bus_message_get_error(reply)
-            let name = error?.pointee.name.map { String(cString: $0) } ?? "?"
-            let text = error?.pointee.message.map { String(cString: $0) } ?? ""
-            return finish(.failure(DBusErrors.map(name: name, message: text, call: describing)))
-        }
+        if let error = SDBus.error(in: reply, call: describing) { return finish(.failure(error)) }
         guard !isFinished else { return }
         finish(Result { try DBusReader(message: reply, what: "the reply to \(describing)").readAll() })
     }
@@ -622,11 +634,8 @@ private final class Subscription: SlotRecord, @unchecked Sendable {
         }, { reply, userdata, _ in
             guard let userdata else { return 0 }
             let subscription = Unmanaged<Subscription>.fromOpaque(userdata).takeUnretainedValue()
-            if let reply, sd_bus_message_is_method_error(reply, nil) > 0 {
-                let error = sd_bus_message_get_error(reply)
-                let name = error?.pointee.name.map { String(cString: $0) } ?? "?"
-                let text = error?.pointee.message.map { String(cString: $0) } ?? ""
-                subscription.installFinished(.failure(DBusErrors.map(name: name, message: text, call: "AddMatch \(subscription.rule)")))
+            if let reply, let error = SDBus.error(in: reply, call: "AddMatch \(subscription.rule)") {
+                subscription.installFinished(.failure(error))
             } else {
                 subscription.installFinished(.success(()))
             }
@@ -640,7 +649,7 @@ private final class Subscription: SlotRecord, @unchecked Sendable {
     }
 
     private func received(_ message: OpaquePointer) {
-        let text = { (pointer: UnsafePointer<CChar>?) in pointer.map { String(cString: $0) } ?? "" }
+        let text = SDBus.string
         do {
             let values = try DBusReader(message: message, what: "a signal").readAll()
             let signal = DBusSignal(sender: text(sd_bus_message_get_sender(message)), path: text(sd_bus_message_get_path(message)),
@@ -679,14 +688,14 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
         }
         let result = subtree ? sd_bus_add_fallback(state.bus, &slot, path, callback, userdata)
                              : sd_bus_add_object(state.bus, &slot, path, callback, userdata)
-        try check(result, subtree ? "sd_bus_add_fallback" : "sd_bus_add_object", "the D-Bus object \(path)")
+        try SDBus.check(result, subtree ? "sd_bus_add_fallback" : "sd_bus_add_object", "the D-Bus object \(path)")
         self.slot = slot
         state.keep(self)
     }
 
     private func handle(_ message: OpaquePointer, _ replyError: UnsafeMutablePointer<sd_bus_error>?) -> Int32 {
         guard sd_bus_message_is_method_call(message, nil, nil) > 0 else { return 0 }
-        let text = { (pointer: UnsafePointer<CChar>?) in pointer.map { String(cString: $0) } ?? "" }
+        let text = SDBus.string
         let path = text(sd_bus_message_get_path(message))
         let member = text(sd_bus_message_get_member(message))
         let arguments: [DBusValue]

@@ -201,8 +201,7 @@ struct DBusWriter {
     }
 
     private func check(_ function: String, _ body: () -> Int32) throws {
-        let result = body()
-        if result < 0 { throw TransportError.posix(function, errno: Errno(rawValue: -result), what: what) }
+        try SDBus.check(body(), function, what)
     }
 }
 
@@ -231,7 +230,7 @@ struct DBusReader {
         let peeked = sd_bus_message_peek_type(message, &type, &contents)
         if peeked < 0 { throw TransportError.posix("sd_bus_message_peek_type", errno: Errno(rawValue: -peeked), what: what) }
         guard peeked > 0 else { return nil }
-        let inner = contents.map { String(cString: $0) } ?? ""
+        let inner = SDBus.string(contents)
         switch UInt8(bitPattern: type) {
         case UInt8(ascii: "a") where inner == "y":
             var pointer: UnsafeRawPointer?
@@ -279,7 +278,7 @@ struct DBusReader {
         try check("sd_bus_message_read_basic") {
             withUnsafeMutableBytes(of: &storage) { sd_bus_message_read_basic(message, type, $0.baseAddress) }
         }
-        let text = { (raw: UnsafeRawBufferPointer) in raw.load(as: UnsafePointer<CChar>?.self).map { String(cString: $0) } ?? "" }
+        let text = { (raw: UnsafeRawBufferPointer) in SDBus.string(raw.load(as: UnsafePointer<CChar>?.self)) }
         return try withUnsafeBytes(of: &storage) { raw -> DBusValue in
             switch UInt8(bitPattern: type) {
             case UInt8(ascii: "s"): return .string(text(raw))
@@ -306,8 +305,7 @@ struct DBusReader {
     }
 
     private func check(_ function: String, _ body: () -> Int32) throws {
-        let result = body()
-        if result < 0 { throw TransportError.posix(function, errno: Errno(rawValue: -result), what: what) }
+        try SDBus.check(body(), function, what)
     }
 }
 

@@ -23,7 +23,7 @@ public enum DescriptorChannel {
     /// Takes ownership of a connected stream socket: the channel closes it, and when it cannot be
     /// adopted (not an open stream socket) it is closed here. `closeWrite()` shuts down the sending
     /// direction (the peer reads an end). A SOCK_SEQPACKET socket is refused: SwiftNIO's reads
-    /// would cut records larger than its buffer; read those with `FileDescriptor.wait(until:)`.
+    /// would cut records larger than its buffer; ``PacketSocketBackend`` carries those.
     public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String,
                                    watermarks: InboundQueue.Watermarks = .standard) async throws -> ChannelBackend {
         // SwiftNIO traps on a descriptor it cannot use (EBADF); check first.
