@@ -14,7 +14,14 @@ struct List: AsyncParsableCommand {
     @Flag(help: "Include ports that are not backed by hardware (console, ptmx, unused 8250 slots).")
     var all = false
 
+    @Option(name: .customLong("scan"), help: ArgumentHelp("Also scan for nearby Bluetooth devices (LE and classic) for this long.", valueName: "seconds"))
+    var scanSeconds: Double?
+
     @OptionGroup var logging: LoggingOptions
+
+    func validate() throws {
+        if let scanSeconds, !(scanSeconds > 0 && scanSeconds <= 3600) { throw ValidationError("--scan takes seconds between 0 and 3600") }
+    }
 
     func run() async throws {
         logging.bootstrap()
@@ -23,7 +30,17 @@ struct List: AsyncParsableCommand {
         for failure in listing.failures {
             StandardError.write("transportkit: warning: \(failure.error)\n")
         }
-        let devices = listing.devices
+        var devices = listing.devices
+        if let scanSeconds {
+            var found: [String: DeviceRecord] = [:]
+            do {
+                let scan = BluetoothScan(bearer: .both, end: .after(.milliseconds(Int(scanSeconds * 1000))), expiry: nil)
+                for try await case .discovered(let device) in BluetoothPlugin().scan(scan) { found[device.address] = device.record }
+            } catch {
+                StandardError.write("transportkit: warning: Bluetooth scan: \(error)\n")
+            }
+            devices += found.values.sorted { $0.url < $1.url }
+        }
         do {
             if json {
                 print(try DeviceJSON.encode(devices, pretty: true))
@@ -54,12 +71,54 @@ struct Watch: AsyncParsableCommand {
     @Flag(help: "Include ports that are not backed by hardware.")
     var all = false
 
+    @Option(name: .customLong("scan"), help: ArgumentHelp("Also report nearby Bluetooth devices appearing and expiring, scanning for this long.", valueName: "seconds"))
+    var scanSeconds: Double?
+
     @OptionGroup var logging: LoggingOptions
+
+    func validate() throws {
+        if let scanSeconds, !(scanSeconds > 0 && scanSeconds <= 86400) { throw ValidationError("--scan takes seconds between 0 and 86400") }
+    }
+
+    /// The registry's device events, and with --scan the Bluetooth devices seen (added) and expired (removed).
+    func events() -> AsyncThrowingStream<DeviceEvent, any Error> {
+        let registry = Transport.deviceEvents(includeAll: all)
+        guard let scanSeconds else { return registry }
+        let (merged, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream()
+        let task = Task {
+            await withTaskGroup(of: Void.self) { group in
+                group.addTask {
+                    do {
+                        for try await event in registry { continuation.yield(event) }
+                        continuation.finish()
+                    } catch {
+                        continuation.finish(throwing: error)
+                    }
+                }
+                group.addTask {
+                    let scan = BluetoothScan(bearer: .both, end: .after(.milliseconds(Int(scanSeconds * 1000))), expiry: .seconds(15))
+                    do {
+                        for try await event in BluetoothPlugin().scan(scan) {
+                            switch event {
+                            case .discovered(let device): continuation.yield(DeviceEvent(.added, device.record))
+                            case .expired(let device): continuation.yield(DeviceEvent(.removed, device.record))
+                            case .updated: continue
+                            }
+                        }
+                    } catch {
+                        StandardError.write("transportkit: warning: Bluetooth scan: \(error)\n")
+                    }
+                }
+            }
+        }
+        continuation.onTermination = { _ in task.cancel() }
+        return merged
+    }
 
     func run() async throws {
         logging.bootstrap()
         do {
-            let events = Transport.deviceEvents(includeAll: all)
+            let events = events()
             StandardError.write("watching\n")
             for try await event in events {
                 let line = json ? try DeviceJSON.encode(event) : DeviceTable.line(event)

@@ -214,32 +214,18 @@ struct BlueZLabTests {
 
     @Test func errorsSayWhatToDo() async throws {
         let controllers = try await Self.setUp()
-        let nobody = await expectError(.refused) { try await Transport.connect(to: "ble://FFF0:135/\(controllers.peripheralText)?adapter=hci0") }
+        let nobody = await expectLabError(.refused) { try await Transport.connect(to: "ble://FFF0:135/\(controllers.peripheralText)?adapter=hci0") }
         #expect(nobody?.message.contains("nobody listens on L2CAP PSM 135") == true, "\(String(describing: nobody))")
 
-        let absent = await expectError(.notFound) { try await Transport.connect(to: "ble://FFF0:128/00:11:22:33:44:55?adapter=hci0&timeout=3") }
+        let absent = await expectLabError(.notFound) { try await Transport.connect(to: "ble://FFF0:128/00:11:22:33:44:55?adapter=hci0&timeout=3") }
         #expect(absent?.message.contains("not found within") == true, "\(String(describing: absent))")
 
-        let unknown = await expectError(.notFound) { try await Transport.connect(to: "rfcomm://\(controllers.peripheralText):7?adapter=hci9") }
+        let unknown = await expectLabError(.notFound) { try await Transport.connect(to: "rfcomm://\(controllers.peripheralText):7?adapter=hci9") }
         #expect(unknown?.message.contains("no Bluetooth adapter hci9; adapters: hci0") == true, "\(String(describing: unknown))")
 
         _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", "off"])
-        let off = await expectError(.unsupported) { try await Transport.connect(to: "rfcomm://\(controllers.centralText):7?adapter=hci1") }
+        let off = await expectLabError(.unsupported) { try await Transport.connect(to: "rfcomm://\(controllers.centralText):7?adapter=hci1") }
         #expect(off?.message.contains("is powered off") == true, "\(String(describing: off))")
         _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", "on"])
-    }
-
-    func expectError(_ kind: TransportError.Kind, _ body: () async throws -> Connection) async -> TransportError? {
-        do {
-            let connection = try await body()
-            try? await connection.close()
-            Issue.record("expected a \(kind) error, got a connection")
-        } catch let error as TransportError {
-            #expect(error.kind == kind, "\(error)")
-            return error
-        } catch {
-            Issue.record("expected a TransportError, got \(error)")
-        }
-        return nil
     }
 }

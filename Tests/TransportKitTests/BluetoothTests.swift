@@ -141,11 +141,31 @@ struct BluetoothTests {
         let daemonless = try TransportRegistry(plugins: [BluetoothPlugin(bus: .address("unix:path=/tmp/no-such-bus-\(getpid())"))])
         let sdp = await expectTransportError(.unsupported) { try await daemonless.connect(to: "rfcomm://00:AA:01:01:00:01") }
         #expect(sdp?.message.contains("SDP is not built yet") == true, "\(String(describing: sdp))")
-        let gatt = await expectTransportError(.unsupported) { try await daemonless.connect(to: "ble://6e400001-b5a3-f393-e0a9-e50e24dcca9e/00:AA:01:01:00:01") }
-        #expect(gatt?.message.contains("GATT serial") == true, "\(String(describing: gatt))")
-        let scan = await expectTransportError(.unsupported) { try await daemonless.connect(to: "ble://FFF0:128") }
-        #expect(scan?.message.contains("not built yet") == true, "\(String(describing: scan))")
+        // Without a device the URL scans: that needs the bus, and says so.
+        let scan = await expectTransportError(.notFound) { try await daemonless.connect(to: "ble://FFF0:128") }
+        #expect(scan?.message.contains("Bluetooth goes through bluetoothd") == true, "\(String(describing: scan))")
+        let scanName = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://not-a-uuid:128") }
+        #expect(scanName?.message.contains("is not a service UUID to scan for") == true, "\(String(describing: scanName))")
         let bad = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://FFF0:128/00:AA:01:01:00") }
         #expect(bad?.message.contains("is not a Bluetooth address") == true, "\(String(describing: bad))")
+    }
+
+    @Test func gattSerialURLsAreCheckedBeforeBluetoothIsAsked() async throws {
+        let daemonless = try TransportRegistry(plugins: [BluetoothPlugin(bus: .address("unix:path=/tmp/no-such-bus-\(getpid())"))])
+        let service = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://uart-ish/00:AA:01:01:00:01") }
+        #expect(service?.message.contains("'uart-ish' is neither a service UUID") == true, "\(String(describing: service))")
+        #expect(service?.message.contains("hm10, nus") == true, "the known short names are listed")
+        let rx = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://nus/00:AA:01:01:00:01?rx=6e40-zz") }
+        #expect(rx?.message.contains("rx='6e40-zz' is not a characteristic UUID") == true, "\(String(describing: rx))")
+        let short = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://FFE0/00:AA:01:01:00:01?tx=12345") }
+        #expect(short?.message.contains("tx='12345'") == true, "\(String(describing: short))")
+        let mode = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://nus/00:AA:01:01:00:01?acquire=sometimes") }
+        #expect(mode?.message.contains("acquire") == true, "\(String(describing: mode))")
+        // Well-formed forms (a short name, 16-bit, 128-bit with and without dashes) get as far as the bus.
+        for url in ["ble://nus/00:AA:01:01:00:01", "ble://FFE0/00:AA:01:01:00:01?rx=FFE1&tx=FFE1",
+                    "ble://6E400001-B5A3-F393-E0A9-E50E24DCCA9E/00:AA:01:01:00:01", "ble://6e400001b5a3f393e0a9e50e24dcca9e/00:AA:01:01:00:01"] {
+            let error = await expectTransportError(.notFound) { try await daemonless.connect(to: url) }
+            #expect(error?.message.contains("Bluetooth goes through bluetoothd") == true, "\(url): \(String(describing: error))")
+        }
     }
 }

@@ -56,6 +56,8 @@ final class BlueZ: Sendable {
     static let deviceInterface = "org.bluez.Device1"
 
     let bus: DBusConnection
+    /// This client's discovery sessions, shared by every scan and search in the process.
+    let discoveries = DiscoverySessions()
 
     private init(bus: DBusConnection) { self.bus = bus }
 
@@ -94,19 +96,25 @@ final class BlueZ: Sendable {
 
     /// Every adapter and device bluetoothd manages.
     func objects() async throws -> (adapters: [BluetoothAdapter], devices: [BluetoothDevice]) {
-        let reply = try await call("/", Self.objectManager, "GetManagedObjects", about: "listing Bluetooth adapters and devices")
+        let managed = try await managedObjects(about: "listing Bluetooth adapters and devices")
+        return (managed.adapters, managed.devices.map { Self.device(path: $0.key, $0.value) }.sorted { $0.path < $1.path })
+    }
+
+    /// The adapters, and every device's Device1 properties by object path, from one GetManagedObjects.
+    func managedObjects(about what: String) async throws -> (adapters: [BluetoothAdapter], devices: [String: [String: DBusValue]]) {
+        let reply = try await call("/", Self.objectManager, "GetManagedObjects", about: what)
         var adapters: [BluetoothAdapter] = []
-        var devices: [BluetoothDevice] = []
+        var devices: [String: [String: DBusValue]] = [:]
         for (path, interfaces) in reply.first?.dictionary ?? [:] {
             guard let interfaces = interfaces.dictionary else { continue }
             if let properties = interfaces[Self.adapterInterface]?.dictionary {
                 adapters.append(Self.adapter(path: path, properties))
             }
             if let properties = interfaces[Self.deviceInterface]?.dictionary {
-                devices.append(Self.device(path: path, properties))
+                devices[path] = properties
             }
         }
-        return (adapters.sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }, devices.sorted { $0.path < $1.path })
+        return (adapters.sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }, devices)
     }
 
     static func adapter(path: String, _ properties: [String: DBusValue]) -> BluetoothAdapter {
@@ -205,12 +213,31 @@ final class BlueZ: Sendable {
     /// a discovery runs (LE or BR/EDR by `transport`) until it appears or `deadline` passes.
     ///
     /// - Throws: `.notFound` "not found within N s" when it never appears.
-    func discover(address: String, on adapter: BluetoothAdapter, transport: String, deadline: ContinuousClock.Instant?) async throws -> BluetoothDevice {
+    ///
+    /// With `freshSighting`, a device bluetoothd already knows is looked for too: the search ends
+    /// when one of its advertisements updates it (RSSI, data), or after two seconds with what is
+    /// known; Device1.Connect then prefers the bearer just seen.
+    func discover(address: String, on adapter: BluetoothAdapter, transport: String, deadline: ContinuousClock.Instant?,
+                  freshSighting: Bool = false) async throws -> BluetoothDevice {
         let wanted = address.uppercased()
         let signals = try await bus.signals(DBusMatch(sender: Self.service, interface: Self.objectManager, member: "InterfacesAdded"))
-        let filter = DBusValue.dictionary(["Transport": .string(transport), "DuplicateData": .bool(false)])
-        _ = try await call(adapter.path, Self.adapterInterface, "SetDiscoveryFilter", [filter], about: "setting a discovery filter on \(adapter.name)")
-        _ = try await call(adapter.path, Self.adapterInterface, "StartDiscovery", about: "starting discovery on \(adapter.name)")
+        let devicePath = adapter.path + "/dev_" + String(wanted.map { $0 == ":" ? "_" : $0 })
+        let updates = try await bus.signals(DBusMatch(sender: Self.service, path: devicePath, interface: "org.freedesktop.DBus.Properties",
+                                                      member: "PropertiesChanged"))
+        let session = try await discoveries.start(self, adapter: adapter, filter: ["Transport": .string(transport), "DuplicateData": .bool(false)])
+        do {
+            let found = try await discover(wanted, on: adapter, deadline: deadline, freshSighting: freshSighting, signals: signals, updates: updates)
+            await discoveries.stop(self, adapter: adapter, session: session)
+            return found
+        } catch {
+            await discoveries.stop(self, adapter: adapter, session: session)
+            throw error
+        }
+    }
+
+    private func discover(_ wanted: String, on adapter: BluetoothAdapter, deadline: ContinuousClock.Instant?, freshSighting: Bool,
+                          signals: AsyncThrowingStream<DBusSignal, any Error>, updates: AsyncThrowingStream<DBusSignal, any Error>) async throws -> BluetoothDevice {
+        let address = wanted
         let started = ContinuousClock.now
         // End the search a little before the connect deadline, so the error says "not found"
         // rather than the registry's general "took longer than".
@@ -221,15 +248,25 @@ final class BlueZ: Sendable {
         } else {
             limit = started.advanced(by: .seconds(10))
         }
-        defer {
-            let bluez = self
-            Task { _ = try? await bluez.call(adapter.path, Self.adapterInterface, "StopDiscovery", about: "stopping discovery") }
-        }
         // The device may have appeared between the first look and the subscription.
-        if let known = try await objects().devices.first(where: { $0.adapterPath == adapter.path && $0.address.uppercased() == wanted }) {
-            return known
-        }
+        let known = try await objects().devices.first(where: { $0.adapterPath == adapter.path && $0.address.uppercased() == wanted })
+        if let known, !freshSighting { return known }
         let found = try await withThrowingTaskGroup(of: BluetoothDevice?.self) { group in
+            if let known {
+                group.addTask {
+                    for try await signal in updates {
+                        guard let changed = signal.values.dropFirst().first?.dictionary else { continue }
+                        if changed["RSSI"] != nil || changed["ManufacturerData"] != nil || changed["ServiceData"] != nil || changed["TxPower"] != nil {
+                            return known
+                        }
+                    }
+                    return nil
+                }
+                group.addTask {
+                    try await Task.sleep(until: min(limit, ContinuousClock.now + .seconds(2)), clock: .continuous)
+                    return known
+                }
+            }
             group.addTask {
                 for try await signal in signals {
                     guard case .objectPath(let path)? = signal.values.first, path.hasPrefix(adapter.path + "/"),
@@ -253,5 +290,67 @@ final class BlueZ: Sendable {
                                  + "and advertising (LE) or discoverable (classic)? Give more time with timeout=SECONDS")
         }
         return found
+    }
+}
+
+/// The discovery sessions of one BlueZ client. bluetoothd keeps one session and one filter per
+/// D-Bus client and adapter, so overlapping scans in one process share it: StartDiscovery when the
+/// first begins, StopDiscovery when the last ends, and a filter that lets through what each wants
+/// (every scan also filters for itself).
+actor DiscoverySessions {
+    private var active: [String: [Int: [String: DBusValue]]] = [:]
+    private var next = 0
+
+    /// Joins (or starts) discovery on `adapter` with `filter` (SetDiscoveryFilter's keys); returns
+    /// the session to pass to ``stop(_:adapter:session:)``.
+    func start(_ bluez: BlueZ, adapter: BluetoothAdapter, filter: [String: DBusValue]) async throws -> Int {
+        next += 1
+        let session = next
+        let idle = active[adapter.path, default: [:]].isEmpty
+        active[adapter.path, default: [:]][session] = filter
+        do {
+            _ = try await bluez.call(adapter.path, BlueZ.adapterInterface, "SetDiscoveryFilter", [.dictionary(merged(adapter.path))],
+                                     about: "setting a discovery filter on \(adapter.name)")
+            if idle {
+                _ = try await bluez.call(adapter.path, BlueZ.adapterInterface, "StartDiscovery", about: "starting discovery on \(adapter.name)")
+            }
+        } catch {
+            active[adapter.path]?[session] = nil
+            throw error
+        }
+        return session
+    }
+
+    /// Leaves discovery; the last session to leave stops it. Runs to the end even when the caller is cancelled.
+    func stop(_ bluez: BlueZ, adapter: BluetoothAdapter, session: Int) async {
+        active[adapter.path]?[session] = nil
+        let remaining = active[adapter.path] ?? [:]
+        let filter = merged(adapter.path)
+        await Task.detached {
+            if remaining.isEmpty {
+                _ = try? await bluez.call(adapter.path, BlueZ.adapterInterface, "StopDiscovery", about: "stopping discovery on \(adapter.name)")
+            } else {
+                _ = try? await bluez.call(adapter.path, BlueZ.adapterInterface, "SetDiscoveryFilter", [.dictionary(filter)],
+                                          about: "setting a discovery filter on \(adapter.name)")
+            }
+        }.value
+    }
+
+    /// One filter for every session: the only one as it is, or the loosest of several.
+    private func merged(_ path: String) -> [String: DBusValue] {
+        let filters = Array((active[path] ?? [:]).values)
+        guard filters.count > 1 else { return filters.first ?? [:] }
+        var merged: [String: DBusValue] = [:]
+        let transports = Set(filters.map { $0["Transport"]?.text ?? "auto" })
+        merged["Transport"] = .string(transports.count == 1 ? transports.first ?? "auto" : "auto")
+        merged["DuplicateData"] = .bool(filters.contains { $0["DuplicateData"]?.boolValue ?? true })
+        if filters.allSatisfy({ $0["UUIDs"] != nil }) {
+            let uuids = Set(filters.flatMap { $0["UUIDs"]?.strings ?? [] }).sorted()
+            merged["UUIDs"] = .array(element: "s", uuids.map { .string($0) })
+        }
+        if filters.allSatisfy({ $0["RSSI"] != nil }), let weakest = filters.compactMap({ $0["RSSI"]?.integer }).min() {
+            merged["RSSI"] = .int16(Int16(clamping: weakest))
+        }
+        return merged
     }
 }

@@ -7,8 +7,11 @@
 //   ble://SERVICE:PSM/MAC[?adapter=hciN&addressType=…&mtu=N&security=…]
 //                                                        an LE L2CAP connection-oriented channel
 //   ea://…                                               refused: Apple's External Accessory has no Linux counterpart
-// Not built yet (issue 14 continues): rfcomm:// without a channel (SDP), listen modes, ble:// GATT
-// serial (no PSM), ble:// without a device (scan and choose). Each is refused with a message that says so.
+//   ble://SERVICE/MAC[?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never]
+//                                                        GATT serial (GattSerial.swift)
+//   ble://SERVICE[:PSM]                                  no device: the strongest advertising SERVICE (chooseDevice)
+// Not built yet (issue 14 continues): rfcomm:// without a channel (SDP), listen modes. Each is
+// refused with a message that says so.
 
 import NIOCore
 import Synchronization
@@ -42,6 +45,15 @@ public struct BluetoothPlugin: TransportPlugin {
     static let security = URLOption.choice("security", default: BluetoothSocket.Security.low,
                                            help: "ble://…:PSM: link security; medium and high encrypt the link and may start pairing (needs an agent)")
 
+    static let rx = URLOption.string("rx", help: "ble:// GATT serial: the characteristic that brings the device's bytes (notify or indicate); default: the first in the service that notifies")
+    static let tx = URLOption.string("tx", help: "ble:// GATT serial: the characteristic written with ours; default: the first that takes writes without response, else with response")
+    static let acquire = URLOption.choice("acquire", default: Acquire.auto,
+                                          help: "ble:// GATT serial: auto uses the descriptors BlueZ hands out (AcquireNotify, AcquireWrite) where offered; never goes through D-Bus (StartNotify, WriteValue)")
+
+    enum Acquire: String, CaseIterable, Sendable {
+        case auto, never
+    }
+
     enum AddressType: String, CaseIterable, Sendable {
         case bluez, `public`, random
     }
@@ -58,11 +70,12 @@ public struct BluetoothPlugin: TransportPlugin {
             ), connect: { [bus] in try await BluetoothConnector.rfcomm($0, bus: bus) }),
             Scheme(SchemeDescriptor(
                 scheme: "ble",
-                summary: "Bluetooth LE through BlueZ: an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE)",
-                grammar: "ble://SERVICE:PSM/MAC[?adapter=hciN&addressType=bluez|public|random&mtu=N&security=low|medium|high]",
-                examples: ["ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024"],
+                summary: "Bluetooth LE through BlueZ: GATT serial (ble://SERVICE/DEVICE) or an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE)",
+                grammar: "ble://SERVICE[:PSM]/MAC[?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]",
+                examples: ["ble://nus/E3:2E:44:66:A2:4A", "ble://FFE0/E3:2E:44:66:A2:4A?rx=FFE1&tx=FFE1",
+                           "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024"],
                 host: .required, port: .optional, portRange: 1...255, path: .optional,
-                options: [Self.adapter, Self.addressType, Self.mtu, Self.security]
+                options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.mtu, Self.security]
             ), connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) }),
             Scheme(SchemeDescriptor(
                 scheme: "ea",
@@ -169,16 +182,15 @@ enum BluetoothConnector {
 
     static func ble(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Connection {
         let url = request.url
-        guard let psm = url.port else {
-            throw TransportError(.unsupported, "\(url): GATT serial (ble://SERVICE[/DEVICE] without a PSM) is not built yet; "
-                                 + "an L2CAP channel works: ble://SERVICE:PSM/DEVICE")
-        }
-        let deviceText = String(url.path.drop { $0 == "/" })
-        guard !deviceText.isEmpty else {
-            throw TransportError(.unsupported, "\(url): choosing a device by scanning (no /DEVICE) is not built yet; give the device: ble://\(request.host):\(psm)/MAC")
+        var deviceText = String(url.path.drop { $0 == "/" })
+        if deviceText.isEmpty {
+            deviceText = try await chooseDevice(request, bus: bus)
         }
         guard let device = BluetoothAddress(deviceText) else {
             throw TransportError(.invalidURL, "\(url): '\(deviceText)' is not a Bluetooth address (six hexadecimal pairs, E3:2E:44:66:A2:4A). Grammar: \(request.scheme.grammar)")
+        }
+        guard let psm = url.port else {
+            return try await GattSerial.connect(request, bus: bus, device: device)
         }
         let (bluez, adapter, local, seen) = try await resolve(request, bus: bus, device: device)
         var known = seen
@@ -211,6 +223,52 @@ enum BluetoothConnector {
         metadata.extra["sendMTU"] = String(channel.sendMTU)
         metadata.extra["receiveMTU"] = String(channel.receiveMTU)
         return Connection(url: url, backend: backend, metadata: metadata)
+    }
+
+    /// How long a ble:// URL without a device keeps listening after the first match, for a stronger one.
+    static let choiceWindow = Duration.seconds(1)
+
+    /// The device a ble:// URL without one connects to: an LE scan for the URL's service; of the
+    /// devices seen within ``choiceWindow`` of the first match, the one with the strongest signal
+    /// (the first seen on a tie). Never every match in turn.
+    static func chooseDevice(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> String {
+        let service: String
+        if request.url.port == nil {
+            service = try GattSerial.service(request).uuid
+        } else if let uuid = BluetoothUUID.normalize(request.host) {
+            service = uuid
+        } else {
+            throw TransportError(.invalidURL, "\(request.url): '\(request.host)' is not a service UUID to scan for (FFF0, or 128-bit with dashes)")
+        }
+        let plugin = BluetoothPlugin(bus: bus)
+        let adapter = request[BluetoothPlugin.adapter]
+        let started = ContinuousClock.now
+        let limit = request.deadline.map { $0 - min(.seconds(1), ($0 - started) / 5) } ?? started + .seconds(10)
+        let first = try await withThrowingTaskGroup(of: BluetoothDiscovery?.self) { group in
+            group.addTask {
+                for try await event in plugin.scan(BluetoothScan(services: [service], end: .firstMatch, expiry: nil, adapter: adapter)) {
+                    if case .discovered(let found) = event { return found }
+                }
+                return nil
+            }
+            group.addTask {
+                try await Task.sleep(until: limit, clock: .continuous)
+                return nil
+            }
+            let first = try await group.next() ?? nil
+            group.cancelAll()
+            return first
+        }
+        guard var best = first else {
+            let seconds = (ContinuousClock.now - started).components.seconds
+            throw TransportError(.notFound, "\(request.url): no Bluetooth LE device advertising service \(service) found within \(seconds) s: "
+                                 + "is it switched on, in range and advertising? Give more time with timeout=SECONDS, or the device: ble://\(request.host)/MAC")
+        }
+        for try await event in plugin.scan(BluetoothScan(services: [service], end: .after(choiceWindow), expiry: nil, adapter: adapter)) {
+            if case .discovered(let found) = event, (found.rssi ?? Int.min) > (best.rssi ?? Int.min) { best = found }
+        }
+        request.logger.debug("ble:// without a device: chose \(best.address) (\(best.name ?? "no name"), RSSI \(best.rssi.map(String.init) ?? "?"))")
+        return best.address
     }
 
     /// The shared BlueZ client, the adapter the URL asks for (with its address) and what bluetoothd

@@ -95,6 +95,14 @@ public final class PacketSocketBackend: ConnectionBackend {
         await shutDown()
     }
 
+    /// Ends reading as if the peer had hung up (after the records already received), for an owner
+    /// that learns of the end another way (bluetoothd reporting the link down) before the socket does.
+    public func endReading() {
+        guard enter() else { return }
+        defer { leave() }
+        _ = Glibc.shutdown(fd.rawValue, Int32(SHUT_RD))
+    }
+
     public func connectionDropped() {
         Task { await self.shutDown() }
     }

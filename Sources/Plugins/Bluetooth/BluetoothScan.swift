@@ -1,0 +1,334 @@
+// BluetoothScan.swift: finding nearby devices through bluetoothd's discovery (Adapter1
+// SetDiscoveryFilter, StartDiscovery; devices appear as ObjectManager InterfacesAdded and change
+// through PropertiesChanged on their Device1 objects). Bluejay's scan, as an AsyncSequence:
+// discoveries, updates when duplicates are wanted, and an expiry when a device has not been seen.
+//
+// A device counts as seen when it appears or when an advertisement or inquiry result updates it
+// (RSSI, manufacturer or service data, TX power). BlueZ with a discovery filter reports every
+// advertisement's RSSI when DuplicateData is on (adapter.c: the RSSI delta threshold is 0 for a
+// filtered discovery), which is what keeps a present device from expiring.
+
+import Synchronization
+import TransportKitCore
+import TransportKitDBus
+
+/// What a scan looks for, and when it ends.
+///
+/// ```swift
+/// var scan = BluetoothScan(services: ["nus"], end: .firstMatch)
+/// scan.minimumRSSI = -80
+/// for try await event in BluetoothPlugin().scan(scan) {
+///     if case .discovered(let device) = event { print(device.name ?? "?", device.url) }
+/// }
+/// ```
+public struct BluetoothScan: Sendable {
+    /// The radio a scan listens on.
+    public enum Bearer: String, Sendable, CaseIterable {
+        /// Bluetooth LE advertisements.
+        case le
+        /// Bluetooth Classic (BR/EDR) inquiry.
+        case classic
+        /// Both.
+        case both
+    }
+
+    /// When a scan ends.
+    public enum End: Sendable {
+        /// After this long.
+        case after(Duration)
+        /// With the first device that matches (its `.discovered` event is the last).
+        case firstMatch
+        /// When the task iterating it is cancelled.
+        case never
+    }
+
+    /// What a scan reports.
+    public enum Event: Sendable {
+        /// A device that matches was seen for the first time in this scan, or again after it expired.
+        case discovered(BluetoothDiscovery)
+        /// A device already reported was seen again (only when ``BluetoothScan/duplicates`` is on).
+        case updated(BluetoothDiscovery)
+        /// A device reported earlier has not been seen for ``BluetoothScan/expiry`` (Bluejay's `expired`).
+        case expired(BluetoothDiscovery)
+    }
+
+    /// Service UUIDs a device must advertise one of (`FFE0`, a 128-bit UUID, or a short name such as
+    /// `nus`); empty for any.
+    public var services: [String]
+    /// The weakest signal reported, in dBm (`-80`); nil for any.
+    public var minimumRSSI: Int?
+    /// A prefix the device's name must start with; nil for any.
+    public var namePrefix: String?
+    /// The radio to listen on.
+    public var bearer: Bearer
+    /// Report every advertisement of a device already reported as ``Event/updated(_:)``.
+    public var duplicates: Bool
+    /// When the scan ends.
+    public var end: End
+    /// How long a reported device may go unseen before ``Event/expired(_:)``; nil for never.
+    public var expiry: Duration?
+    /// The adapter to scan with (`hci0`, or its address); nil for the first powered one.
+    public var adapter: String?
+
+    /// A scan; every parameter is also a property.
+    ///
+    /// - Parameters:
+    ///   - services: service UUIDs or short names a device must advertise one of.
+    ///   - minimumRSSI: the weakest signal to report, in dBm.
+    ///   - namePrefix: what the device's name must start with.
+    ///   - bearer: LE (the default), classic, or both.
+    ///   - duplicates: report repeated advertisements as updates.
+    ///   - end: a duration (10 s by default), the first match, or never.
+    ///   - expiry: how long a device may go unseen before it is reported gone (15 s by default).
+    ///   - adapter: the adapter to scan with.
+    public init(services: [String] = [], minimumRSSI: Int? = nil, namePrefix: String? = nil, bearer: Bearer = .le,
+                duplicates: Bool = false, end: End = .after(.seconds(10)), expiry: Duration? = .seconds(15), adapter: String? = nil) {
+        self.services = services
+        self.minimumRSSI = minimumRSSI
+        self.namePrefix = namePrefix
+        self.bearer = bearer
+        self.duplicates = duplicates
+        self.end = end
+        self.expiry = expiry
+        self.adapter = adapter
+    }
+}
+
+/// A device seen in a scan.
+public struct BluetoothDiscovery: Sendable, Hashable, Codable {
+    /// `E3:2E:44:66:A2:4A`.
+    public var address: String
+    /// `public` or `random` for LE; `public` for classic.
+    public var addressType: String
+    public var name: String?
+    /// The signal strength of the last sighting, in dBm.
+    public var rssi: Int?
+    /// Advertised service UUIDs, lower-case 128-bit.
+    public var serviceUUIDs: [String]
+    /// Manufacturer data by company identifier.
+    public var manufacturerData: [UInt16: [UInt8]]
+    /// Service data by service UUID.
+    public var serviceData: [String: [UInt8]]
+    /// The adapter that saw it (`hci0`).
+    public var adapter: String
+    /// A URL that connects to it: `ble://SERVICE/ADDRESS?adapter=…` with the service the scan asked
+    /// for or the device advertises (a short name where one is known), `rfcomm://ADDRESS?adapter=…`
+    /// for a classic device (the channel found through SDP), or `ble://SERVICE/ADDRESS?adapter=…`
+    /// with SERVICE to fill in when an LE device advertises none.
+    public var url: String
+}
+
+extension BluetoothDiscovery {
+    /// The discovery as a device listing's record (scheme `ble` or `rfcomm`; name the address,
+    /// product the device's name), as `transportkit list --scan` prints it.
+    public var record: DeviceRecord {
+        var properties = ["address": address, "addressType": addressType, "adapter": adapter,
+                          "uuids": serviceUUIDs.joined(separator: ",")]
+        if let rssi { properties["rssi"] = String(rssi) }
+        return DeviceRecord(url: url, scheme: url.hasPrefix("rfcomm:") ? "rfcomm" : "ble", devnode: nil, name: address,
+                            product: "\(name ?? "(no name)")\(rssi.map { ", \($0) dBm" } ?? "")", driver: "bluetooth",
+                            properties: properties)
+    }
+}
+
+extension BluetoothPlugin {
+    /// Scans for nearby devices with bluetoothd's discovery, as an AsyncSequence of ``BluetoothScan/Event``s.
+    /// Discovery stops when the sequence ends or its task is cancelled.
+    ///
+    /// ```swift
+    /// for try await event in BluetoothPlugin().scan(BluetoothScan(services: ["nus"], end: .after(.seconds(5)))) {
+    ///     print(event)
+    /// }
+    /// ```
+    ///
+    /// - Parameter scan: what to look for and when to stop.
+    /// - Returns: the events; the sequence fails with ``TransportError`` when there is no bus,
+    ///   no bluetoothd, no (powered) adapter, or a service given is not a UUID.
+    public func scan(_ scan: BluetoothScan) -> AsyncThrowingStream<BluetoothScan.Event, any Error> {
+        let (stream, continuation) = AsyncThrowingStream<BluetoothScan.Event, any Error>.makeStream()
+        let bus = self.bus
+        let task = Task {
+            do {
+                try await Scanner(scan: scan, bus: bus, continuation: continuation).run()
+                continuation.finish()
+            } catch {
+                continuation.finish(throwing: error)
+            }
+        }
+        continuation.onTermination = { _ in task.cancel() }
+        return stream
+    }
+}
+
+/// One scan's state: what has been seen, and when.
+private struct Scanner {
+    let scan: BluetoothScan
+    let bus: DBusConnection.Bus
+    let continuation: AsyncThrowingStream<BluetoothScan.Event, any Error>.Continuation
+
+    enum Input: Sendable {
+        case added(String, [String: DBusValue])
+        case changed(String, [String: DBusValue])
+        case removed(String)
+        case tick
+    }
+
+    /// Keys whose change means a fresh advertisement or inquiry result.
+    static let sightings: Set<String> = ["RSSI", "ManufacturerData", "ServiceData", "TxPower"]
+
+    func run() async throws {
+        var services: [String] = []
+        for service in scan.services {
+            guard let uuid = BluetoothUUID.serialServices[service.lowercased()]?.service ?? BluetoothUUID.normalize(service) else {
+                throw TransportError(.misuse, "scan: '\(service)' is not a service UUID (FFE0, 6E400001-B5A3-F393-E0A9-E50E24DCCA9E) or a known short name")
+            }
+            services.append(uuid)
+        }
+        let bluez = try BlueZ.shared(bus)
+        let managed = try await bluez.managedObjects(about: "scanning")
+        let adapter = try BlueZ.adapter(named: scan.adapter, among: managed.adapters)
+        let (inputs, feed) = AsyncStream<Input>.makeStream()
+        let manager = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager))
+        let properties = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, pathNamespace: adapter.path,
+                                                               interface: "org.freedesktop.DBus.Properties", member: "PropertiesChanged"))
+        var filter: [String: DBusValue] = [
+            "Transport": .string(scan.bearer == .le ? "le" : scan.bearer == .classic ? "bredr" : "auto"),
+            // Every advertisement, so that a present device keeps being seen (see the header).
+            "DuplicateData": .bool(scan.duplicates || scan.expiry != nil),
+        ]
+        if !services.isEmpty { filter["UUIDs"] = .array(element: "s", services.map { .string($0) }) }
+        if let rssi = scan.minimumRSSI { filter["RSSI"] = .int16(Int16(clamping: rssi)) }
+        let session = try await bluez.discoveries.start(bluez, adapter: adapter, filter: filter)
+        do {
+            try await run(inputs: inputs, feed: feed, manager: manager, properties: properties, adapter: adapter, known: managed.devices, services: services)
+            await bluez.discoveries.stop(bluez, adapter: adapter, session: session)
+        } catch {
+            await bluez.discoveries.stop(bluez, adapter: adapter, session: session)
+            throw error
+        }
+    }
+
+    private func run(inputs: AsyncStream<Input>, feed: AsyncStream<Input>.Continuation, manager: AsyncThrowingStream<DBusSignal, any Error>,
+                     properties: AsyncThrowingStream<DBusSignal, any Error>, adapter: BluetoothAdapter,
+                     known devices: [String: [String: DBusValue]], services: [String]) async throws {
+        let scan = self.scan
+        let feeders = Task {
+            await withTaskGroup(of: Void.self) { group in
+                group.addTask {
+                    do {
+                        for try await signal in manager {
+                            guard case .objectPath(let path)? = signal.values.first, path.hasPrefix(adapter.path + "/") else { continue }
+                            if signal.member == "InterfacesAdded", let device = signal.values.dropFirst().first?.dictionary?[BlueZ.deviceInterface]?.dictionary {
+                                feed.yield(.added(path, device))
+                            } else if signal.member == "InterfacesRemoved", signal.values.dropFirst().first?.strings?.contains(BlueZ.deviceInterface) == true {
+                                feed.yield(.removed(path))
+                            }
+                        }
+                    } catch {}
+                    feed.finish()
+                }
+                group.addTask {
+                    do {
+                        for try await signal in properties where signal.values.first?.text == BlueZ.deviceInterface {
+                            if let changed = signal.values.dropFirst().first?.dictionary { feed.yield(.changed(signal.path, changed)) }
+                        }
+                    } catch {}
+                    feed.finish()
+                }
+                if let expiry = scan.expiry {
+                    group.addTask {
+                        while !Task.isCancelled {
+                            try? await Task.sleep(for: max(expiry / 4, .milliseconds(100)))
+                            feed.yield(.tick)
+                        }
+                    }
+                }
+                if case .after(let duration) = scan.end {
+                    group.addTask {
+                        try? await Task.sleep(for: duration)
+                        feed.finish()
+                    }
+                }
+            }
+        }
+        defer { feeders.cancel() }
+
+        var known = devices
+        var reported: [String: BluetoothDiscovery] = [:]
+        var lastSeen: [String: ContinuousClock.Instant] = [:]
+        for await input in inputs {
+            try Task.checkCancellation()
+            var path: String
+            switch input {
+            case .added(let added, let properties):
+                path = added
+                known[path] = properties
+                lastSeen[path] = .now
+            case .changed(let changed, let properties):
+                path = changed
+                known[path, default: [:]].merge(properties) { $1 }
+                if !Self.sightings.isDisjoint(with: properties.keys) { lastSeen[path] = .now }
+            case .removed(let removed):
+                known[removed] = nil
+                lastSeen[removed] = nil
+                if let gone = reported.removeValue(forKey: removed) { continuation.yield(.expired(gone)) }
+                continue
+            case .tick:
+                guard let expiry = scan.expiry else { continue }
+                let now = ContinuousClock.now
+                for (path, device) in reported where (lastSeen[path] ?? now) < now - expiry {
+                    reported[path] = nil
+                    continuation.yield(.expired(device))
+                }
+                continue
+            }
+            guard lastSeen[path] != nil, let properties = known[path] else { continue }
+            let discovery = Self.discovery(path: path, properties, adapter: adapter, services: services)
+            guard matches(discovery, services: services) else { continue }
+            if reported[path] == nil {
+                reported[path] = discovery
+                continuation.yield(.discovered(discovery))
+                if case .firstMatch = scan.end { return }
+            } else if scan.duplicates {
+                reported[path] = discovery
+                continuation.yield(.updated(discovery))
+            } else {
+                reported[path] = discovery
+            }
+        }
+        try Task.checkCancellation()
+    }
+
+    func matches(_ device: BluetoothDiscovery, services: [String]) -> Bool {
+        if !services.isEmpty && Set(services).isDisjoint(with: device.serviceUUIDs) { return false }
+        if let minimum = scan.minimumRSSI, (device.rssi ?? Int.min) < minimum { return false }
+        if let prefix = scan.namePrefix, !(device.name ?? "").hasPrefix(prefix) { return false }
+        return true
+    }
+
+    /// The discovery for a device, with a URL that connects: ble:// with the service the scan asked
+    /// for or a known serial service it offers; else rfcomm:// for a classic device (it has a Class of
+    /// Device); else ble:// with the first service it offers, or SERVICE to fill in.
+    static func discovery(path: String, _ properties: [String: DBusValue], adapter: BluetoothAdapter, services: [String]) -> BluetoothDiscovery {
+        let device = BlueZ.device(path: path, properties)
+        let address = device.address.uppercased()
+        let serial = BluetoothUUID.serialServices.values.map(\.service)
+        let url: String
+        func ble(_ service: String) -> String {
+            let name = BluetoothUUID.serialServices.first { $0.value.service == service }?.key ?? BluetoothUUID.short(service)
+            return "ble://\(name)/\(address)?adapter=\(adapter.name)"
+        }
+        if let service = services.first(where: device.uuids.contains) ?? device.uuids.first(where: serial.contains) {
+            url = ble(service)
+        } else if properties["Class"] != nil {
+            url = "rfcomm://\(address)?adapter=\(adapter.name)"
+        } else if let service = device.uuids.first {
+            url = ble(service)
+        } else {
+            url = "ble://SERVICE/\(address)?adapter=\(adapter.name)"
+        }
+        return BluetoothDiscovery(address: address, addressType: device.addressType, name: device.name ?? device.alias, rssi: device.rssi,
+                                  serviceUUIDs: device.uuids, manufacturerData: device.manufacturerData, serviceData: device.serviceData,
+                                  adapter: adapter.name, url: url)
+    }
+}

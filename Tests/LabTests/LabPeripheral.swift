@@ -1,0 +1,131 @@
+import Foundation
+import Synchronization
+import Testing
+import TransportKit
+import TransportKitDBus
+
+/// The tests' own BLE peripheral on hci1, served by the lab's bluetoothd: a GATT application with
+/// a Nordic-UART-like service (the central writes 6e400002, the peripheral notifies on 6e400003)
+/// that echoes every write back as a notification, and a connectable advertisement naming it.
+/// BlueZ's GattManager1.RegisterApplication and LEAdvertisingManager1.RegisterAdvertisement
+/// (doc/gatt-api.txt, doc/advertising-api.txt at 5.66) on a D-Bus connection of its own.
+final class LabPeripheral: Sendable {
+    static let root = "/org/transportkit/lab"
+    static let servicePath = root + "/service0"
+    static let writePath = servicePath + "/char0"
+    static let notifyPath = servicePath + "/char1"
+    static let advertisementPath = root + "/advertisement0"
+    static let service = "6e400001-b5a3-f393-e0a9-e50e24dcca9e"
+    static let name = "TKLab"
+    static let characteristic = "org.bluez.GattCharacteristic1"
+
+    let connection: DBusConnection
+    /// Scan events a test collects.
+    final class Events: Sendable {
+        let list = Mutex<[BluetoothScan.Event]>([])
+    }
+    /// What the central wrote: every byte in order, and the size of each write.
+    final class Log: Sendable {
+        let bytes = Mutex<[UInt8]>([])
+        let writes = Mutex<[Int]>([])
+    }
+    let log = Log()
+    private let exports = Mutex<[DBusExport]>([])
+    private let outbound: AsyncStream<[UInt8]>.Continuation
+    private let sender: Task<Void, Never>
+    let echo: Bool
+
+    /// Registers the application and the advertisement on `adapter`; `echo` sends every write back.
+    init(adapter: String = "hci1", echo: Bool = true) async throws {
+        connection = try DBusConnection(.system)
+        self.echo = echo
+        let (stream, outbound) = AsyncStream<[UInt8]>.makeStream()
+        self.outbound = outbound
+        let connection = self.connection
+        // One task emits the notifications, in the order the values were queued.
+        sender = Task {
+            for await value in stream {
+                try? await connection.emitSignal(path: Self.notifyPath, interface: "org.freedesktop.DBus.Properties", member: "PropertiesChanged",
+                                                  [.string(Self.characteristic), .dictionary(["Value": .bytes(value)]), .array(element: "s", [])])
+            }
+        }
+        let log = self.log
+        let objects = Self.objects()
+        let application = try await connection.export(path: Self.root, subtree: true) { call in
+            switch (call.interface, call.member) {
+            case ("org.freedesktop.DBus.ObjectManager", "GetManagedObjects"):
+                let entries = objects.sorted { $0.key < $1.key }.map { path, interfaces in
+                    DBusValue.dictEntry(.objectPath(path), .array(element: "{sa{sv}}", interfaces.map { .dictEntry(.string($0.key), .dictionary($0.value)) }))
+                }
+                return .reply([.array(element: "{oa{sa{sv}}}", entries)])
+            case ("org.freedesktop.DBus.Properties", "GetAll"):
+                guard let interface = call.arguments.first?.text, let properties = objects[call.path]?[interface] else { return .reply([.dictionary([:])]) }
+                return .reply([.dictionary(properties)])
+            case ("org.freedesktop.DBus.Properties", "Get"):
+                guard let interface = call.arguments.first?.text, let name = call.arguments.dropFirst().first?.text,
+                      let value = objects[call.path]?[interface]?[name] else {
+                    return .error(name: "org.freedesktop.DBus.Error.InvalidArgs", message: "no such property")
+                }
+                return .reply([.variant(value)])
+            case (Self.characteristic, "WriteValue"):
+                let value = call.arguments.first?.bytes ?? []
+                log.bytes.withLock { $0 += value }
+                log.writes.withLock { $0.append(value.count) }
+                if echo { outbound.yield(value) }
+                return .reply([])
+            case (Self.characteristic, "ReadValue"):
+                return .reply([.bytes([])])
+            case (Self.characteristic, "StartNotify"), (Self.characteristic, "StopNotify"), ("org.bluez.LEAdvertisement1", "Release"):
+                return .reply([])
+            default:
+                return .notHandled
+            }
+        }
+        exports.withLock { $0.append(application) }
+        let adapterPath = "/org/bluez/\(adapter)"
+        // The adapter's name is the device name the central reads from GAP once connected.
+        _ = try await connection.call(destination: "org.bluez", path: adapterPath, interface: "org.freedesktop.DBus.Properties", member: "Set",
+                                      [.string("org.bluez.Adapter1"), .string("Alias"), .variant(.string(Self.name))])
+        _ = try await connection.call(destination: "org.bluez", path: adapterPath, interface: "org.bluez.GattManager1", member: "RegisterApplication",
+                                      [.objectPath(Self.root), .dictionary([:])])
+        _ = try await connection.call(destination: "org.bluez", path: adapterPath, interface: "org.bluez.LEAdvertisingManager1",
+                                      member: "RegisterAdvertisement", [.objectPath(Self.advertisementPath), .dictionary([:])])
+    }
+
+    /// The objects of the application (GetManagedObjects) and the advertisement (GetAll).
+    static func objects() -> [String: [String: [String: DBusValue]]] {
+        [
+            servicePath: ["org.bluez.GattService1": ["UUID": .string(service), "Primary": .bool(true)]],
+            writePath: [characteristic: ["UUID": .string("6e400002-b5a3-f393-e0a9-e50e24dcca9e"), "Service": .objectPath(servicePath),
+                                         "Flags": .array(element: "s", [.string("write-without-response"), .string("write")])]],
+            notifyPath: [characteristic: ["UUID": .string("6e400003-b5a3-f393-e0a9-e50e24dcca9e"), "Service": .objectPath(servicePath),
+                                          "Flags": .array(element: "s", [.string("notify")])]],
+            advertisementPath: ["org.bluez.LEAdvertisement1": ["Type": .string("peripheral"), "ServiceUUIDs": .array(element: "s", [.string(service)]),
+                                                                "LocalName": .string(name), "Discoverable": .bool(true)]],
+        ]
+    }
+
+    /// Sends `bytes` to the central as notifications of up to `piece` bytes.
+    func notify(_ bytes: [UInt8], piece: Int) {
+        var offset = 0
+        while offset < bytes.count {
+            let end = min(offset + piece, bytes.count)
+            outbound.yield(Array(bytes[offset..<end]))
+            offset = end
+        }
+    }
+
+    /// Stops advertising (the device then expires from scans), keeping the GATT application.
+    func stopAdvertising(adapter: String = "hci1") async throws {
+        _ = try await connection.call(destination: "org.bluez", path: "/org/bluez/\(adapter)", interface: "org.bluez.LEAdvertisingManager1",
+                                      member: "UnregisterAdvertisement", [.objectPath(Self.advertisementPath)])
+    }
+
+    /// Unregisters everything (closing the connection does too: bluetoothd watches the owner).
+    func close() async {
+        outbound.finish()
+        await sender.value
+        for export in exports.withLock({ $0 }) { await export.remove() }
+        await connection.close()
+    }
+}
