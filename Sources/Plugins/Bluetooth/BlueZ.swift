@@ -237,45 +237,56 @@ final class BlueZ: Sendable {
 
     private func discover(_ wanted: String, on adapter: BluetoothAdapter, deadline: ContinuousClock.Instant?, freshSighting: Bool,
                           signals: AsyncThrowingStream<DBusSignal, any Error>, updates: AsyncThrowingStream<DBusSignal, any Error>) async throws -> BluetoothDevice {
-        let address = wanted
         let started = ContinuousClock.now
-        // End the search a little before the connect deadline, so the error says "not found"
-        // rather than the registry's general "took longer than".
-        let limit: ContinuousClock.Instant
-        if let deadline {
-            let remaining = deadline - started
-            limit = deadline - min(.seconds(1), remaining / 5)
-        } else {
-            limit = started.advanced(by: .seconds(10))
-        }
+        let limit = Self.searchLimit(deadline, from: started)
         // The device may have appeared between the first look and the subscription.
         let known = try await objects().devices.first(where: { $0.adapterPath == adapter.path && $0.address.uppercased() == wanted })
         if let known, !freshSighting { return known }
-        let found = try await withThrowingTaskGroup(of: BluetoothDevice?.self) { group in
-            if let known {
-                group.addTask {
-                    for try await signal in updates {
-                        guard let changed = signal.values.dropFirst().first?.dictionary else { continue }
-                        if changed["RSSI"] != nil || changed["ManufacturerData"] != nil || changed["ServiceData"] != nil || changed["TxPower"] != nil {
-                            return known
-                        }
-                    }
-                    return nil
-                }
-                group.addTask {
-                    try await Task.sleep(until: min(limit, ContinuousClock.now + .seconds(2)), clock: .continuous)
-                    return known
-                }
+        var searches: [@Sendable () async throws -> BluetoothDevice?] = [{
+            for try await signal in signals {
+                guard case .objectPath(let path)? = signal.values.first, path.hasPrefix(adapter.path + "/"),
+                      let properties = signal.values.dropFirst().first?.dictionary?[Self.deviceInterface]?.dictionary else { continue }
+                let device = Self.device(path: path, properties)
+                if device.address.uppercased() == wanted { return device }
             }
-            group.addTask {
-                for try await signal in signals {
-                    guard case .objectPath(let path)? = signal.values.first, path.hasPrefix(adapter.path + "/"),
-                          let properties = signal.values.dropFirst().first?.dictionary?[Self.deviceInterface]?.dictionary else { continue }
-                    let device = Self.device(path: path, properties)
-                    if device.address.uppercased() == wanted { return device }
+            return nil
+        }]
+        if let known {
+            searches.append {
+                for try await signal in updates {
+                    guard let changed = signal.values.dropFirst().first?.dictionary else { continue }
+                    if changed["RSSI"] != nil || changed["ManufacturerData"] != nil || changed["ServiceData"] != nil || changed["TxPower"] != nil {
+                        return known
+                    }
                 }
                 return nil
             }
+            searches.append {
+                try await Task.sleep(until: min(limit, ContinuousClock.now + .seconds(2)), clock: .continuous)
+                return known
+            }
+        }
+        guard let found = try await Self.first(of: searches, until: limit) else {
+            let seconds = (ContinuousClock.now - started).components.seconds
+            throw TransportError(.notFound, "Bluetooth device \(wanted) not found within \(seconds) s on \(adapter.name): is it switched on, in range, "
+                                 + "and advertising (LE) or discoverable (classic)? Give more time with timeout=SECONDS")
+        }
+        return found
+    }
+
+    /// When a search inside a connect gives up: a little before the connect deadline, so that its
+    /// error says "not found" rather than the registry's general "took longer than"; 10 s without one.
+    static func searchLimit(_ deadline: ContinuousClock.Instant?, from started: ContinuousClock.Instant) -> ContinuousClock.Instant {
+        guard let deadline else { return started + .seconds(10) }
+        return deadline - min(.seconds(1), (deadline - started) / 5)
+    }
+
+    /// The result of whichever of `searches` finishes first (nil included), or nil at `limit`; the
+    /// others are cancelled.
+    static func first<Result: Sendable>(of searches: [@Sendable () async throws -> Result?],
+                                        until limit: ContinuousClock.Instant) async throws -> Result? {
+        try await withThrowingTaskGroup(of: Result?.self) { group in
+            for search in searches { group.addTask { try await search() } }
             group.addTask {
                 try await Task.sleep(until: limit, clock: .continuous)
                 return nil
@@ -284,12 +295,6 @@ final class BlueZ: Sendable {
             group.cancelAll()
             return first
         }
-        guard let found else {
-            let seconds = (ContinuousClock.now - started).components.seconds
-            throw TransportError(.notFound, "Bluetooth device \(address) not found within \(seconds) s on \(adapter.name): is it switched on, in range, "
-                                 + "and advertising (LE) or discoverable (classic)? Give more time with timeout=SECONDS")
-        }
-        return found
     }
 }
 

@@ -243,22 +243,12 @@ enum BluetoothConnector {
         let plugin = BluetoothPlugin(bus: bus)
         let adapter = request[BluetoothPlugin.adapter]
         let started = ContinuousClock.now
-        let limit = request.deadline.map { $0 - min(.seconds(1), ($0 - started) / 5) } ?? started + .seconds(10)
-        let first = try await withThrowingTaskGroup(of: BluetoothDiscovery?.self) { group in
-            group.addTask {
-                for try await event in plugin.scan(BluetoothScan(services: [service], end: .firstMatch, expiry: nil, adapter: adapter)) {
-                    if case .discovered(let found) = event { return found }
-                }
-                return nil
+        let first = try await BlueZ.first(of: [{ @Sendable in
+            for try await event in plugin.scan(BluetoothScan(services: [service], end: .firstMatch, expiry: nil, adapter: adapter)) {
+                if case .discovered(let found) = event { return found }
             }
-            group.addTask {
-                try await Task.sleep(until: limit, clock: .continuous)
-                return nil
-            }
-            let first = try await group.next() ?? nil
-            group.cancelAll()
-            return first
-        }
+            return nil
+        }], until: BlueZ.searchLimit(request.deadline, from: started))
         guard var best = first else {
             let seconds = (ContinuousClock.now - started).components.seconds
             throw TransportError(.notFound, "\(request.url): no Bluetooth LE device advertising service \(service) found within \(seconds) s: "

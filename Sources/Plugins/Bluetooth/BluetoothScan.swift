@@ -211,7 +211,6 @@ private struct Scanner {
     private func run(inputs: AsyncStream<Input>, feed: AsyncStream<Input>.Continuation, manager: AsyncThrowingStream<DBusSignal, any Error>,
                      properties: AsyncThrowingStream<DBusSignal, any Error>, adapter: BluetoothAdapter,
                      known devices: [String: [String: DBusValue]], services: [String]) async throws {
-        let scan = self.scan
         let feeders = Task {
             await withTaskGroup(of: Void.self) { group in
                 group.addTask {

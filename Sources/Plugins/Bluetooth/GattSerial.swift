@@ -96,6 +96,10 @@ enum GattSerial {
     /// BlueZ before 5.69 loses acquired writes longer than this (shared/PLATFORM-NOTES.md).
     static let blueZWriteLimit = 510
 
+    /// The most one write carries: an ATT value (MTU − 3), at least the 20 of the smallest MTU, at
+    /// most BlueZ's limit.
+    static func writeSize(attMTU: Int) -> Int { min(max(attMTU - 3, 20), blueZWriteLimit) }
+
     /// The service the URL's host names: a short name (`nus`) or a UUID.
     static func service(_ request: ConnectRequest) throws -> (uuid: String, rx: String?, tx: String?) {
         let host = request.host
@@ -142,9 +146,12 @@ enum GattSerial {
         let link = GattLink(bluez: bluez, device: device, address: address, disconnectOnClose: !wasConnected)
         do {
             try await waitForServices(device, bluez: bluez, events: linkEvents, url: url)
-            let objects = try await bluez.bus.call(destination: BlueZ.service, path: "/", interface: BlueZ.objectManager, member: "GetManagedObjects")
-            let (rx, tx) = try pick(in: objects.first?.dictionary ?? [:], device: device, service: wanted.uuid, rx: rxOption, tx: txOption, url: url)
-            device = (try? await bluez.objects().devices.first { $0.path == device.path }) ?? device
+            // One look at the device (its name and RSSI once connected) and its services.
+            let objects = try await bluez.call("/", BlueZ.objectManager, "GetManagedObjects", about: "reading \(address)'s GATT services").first?.dictionary ?? [:]
+            if let properties = objects[device.path]?.dictionary?[BlueZ.deviceInterface]?.dictionary {
+                device = BlueZ.device(path: device.path, properties)
+            }
+            let (rx, tx) = try pick(in: objects, device: device, service: wanted.uuid, rx: rxOption, tx: txOption, url: url)
             let backend = try await GattBackend.open(link: link, rx: rx, tx: tx, acquire: request[BluetoothPlugin.acquire] == .auto,
                                                      events: linkEvents, removals: removals, describing: describing)
             var metadata = BluetoothConnector.metadata(device: device, address: address, adapter: adapter)
@@ -348,12 +355,12 @@ final class GattBackend: ConnectionBackend {
                 let (fd, mtu) = try await acquired(bluez.call(tx.path, interface, "AcquireWrite", [.dictionary([:])],
                                                               about: "acquiring writes to \(BluetoothUUID.short(tx.uuid)) on \(link.address)"), describing)
                 attMTU = attMTU.map { min($0, mtu) } ?? mtu
-                writeSize = min(max(mtu - 3, 20), GattSerial.blueZWriteLimit)
+                writeSize = GattSerial.writeSize(attMTU: mtu)
                 sender = .socket(PacketSocketBackend(adopting: fd, describing: describing, receiveSize: 16, maximumWriteSize: writeSize, hangUp: hangUp))
             } else {
                 let mtu = tx.mtu ?? attMTU ?? 23
                 attMTU = attMTU ?? tx.mtu
-                writeSize = min(max(mtu - 3, 20), GattSerial.blueZWriteLimit)
+                writeSize = GattSerial.writeSize(attMTU: mtu)
                 sender = .writeValue(path: tx.path)
             }
         } catch {
