@@ -142,7 +142,7 @@ extension BluetoothPlugin {
     /// ```
     ///
     /// - Parameter scan: what to look for and when to stop.
-    /// - Returns: the events; the sequence fails with ``TransportError`` when there is no bus,
+    /// - Returns: the events; the sequence fails with `TransportError` when there is no bus,
     ///   no bluetoothd, no (powered) adapter, or a service given is not a UUID.
     public func scan(_ scan: BluetoothScan) -> AsyncThrowingStream<BluetoothScan.Event, any Error> {
         let (stream, continuation) = AsyncThrowingStream<BluetoothScan.Event, any Error>.makeStream()
