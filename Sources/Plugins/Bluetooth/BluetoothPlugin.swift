@@ -70,10 +70,10 @@ public struct BluetoothPlugin: TransportPlugin {
             ), connect: { [bus] in try await BluetoothConnector.rfcomm($0, bus: bus) }),
             Scheme(SchemeDescriptor(
                 scheme: "ble",
-                summary: "Bluetooth LE through BlueZ: GATT serial (ble://SERVICE/DEVICE) or an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE)",
-                grammar: "ble://SERVICE[:PSM]/MAC[?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]",
+                summary: "Bluetooth LE through BlueZ: GATT serial (ble://SERVICE/DEVICE) or an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE); no DEVICE: the strongest advertiser of SERVICE",
+                grammar: "ble://SERVICE[:PSM][/MAC][?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]",
                 examples: ["ble://nus/E3:2E:44:66:A2:4A", "ble://FFE0/E3:2E:44:66:A2:4A?rx=FFE1&tx=FFE1",
-                           "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024"],
+                           "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024", "ble://nus"],
                 host: .required, port: .optional, portRange: 1...255, path: .optional,
                 options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.mtu, Self.security]
             ), connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) }),
