@@ -11,6 +11,8 @@
 #include <bluetooth/hci_lib.h>
 #include <bluetooth/l2cap.h>
 #include <bluetooth/rfcomm.h>
+#include <bluetooth/sdp.h>
+#include <bluetooth/sdp_lib.h>
 
 /// BDADDR_ANY, BDADDR_ALL and BDADDR_LOCAL are address-of-compound-literal macros.
 static inline bdaddr_t tk_bt_bdaddr_any(void) { bdaddr_t a = {{0, 0, 0, 0, 0, 0}}; return a; }
@@ -64,6 +66,19 @@ static inline int tk_bt_l2cap_bind(int fd, bdaddr_t address, uint8_t addressType
 static inline int tk_bt_l2cap_connect(int fd, bdaddr_t address, uint8_t addressType, uint16_t psm) {
     struct sockaddr_l2 a = tk_bt_l2cap_address(address, addressType, psm);
     return connect(fd, (struct sockaddr *)&a, sizeof a);
+}
+/// accept4(2) on a listening L2CAP socket: the new socket (non-blocking, close-on-exec) and the
+/// peer's address and address type, or -1 with errno.
+static inline int tk_bt_l2cap_accept(int fd, bdaddr_t *peer, uint8_t *addressType) {
+    struct sockaddr_l2 a;
+    socklen_t length = sizeof a;
+    memset(&a, 0, sizeof a);
+    int client = accept4(fd, (struct sockaddr *)&a, &length, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (client >= 0) {
+        *peer = a.l2_bdaddr;
+        *addressType = a.l2_bdaddr_type;
+    }
+    return client;
 }
 
 #endif

@@ -427,7 +427,7 @@ struct HostileUseTests {
             url("tcp://127.0.0.1:80?\(manyOptions)", "unknown option 'o0'"),
             url("gopher://x:70", "no plugin handles gopher://", "registered schemes: ble://, ea://, loop://"),
             url("usb://1546:01a7", "no plugin handles usb://"),
-            url("rfcomm://00:11:22:33:44:55", "SDP is not built yet", "rfcomm://00:11:22:33:44:55:CHANNEL"),
+            url("rfcomm://00:11:22:33:44:55?uuid=serial", "uuid=serial is not a service UUID"),
             url("rfcomm://00:11:22:33:44:55:31", "31"),
             url("ble://FFF0:128/00:11:22:33:44", "is not a Bluetooth address"),
             url("ea://com.example", "External Accessory", "rfcomm://", "usb://"),

@@ -6,6 +6,7 @@ import SystemPackage
 import Testing
 import TestSupport
 import TransportKit
+import TransportKitDBus
 
 /// A program running in the background in a process group of its own (rctest and l2test fork a
 /// child per connection): stopped by killing the group.
@@ -58,9 +59,25 @@ struct BlueZLabTests {
             if !both { try await Task.sleep(for: .milliseconds(100)) }
         }
         try #require(both, "bluetoothd did not report hci0 and hci1 powered")
-        // bluetoothd takes over the controllers' settings: advertise again so hci0 can reach hci1 over LE.
+        // bluetoothd takes over the controllers' settings: make hci1 connectable (page scan) so hci0
+        // can reach it over BR/EDR, and advertise again so hci0 can reach it over LE.
+        _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "connectable", "on"])
         _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "advertising", "on"])
         return controllers
+    }
+
+    /// Removes every device bluetoothd knows (Adapter1.RemoveDevice, which drops its link keys too).
+    /// After a Profile1 connection, the keys of the Just Works pairing left behind made the next
+    /// RFCOMM connects between the two controllers fail with EACCES or ECONNRESET; BlueZListenLabTests
+    /// starts each test with this and ends with it. LE connects then need a discovery again.
+    static func forgetDevices() async throws {
+        let bus = try DBusConnection(.system)
+        let reply = try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
+        for (path, interfaces) in reply.first?.dictionary ?? [:] {
+            guard let adapter = interfaces.dictionary?["org.bluez.Device1"]?.dictionary?["Adapter"]?.text else { continue }
+            _ = try? await bus.call(destination: "org.bluez", path: adapter, interface: "org.bluez.Adapter1", member: "RemoveDevice", [.objectPath(path)])
+        }
+        await bus.close()
     }
 
     /// Connects, retrying while the peer's listener is not up yet (refused) for up to 10 s.

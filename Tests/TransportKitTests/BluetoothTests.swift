@@ -137,10 +137,13 @@ struct BluetoothTests {
         #expect(error?.message.contains("rfcomm://") == true && error?.message.contains("usb://") == true, "\(String(describing: error))")
     }
 
-    @Test func notYetBuiltFormsSaySo() async throws {
+    @Test func urlsAreCheckedBeforeBluetoothIsAsked() async throws {
         let daemonless = try TransportRegistry(plugins: [BluetoothPlugin(bus: .address("unix:path=/tmp/no-such-bus-\(getpid())"))])
-        let sdp = await expectTransportError(.unsupported) { try await daemonless.connect(to: "rfcomm://00:AA:01:01:00:01") }
-        #expect(sdp?.message.contains("SDP is not built yet") == true, "\(String(describing: sdp))")
+        // Without a channel the URL asks SDP, through the adapter: that needs the bus, and says so.
+        let sdp = await expectTransportError(.notFound) { try await daemonless.connect(to: "rfcomm://00:AA:01:01:00:01") }
+        #expect(sdp?.message.contains("Bluetooth goes through bluetoothd") == true, "\(String(describing: sdp))")
+        let uuid = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "rfcomm://00:AA:01:01:00:01?uuid=serial") }
+        #expect(uuid?.message.contains("uuid=serial is not a service UUID") == true, "\(String(describing: uuid))")
         // Without a device the URL scans: that needs the bus, and says so.
         let scan = await expectTransportError(.notFound) { try await daemonless.connect(to: "ble://FFF0:128") }
         #expect(scan?.message.contains("Bluetooth goes through bluetoothd") == true, "\(String(describing: scan))")
@@ -148,6 +151,27 @@ struct BluetoothTests {
         #expect(scanName?.message.contains("is not a service UUID to scan for") == true, "\(String(describing: scanName))")
         let bad = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://FFF0:128/00:AA:01:01:00") }
         #expect(bad?.message.contains("is not a Bluetooth address") == true, "\(String(describing: bad))")
+    }
+
+    @Test func listenURLsAreCheckedBeforeBluetoothIsAsked() async throws {
+        let daemonless = try TransportRegistry(plugins: [BluetoothPlugin(bus: .address("unix:path=/tmp/no-such-bus-\(getpid())"))])
+        let host = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "rfcomm://everywhere:3") }
+        #expect(host?.message.contains("give `any` (every adapter) or an adapter's address") == true, "\(String(describing: host))")
+        let uuid = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "rfcomm://any?uuid=12") }
+        #expect(uuid?.message.contains("uuid=12 is not a service UUID") == true, "\(String(describing: uuid))")
+        let device = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://FFF0:128/00:AA:01:01:00:01") }
+        #expect(device?.message.contains("a listener takes no device") == true, "\(String(describing: device))")
+        let gatt = await expectTransportError(.unsupported) { try await daemonless.listen(on: "ble://nus") }
+        #expect(gatt?.message.contains("a GATT server) is not built") == true, "\(String(describing: gatt))")
+        let service = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://uart:128") }
+        #expect(service?.message.contains("is not a service UUID to advertise") == true, "\(String(describing: service))")
+        let psm = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://FFF0:300") }
+        #expect(psm?.message.contains("300") == true, "\(String(describing: psm))")
+        // Well-formed listeners get as far as the bus.
+        for url in ["rfcomm://any", "rfcomm://00:AA:01:01:00:01:5?uuid=1101&name=Console", "ble://FFF0:128?adapter=hci1&advertise=false"] {
+            let error = await expectTransportError(.notFound) { try await daemonless.listen(on: url) }
+            #expect(error?.message.contains("Bluetooth goes through bluetoothd") == true, "\(url): \(String(describing: error))")
+        }
     }
 
     @Test func gattSerialURLsAreCheckedBeforeBluetoothIsAsked() async throws {

@@ -3,15 +3,17 @@
 // bluetoothd ("Command Disallowed").
 //
 // Grammar:
-//   rfcomm://MAC:CHANNEL[?adapter=hciN]                  Bluetooth Classic, RFCOMM channel 1…30
+//   rfcomm://MAC[:CHANNEL][?adapter=hciN&uuid=UUID]      Bluetooth Classic, RFCOMM channel 1…30; no channel:
+//                                                        found through SDP (ServiceDiscovery.swift)
+//   rfcomm://any|ADAPTER-MAC[:CHANNEL] (listening)       a service published through BlueZ (SerialPortProfile.swift)
+//   ble://SERVICE:PSM (listening)                        an LE L2CAP listener that advertises SERVICE (LEListener.swift)
 //   ble://SERVICE:PSM/MAC[?adapter=hciN&addressType=…&mtu=N&security=…]
 //                                                        an LE L2CAP connection-oriented channel
 //   ea://…                                               refused: Apple's External Accessory has no Linux counterpart
 //   ble://SERVICE/MAC[?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never]
 //                                                        GATT serial (GattSerial.swift)
 //   ble://SERVICE[:PSM]                                  no device: the strongest advertising SERVICE (chooseDevice)
-// Not built yet (issue 14 continues): rfcomm:// without a channel (SDP), listen modes. Each is
-// refused with a message that says so.
+// Not built: a GATT server (listening on ble://SERVICE without a PSM); refused with a message that says so.
 
 import NIOCore
 import Synchronization
@@ -24,9 +26,13 @@ import TransportKitLinux
 /// arrival and removal as device events.
 ///
 /// ```swift
-/// let spp = try await Transport.connect(to: "rfcomm://00:AA:01:01:00:01:1")
+/// let spp = try await Transport.connect(to: "rfcomm://00:AA:01:01:00:01")   // channel found through SDP
 /// let coc = try await Transport.connect(to: "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0")
 /// print(coc.metadata.mtu ?? 0)   // the channel's send MTU
+///
+/// let server = try await Transport.listen(on: "rfcomm://any")    // published through BlueZ (SDP)
+/// print(server.url.port ?? 0)                                    // the channel it took
+/// for try await peer in server.connections { try await peer.write("hello\r\n") }
 /// ```
 public struct BluetoothPlugin: TransportPlugin {
     /// The bus bluetoothd is on.
@@ -44,6 +50,12 @@ public struct BluetoothPlugin: TransportPlugin {
     static let mtu = URLOption.integer("mtu", in: 23...65535, help: "ble://…:PSM: the receive MTU to offer (default: the kernel's, 672)")
     static let security = URLOption.choice("security", default: BluetoothSocket.Security.low,
                                            help: "ble://…:PSM: link security; medium and high encrypt the link and may start pairing (needs an agent)")
+
+    static let uuid = URLOption.string("uuid", help: "rfcomm://: the service to find through SDP when the URL has no channel, and to publish when listening (default: 1101, the Serial Port Profile)")
+    static let name = URLOption.string("name", help: "rfcomm:// listening: the service name in the published SDP record (default: TransportKit serial port)")
+    static let advertise = URLOption.bool("advertise", default: true,
+                                          help: "ble://SERVICE:PSM listening: advertise SERVICE (connectable) on the adapter while listening, so centrals can find and reach it")
+    static let backlog = URLOption.integer("backlog", in: 1...128, default: 8, help: "Listening: connections waiting to be accepted before more are refused")
 
     static let rx = URLOption.string("rx", help: "ble:// GATT serial: the characteristic that brings the device's bytes (notify or indicate); default: the first in the service that notifies")
     static let tx = URLOption.string("tx", help: "ble:// GATT serial: the characteristic written with ours; default: the first that takes writes without response, else with response")
@@ -63,20 +75,25 @@ public struct BluetoothPlugin: TransportPlugin {
             Scheme(SchemeDescriptor(
                 scheme: "rfcomm",
                 summary: "Bluetooth Classic RFCOMM (Serial Port Profile) through BlueZ",
-                grammar: "rfcomm://MAC:CHANNEL[?adapter=hciN]",
-                examples: ["rfcomm://00:0A:3A:22:68:73:1", "rfcomm://00:0A:3A:22:68:73:3?adapter=hci1"],
+                grammar: "rfcomm://MAC[:CHANNEL][?adapter=hciN&uuid=UUID]; listening: rfcomm://any|ADAPTER-MAC[:CHANNEL][?uuid=UUID&name=NAME]",
+                examples: ["rfcomm://00:0A:3A:22:68:73", "rfcomm://00:0A:3A:22:68:73:1", "rfcomm://00:0A:3A:22:68:73?uuid=1101&adapter=hci1",
+                           "rfcomm://any (listening)"],
                 host: .required, port: .optional, portRange: 1...30, path: .forbidden,
-                options: [Self.adapter]
-            ), connect: { [bus] in try await BluetoothConnector.rfcomm($0, bus: bus) }),
+                options: [Self.adapter, Self.uuid, Self.name, Self.backlog]
+            ), connect: { [bus] in try await BluetoothConnector.rfcomm($0, bus: bus) },
+               listen: { [bus] in try await RFCOMMListener.listen($0, bus: bus) }),
             Scheme(SchemeDescriptor(
                 scheme: "ble",
                 summary: "Bluetooth LE through BlueZ: GATT serial (ble://SERVICE/DEVICE) or an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE); no DEVICE: the strongest advertiser of SERVICE",
-                grammar: "ble://SERVICE[:PSM][/MAC][?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]",
+                grammar: "ble://SERVICE[:PSM][/MAC][?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]; "
+                    + "listening: ble://SERVICE:PSM[?adapter=hciN&advertise=true|false&mtu=N&security=…]",
                 examples: ["ble://nus/E3:2E:44:66:A2:4A", "ble://FFE0/E3:2E:44:66:A2:4A?rx=FFE1&tx=FFE1",
-                           "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024", "ble://nus"],
+                           "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024", "ble://nus",
+                           "ble://FFF0:128?adapter=hci1 (listening)"],
                 host: .required, port: .optional, portRange: 1...255, path: .optional,
-                options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.mtu, Self.security]
-            ), connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) }),
+                options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.mtu, Self.security, Self.advertise, Self.backlog]
+            ), connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) },
+               listen: { [bus] in try await LEListener.listen($0, bus: bus) }),
             Scheme(SchemeDescriptor(
                 scheme: "ea",
                 summary: "Apple External Accessory: not available on Linux (use rfcomm:// or usb://)",
@@ -165,19 +182,38 @@ enum BluetoothConnector {
         guard let device = BluetoothAddress(request.host) else {
             throw TransportError(.invalidURL, "\(url): '\(request.host)' is not a Bluetooth address (six hexadecimal pairs, 00:0A:3A:22:68:73). Grammar: \(request.scheme.grammar)")
         }
-        guard let channel = url.port else {
-            throw TransportError(.unsupported, "\(url): finding the RFCOMM channel through SDP is not built yet; give the channel: "
-                                 + "rfcomm://\(device):CHANNEL (`sdptool search --bdaddr \(device) SP` shows it)")
-        }
+        let service = try serviceUUID(request)
         let (_, adapter, local, known) = try await resolve(request, bus: bus, device: device)
         let describing = url.description
-        let fd = try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: UInt8(channel), describing: describing,
-                                                        deadline: request.deadline)
+        let channel: Int
+        let fd: SystemPackage.FileDescriptor
+        if let port = url.port {
+            channel = port
+            fd = try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: UInt8(port), describing: describing,
+                                                         deadline: request.deadline)
+        } else {
+            (channel, fd) = try await ServiceDiscovery.withRFCOMMChannel(adapter: local, device: device, service: service, describing: describing,
+                                                                        deadline: request.deadline) { found in
+                request.logger.debug("SDP: \(device) offers \(BluetoothUUID.short(service)) on RFCOMM channel \(found)")
+                return (Int(found), try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: found, describing: describing,
+                                                                             deadline: request.deadline))
+            }
+        }
         let backend = try await DescriptorChannel.adoptSocket(fd, describing: describing)
         var metadata = metadata(device: known, address: device, adapter: adapter)
         metadata.extra["addressType"] = "public"
         metadata.extra["channel"] = String(channel)
+        if url.port == nil { metadata.extra["service"] = BluetoothUUID.short(service) }
         return Connection(url: url, backend: BluetoothBackend(channel: backend, device: device), metadata: metadata)
+    }
+
+    /// The service an rfcomm:// URL names with `uuid=` (default: the Serial Port Profile), normalized.
+    static func serviceUUID(_ request: ConnectRequest) throws -> String {
+        guard let text = request[BluetoothPlugin.uuid] else { return ServiceDiscovery.serialPort }
+        guard let uuid = BluetoothUUID.normalize(text) else {
+            throw TransportError(.invalidURL, "\(request.url): uuid=\(text) is not a service UUID (1101, 32-bit, or 128-bit with or without dashes)")
+        }
+        return uuid
     }
 
     static func ble(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Connection {
@@ -292,10 +328,13 @@ final class BluetoothBackend: ConnectionBackend {
     let channel: ChannelBackend
     let device: BluetoothAddress
     let supportsHalfClose = false
+    /// bluetoothd holds the socket too (Profile1.NewConnection): closing shuts it down, or the link would stay up.
+    let sharedWithBlueZ: Bool
 
-    init(channel: ChannelBackend, device: BluetoothAddress) {
+    init(channel: ChannelBackend, device: BluetoothAddress, sharedWithBlueZ: Bool = false) {
         self.channel = channel
         self.device = device
+        self.sharedWithBlueZ = sharedWithBlueZ
     }
 
     static func disconnected(_ device: BluetoothAddress, errno: Errno?, syscall: String?) -> TransportError {
@@ -326,7 +365,21 @@ final class BluetoothBackend: ConnectionBackend {
         throw TransportError(.unsupported, "rfcomm:// cannot half-close (Serial Port Profile peers expect the link to stay or go); close the connection instead")
     }
 
-    func close() async throws { try await channel.close() }
+    func close() async throws {
+        // shutdown(2) on RFCOMM ends the whole link, after the bytes already queued (net/bluetooth/rfcomm/sock.c).
+        if sharedWithBlueZ {
+            do {
+                try await channel.closeWrite()
+            } catch {
+                // A write that failed is reported here, and the channel still closed.
+                try? await channel.close()
+                throw error
+            }
+        }
+        try await channel.close()
+    }
 
-    func connectionDropped() { channel.connectionDropped() }
+    func connectionDropped() {
+        if sharedWithBlueZ { channel.connectionDroppedShuttingDown() } else { channel.connectionDropped() }
+    }
 }

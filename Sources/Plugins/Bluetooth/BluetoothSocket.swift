@@ -38,6 +38,13 @@ struct BluetoothAddress: Sendable, Hashable, CustomStringConvertible {
         return address
     }
 
+    /// From the kernel's bdaddr_t (least significant byte first).
+    init(kernel: bdaddr_t) {
+        var bytes: [UInt8] = []
+        withUnsafeBytes(of: kernel.b) { raw in bytes = Array(raw.reversed()) }
+        self.bytes = bytes
+    }
+
     var description: String { bytes.map { String($0, radix: 16, uppercase: true).leftPadded(to: 2) }.joined(separator: ":") }
 }
 
@@ -90,18 +97,7 @@ enum BluetoothSocket {
         do {
             let type = UInt8(addressType == "random" ? BDADDR_LE_RANDOM : BDADDR_LE_PUBLIC)
             try Syscall.run("bind", on: describing) { tk_bt_l2cap_bind(fd.rawValue, adapter.kernel, UInt8(BDADDR_LE_PUBLIC), 0) }
-            if let receiveMTU {
-                var mtu = UInt16(clamping: receiveMTU)
-                try Syscall.run("setsockopt(BT_RCVMTU)", on: describing) {
-                    setsockopt(fd.rawValue, SOL_BLUETOOTH, BT_RCVMTU, &mtu, socklen_t(MemoryLayout<UInt16>.size))
-                }
-            }
-            if security != .low {
-                var level = bt_security(level: security.level, key_size: 0)
-                try Syscall.run("setsockopt(BT_SECURITY)", on: describing) {
-                    setsockopt(fd.rawValue, SOL_BLUETOOTH, BT_SECURITY, &level, socklen_t(MemoryLayout<bt_security>.size))
-                }
-            }
+            try configure(fd, receiveMTU: receiveMTU, security: security, describing: describing)
             try await connect(fd, describing: describing, deadline: deadline, what: "L2CAP PSM \(psm) on \(device)") {
                 tk_bt_l2cap_connect(fd.rawValue, device.kernel, type, psm)
             }
@@ -109,6 +105,103 @@ enum BluetoothSocket {
         } catch {
             fd.closeOwned()
             throw error
+        }
+    }
+
+    /// A BR/EDR L2CAP channel (SOCK_SEQPACKET) to `device` on `psm`: PSM 1 is SDP (ServiceDiscovery.swift).
+    static func connectClassicL2CAP(adapter: BluetoothAddress, device: BluetoothAddress, psm: UInt16, describing: String,
+                                    deadline: ContinuousClock.Instant?) async throws -> SystemPackage.FileDescriptor {
+        let fd = try open(SOCK_SEQPACKET, BTPROTO_L2CAP, describing: describing)
+        do {
+            try Syscall.run("bind", on: describing) { tk_bt_l2cap_bind(fd.rawValue, adapter.kernel, UInt8(BDADDR_BREDR), 0) }
+            try await connect(fd, describing: describing, deadline: deadline, what: "L2CAP PSM \(psm) (SDP) on \(device)") {
+                tk_bt_l2cap_connect(fd.rawValue, device.kernel, UInt8(BDADDR_BREDR), psm)
+            }
+            return fd
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
+    }
+
+    /// The lowest RFCOMM channel that no socket listens on (or is bound to) on any of `adapters`:
+    /// bind(2) answers EADDRINUSE for a taken one (net/bluetooth/rfcomm/sock.c). bluetoothd's own
+    /// servers are kernel sockets bound to each adapter's address, so they count.
+    static func freeRFCOMMChannel(on adapters: [BluetoothAddress], describing: String) throws -> UInt8 {
+        for channel in UInt8(1)...30 {
+            if try adapters.allSatisfy({ try isRFCOMMChannelFree(channel, on: $0, describing: describing) }) { return channel }
+        }
+        throw TransportError(.busy, "\(describing): every RFCOMM channel (1…30) is taken on the adapters to listen on; stop another RFCOMM server first")
+    }
+
+    /// `true` when `channel` is bound by no socket on `adapter` (bind(2) succeeds; EADDRINUSE: taken).
+    static func isRFCOMMChannelFree(_ channel: UInt8, on adapter: BluetoothAddress, describing: String) throws -> Bool {
+        let fd = try open(SOCK_STREAM, BTPROTO_RFCOMM, describing: describing)
+        defer { fd.closeOwned() }
+        switch Syscall.attempt({ tk_bt_rfcomm_bind(fd.rawValue, adapter.kernel, channel) }) {
+        case .success: return true
+        case .failure(.addressInUse): return false
+        case .failure(let errno): throw TransportError.posix("bind", errno: errno, what: "\(describing) (RFCOMM channel \(channel))")
+        }
+    }
+
+    /// A listening LE L2CAP socket on `psm`, bound to `adapter` (SOCK_SEQPACKET, non-blocking).
+    static func listenL2CAP(adapter: BluetoothAddress, psm: UInt16, receiveMTU: Int?, security: Security, backlog: Int32,
+                            describing: String) throws -> SystemPackage.FileDescriptor {
+        let fd = try open(SOCK_SEQPACKET, BTPROTO_L2CAP, describing: describing)
+        do {
+            switch Syscall.attempt({ tk_bt_l2cap_bind(fd.rawValue, adapter.kernel, UInt8(BDADDR_LE_PUBLIC), psm) }) {
+            case .success: break
+            case .failure(.addressInUse):
+                throw TransportError(.busy, "\(describing): PSM \(psm) is taken on this adapter (another listener, or bluetoothd's own service); choose another PSM",
+                                     errno: .addressInUse, syscall: "bind")
+            case .failure(let errno) where errno == .permissionDenied || errno == .notPermitted:
+                throw TransportError(.permissionDenied, "\(describing): listening on PSM \(psm) needs CAP_NET_BIND_SERVICE (PSMs below 128); use a PSM from 128 to 255",
+                                     errno: errno, syscall: "bind")
+            case .failure(let errno): throw TransportError.posix("bind", errno: errno, what: describing)
+            }
+            try configure(fd, receiveMTU: receiveMTU, security: security, describing: describing)
+            try Syscall.run("listen", on: describing) { Glibc.listen(fd.rawValue, backlog) }
+            return fd
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
+    }
+
+    /// One connection from a listening L2CAP socket, if one is waiting (else `nil`, EAGAIN).
+    static func acceptL2CAP(_ listener: SystemPackage.FileDescriptor, describing: String) throws -> (channel: Channel, peer: BluetoothAddress, addressType: String)? {
+        var peer = bdaddr_t()
+        var type: UInt8 = 0
+        switch Syscall.attempt({ tk_bt_l2cap_accept(listener.rawValue, &peer, &type) }) {
+        case .success(let raw):
+            let fd = SystemPackage.FileDescriptor(rawValue: raw)
+            do {
+                let channel = Channel(fd: fd, sendMTU: try mtu(fd, BT_SNDMTU, describing), receiveMTU: try mtu(fd, BT_RCVMTU, describing))
+                return (channel, BluetoothAddress(kernel: peer), type == UInt8(BDADDR_LE_RANDOM) ? "random" : "public")
+            } catch {
+                fd.closeOwned()
+                throw error
+            }
+        case .failure(.resourceTemporarilyUnavailable): return nil
+        case .failure(.connectionAbort), .failure(.connectionReset): return nil   // gone before it was taken
+        case .failure(let errno): throw TransportError.posix("accept4", errno: errno, what: describing)
+        }
+    }
+
+    /// BT_RCVMTU and BT_SECURITY, set before connect(2) or listen(2).
+    private static func configure(_ fd: SystemPackage.FileDescriptor, receiveMTU: Int?, security: Security, describing: String) throws {
+        if let receiveMTU {
+            var mtu = UInt16(clamping: receiveMTU)
+            try Syscall.run("setsockopt(BT_RCVMTU)", on: describing) {
+                setsockopt(fd.rawValue, SOL_BLUETOOTH, BT_RCVMTU, &mtu, socklen_t(MemoryLayout<UInt16>.size))
+            }
+        }
+        if security != .low {
+            var level = bt_security(level: security.level, key_size: 0)
+            try Syscall.run("setsockopt(BT_SECURITY)", on: describing) {
+                setsockopt(fd.rawValue, SOL_BLUETOOTH, BT_SECURITY, &level, socklen_t(MemoryLayout<bt_security>.size))
+            }
         }
     }
 
@@ -169,7 +262,8 @@ enum BluetoothSocket {
         case .resourceBusy:
             return TransportError(.busy, "\(describing): the adapter is busy with another connection attempt (one LE connect at a time); try again", errno: errno, syscall: "connect")
         case .permissionDenied, .notPermitted:
-            return TransportError(.permissionDenied, "\(describing): connecting to \(what) needs pairing or a privilege (PSMs below 128 need CAP_NET_BIND_SERVICE)", errno: errno, syscall: "connect")
+            return TransportError(.permissionDenied, "\(describing): \(what) refused the link's security: it needs pairing (`bluetoothctl pair ADDRESS` "
+                                  + "with an agent running); an LE PSM below 128 also needs CAP_NET_BIND_SERVICE", errno: errno, syscall: "connect")
         case .connectionReset, .connectionAbort:
             return TransportError(.refused, "\(describing): \(what) closed the connection during setup (security or pairing refused?)", errno: errno, syscall: "connect")
         default:

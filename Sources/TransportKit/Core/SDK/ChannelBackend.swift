@@ -188,6 +188,13 @@ public final class ChannelBackend: ConnectionBackend {
         channel.close(promise: nil)
     }
 
+    /// Closes the channel at once, shutting the socket down first: for a socket another process
+    /// holds a descriptor of too (one bluetoothd handed over), which a close alone would leave up.
+    public func connectionDroppedShuttingDown() {
+        channel.close(mode: .output, promise: nil)
+        channel.close(promise: nil)
+    }
+
     /// Why writing can no longer succeed: the error that ended the channel, or a plain "closed".
     private static func disconnectedError(_ inbound: InboundQueue, _ describing: String) -> TransportError {
         inbound.failure ?? TransportError(.disconnected, "the connection to \(describing) is closed")

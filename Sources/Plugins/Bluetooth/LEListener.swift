@@ -1,0 +1,134 @@
+// LEListener.swift: ble://SERVICE:PSM listen mode: a listening LE L2CAP socket
+// (BluetoothSocket.listenL2CAP), demand-driven like tcp://: accept(2) runs only when the
+// application asks for a connection, so the others wait in the kernel's backlog. While it
+// listens, the adapter advertises SERVICE (Advertisement.swift) unless advertise=false.
+
+import SystemPackage
+@_spi(Plugins) import TransportKitCore
+import TransportKitDBus
+import TransportKitLinux
+
+/// Accepts LE L2CAP connection-oriented channels on one PSM of one adapter.
+final class LEListener: ListenerBackend {
+    private struct State {
+        var closed = false
+        /// accept() calls inside a readiness wait or accept(2) on the socket.
+        var users = 0
+    }
+
+    let url: TransportURL
+    private let fd: SystemPackage.FileDescriptor
+    private let bluez: BlueZ
+    private let adapter: BluetoothAdapter
+    private let service: String
+    private let psm: UInt16
+    private let advertisement: Advertisement?
+    private let state = AsyncCondition(State())
+
+    private init(url: TransportURL, fd: SystemPackage.FileDescriptor, bluez: BlueZ, adapter: BluetoothAdapter, service: String, psm: UInt16,
+                 advertisement: Advertisement?) {
+        self.url = url
+        self.fd = fd
+        self.bluez = bluez
+        self.adapter = adapter
+        self.service = service
+        self.psm = psm
+        self.advertisement = advertisement
+    }
+
+    @Sendable static func listen(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Listener {
+        let url = request.url
+        guard let port = url.port else {
+            throw TransportError(.unsupported, "\(url): listening for GATT serial (a GATT server) is not built; listen on an L2CAP channel: ble://SERVICE:PSM")
+        }
+        guard url.path.drop(while: { $0 == "/" }).isEmpty else {
+            throw TransportError(.invalidURL, "\(url): a listener takes no device; choose the adapter with adapter=hciN: ble://\(request.host):\(port)")
+        }
+        guard let service = BluetoothUUID.normalize(request.host) else {
+            throw TransportError(.invalidURL, "\(url): '\(request.host)' is not a service UUID to advertise (FFF0, or 128-bit with dashes)")
+        }
+        let bluez = try BlueZ.shared(bus)
+        let adapter = try BlueZ.adapter(named: request[BluetoothPlugin.adapter], among: try await bluez.objects().adapters)
+        guard let local = BluetoothAddress(adapter.address) else {
+            throw TransportError(.io, "\(url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
+        }
+        let describing = url.description
+        let fd = try BluetoothSocket.listenL2CAP(adapter: local, psm: UInt16(port), receiveMTU: request[BluetoothPlugin.mtu],
+                                                 security: request[BluetoothPlugin.security], backlog: Int32(request[BluetoothPlugin.backlog]),
+                                                 describing: describing)
+        let advertisement: Advertisement?
+        do {
+            advertisement = request[BluetoothPlugin.advertise]
+                ? try await Advertisement.register(bluez, adapter: adapter, service: service, describing: describing) : nil
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
+        request.logger.debug("ble listening: PSM \(port) on \(adapter.name)\(advertisement == nil ? "" : ", advertising \(BluetoothUUID.short(service))")")
+        let listener = LEListener(url: url, fd: fd, bluez: bluez, adapter: adapter, service: service, psm: UInt16(port), advertisement: advertisement)
+        return Listener(url: url, backend: listener)
+    }
+
+    func accept() async throws -> Connection? {
+        guard state.update({ state -> Bool in
+            guard !state.closed else { return false }
+            state.users += 1
+            return true
+        }) else { return nil }
+        defer { state.update { $0.users -= 1 } }
+        let describing = url.description
+        while true {
+            if state.withLock({ $0.closed }) { return nil }
+            if let accepted = try BluetoothSocket.acceptL2CAP(fd, describing: describing) {
+                return await connection(accepted.channel, peer: accepted.peer, addressType: accepted.addressType)
+            }
+            // Readable (a connection waits), or the listener closed, whichever comes first.
+            let fd = self.fd
+            let state = self.state
+            try await withThrowingTaskGroup(of: Void.self) { group in
+                group.addTask { try await fd.wait(until: .readable) }
+                group.addTask { try await state.wait { $0.closed ? () : nil } }
+                _ = try await group.next()
+                group.cancelAll()
+            }
+        }
+    }
+
+    private func connection(_ channel: BluetoothSocket.Channel, peer: BluetoothAddress, addressType: String) async -> Connection {
+        let describing = "ble://\(BluetoothUUID.short(service)):\(psm)/\(peer)"
+        let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
+                                          maximumWriteSize: channel.sendMTU) { errno in
+            BluetoothBackend.disconnected(peer, errno: errno, syscall: errno == nil ? nil : "recv")
+        }
+        let device = try? await bluez.objects().devices.first { $0.adapterPath == adapter.path && $0.address.uppercased() == peer.description }
+        var metadata = BluetoothConnector.metadata(device: device, address: peer, adapter: adapter)
+        metadata.mtu = channel.sendMTU
+        metadata.extra["addressType"] = addressType
+        metadata.extra["psm"] = String(psm)
+        metadata.extra["sendMTU"] = String(channel.sendMTU)
+        metadata.extra["receiveMTU"] = String(channel.receiveMTU)
+        return Connection(url: (try? TransportURL(describing)) ?? url, backend: backend, metadata: metadata)
+    }
+
+    deinit {
+        // Dropped without close(): no accept() can be running (it holds the listener), so the
+        // socket is closed here and the advertisement withdrawn in the background.
+        guard !state.withLock({ $0.closed }) else { return }
+        fd.closeOwned()
+        if let advertisement { Task.detached { await advertisement.unregister() } }
+    }
+
+    /// Stops accepting and advertising; connections accepted before stay open.
+    func close() async throws {
+        let first = state.update { state -> Bool in
+            defer { state.closed = true }
+            return !state.closed
+        }
+        guard first else { return }
+        // Not cancellable: the descriptor is closed only once no accept() waits on it.
+        let state = self.state
+        await Task.detached { try? await state.wait { $0.users == 0 ? () : nil } }.value
+        fd.closeOwned()
+        await advertisement?.unregister()
+    }
+}

@@ -1,0 +1,257 @@
+// SerialPortProfile.swift: rfcomm:// listen mode through BlueZ's ProfileManager1 and Profile1
+// (doc/profile-api.txt; src/profile.c at 5.66). bluetoothd publishes the SDP record (so peers find
+// the channel without it being hard-coded), listens on the RFCOMM channel on every adapter, and
+// hands each accepted connection to Profile1.NewConnection as a descriptor.
+//
+// Facts (shared/PLATFORM-NOTES.md, src/profile.c):
+// - RequireAuthentication and RequireAuthorization default to true: a connect is then refused with
+//   "Authentication attempt without agent" unless an agent runs. Both are set false here.
+// - A UUID BlueZ has no defaults for gets an RFCOMM server only when "Channel" is given (0 = the
+//   kernel's first free one, which is not reported back), so the channel is always chosen here.
+// - bluetoothd keeps its own reference to each connection's socket (it watches it for a hang-up),
+//   so closing our descriptor alone would leave the link up: closing shuts the socket down first.
+
+import Glibc
+import Synchronization
+import SystemPackage
+@_spi(Plugins) import TransportKitCore
+import TransportKitDBus
+import TransportKitLinux
+
+/// Accepts rfcomm:// connections for a service published through BlueZ.
+final class RFCOMMListener: ListenerBackend {
+    private struct Incoming {
+        let device: String
+        let fd: SystemPackage.FileDescriptor
+    }
+
+    private struct State {
+        var incoming: [Incoming] = []
+        var closed = false
+        /// Set when bluetoothd released the profile (it is shutting down).
+        var released = false
+        /// The connections accepted from each device, for Profile1.RequestDisconnection.
+        var accepted: [String: [Accepted]] = [:]
+    }
+
+    private struct Accepted: Sendable {
+        weak var backend: BluetoothBackend?
+    }
+
+    private enum Next {
+        case connection(Incoming)
+        case closed
+        case released
+    }
+
+    private static let serial = Atomic<Int>(0)
+
+    let url: TransportURL
+    private let bluez: BlueZ
+    private let channel: UInt8
+    private let path: String
+    private let state = AsyncCondition(State())
+    private let export = Mutex<DBusExport?>(nil)
+
+    private init(url: TransportURL, bluez: BlueZ, channel: UInt8, path: String) {
+        self.url = url
+        self.bluez = bluez
+        self.channel = channel
+        self.path = path
+    }
+
+    /// rfcomm://any[:CHANNEL] or rfcomm://ADAPTER-ADDRESS[:CHANNEL]: publishes `uuid=` (the Serial
+    /// Port Profile by default) on `CHANNEL` (default: the lowest free one) and accepts connections.
+    @Sendable static func listen(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Listener {
+        let url = request.url
+        // The host is the local side, as tcp://0.0.0.0 is: every adapter, or one by address.
+        let host = request.host.uppercased()
+        let every = host == "ANY" || host == "00:00:00:00:00:00"
+        guard every || BluetoothAddress(host) != nil else {
+            throw TransportError(.invalidURL, "\(url): to listen, give `any` (every adapter) or an adapter's address as the host: rfcomm://any:CHANNEL; "
+                                 + "'\(request.host)' is neither")
+        }
+        let service = try BluetoothConnector.serviceUUID(request)
+        let bluez = try BlueZ.shared(bus)
+        let adapters = try await bluez.objects().adapters
+        let named: String?
+        if every {
+            named = request[BluetoothPlugin.adapter]
+        } else {
+            if let option = request[BluetoothPlugin.adapter], try BlueZ.adapter(named: option, among: adapters).address.uppercased() != host {
+                throw TransportError(.invalidURL, "\(url): adapter=\(option) is not the adapter with address \(host)")
+            }
+            named = host
+        }
+        let chosen = try BlueZ.adapter(named: named, among: adapters)
+        let only = named == nil ? nil : chosen.path
+        let describing = url.description
+        let locals = adapters.filter { (only == nil && $0.powered) || $0.path == only }.compactMap { BluetoothAddress($0.address) }
+        let channel: UInt8
+        if let port = url.port {
+            channel = UInt8(port)
+            guard try locals.allSatisfy({ try BluetoothSocket.isRFCOMMChannelFree(channel, on: $0, describing: describing) }) else {
+                throw TransportError(.busy, "\(describing): RFCOMM channel \(channel) is taken (another server listens on it); choose another, "
+                                     + "or leave the channel out and one is picked: rfcomm://\(request.host)", errno: .addressInUse, syscall: "bind")
+            }
+        } else {
+            channel = try BluetoothSocket.freeRFCOMMChannel(on: locals, describing: describing)
+        }
+        // Only bluetoothd may hand us connections.
+        let owner = try await bluez.bus.call(destination: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
+                                             member: "GetNameOwner", [.string(BlueZ.service)]).first?.text ?? ""
+        var bound = url
+        bound.port = Int(channel)
+        let path = "/org/transportkit/rfcomm\(serial.add(1, ordering: .relaxed).newValue)"
+        let listener = RFCOMMListener(url: bound, bluez: bluez, channel: channel, path: path)
+        let state = listener.state
+        let backlog = request[BluetoothPlugin.backlog]
+        let exported = try await bluez.bus.export(path: path) { call in
+            guard call.interface == "org.bluez.Profile1" else { return .notHandled }
+            guard call.sender == owner else {
+                DBusValue.closeDescriptors(in: call.arguments)
+                return .error(name: "org.bluez.Error.Rejected", message: "only bluetoothd may call this profile")
+            }
+            switch call.member {
+            case "NewConnection":
+                guard case .objectPath(let device)? = call.arguments.first, case .unixFD(let raw)? = call.arguments.dropFirst().first else {
+                    DBusValue.closeDescriptors(in: call.arguments)
+                    return .error(name: "org.bluez.Error.InvalidArguments", message: "NewConnection(o, h, a{sv}) expected")
+                }
+                let fd = SystemPackage.FileDescriptor(rawValue: raw)
+                let taken = state.update { state -> Bool in
+                    guard !state.closed, only.map({ device.hasPrefix($0 + "/") }) ?? true, state.incoming.count < backlog else { return false }
+                    state.incoming.append(Incoming(device: device, fd: fd))
+                    return true
+                }
+                guard taken else {
+                    _ = shutdown(fd.rawValue, Int32(SHUT_RDWR))
+                    fd.closeOwned()
+                    return .error(name: "org.bluez.Error.Rejected", message: "not accepting connections on this adapter now")
+                }
+                return .reply([])
+            case "RequestDisconnection":
+                if case .objectPath(let device)? = call.arguments.first {
+                    let accepted = state.update { $0.accepted.removeValue(forKey: device) ?? [] }
+                    accepted.forEach { $0.backend?.connectionDropped() }
+                }
+                return .reply([])
+            case "Release":
+                state.update { $0.released = true }
+                return .reply([])
+            default:
+                return .notHandled
+            }
+        }
+        listener.export.withLock { $0 = exported }
+        do {
+            _ = try await bluez.call("/org/bluez", "org.bluez.ProfileManager1", "RegisterProfile", [
+                .objectPath(path), .string(service),
+                .dictionary([
+                    "Name": .string(request[BluetoothPlugin.name] ?? "TransportKit serial port"),
+                    "Role": .string("server"),
+                    "Channel": .uint16(UInt16(channel)),
+                    "RequireAuthentication": .bool(false),
+                    "RequireAuthorization": .bool(false),
+                    "AutoConnect": .bool(false),
+                ]),
+            ], about: "\(describing): publishing service \(BluetoothUUID.short(service)) on RFCOMM channel \(channel)")
+            // bluetoothd answers RegisterProfile even when its own bind failed (src/profile.c logs
+            // "RFCOMM server failed" and publishes nothing): make sure the channel is now taken.
+            guard try !locals.contains(where: { try BluetoothSocket.isRFCOMMChannelFree(channel, on: $0, describing: describing) }) else {
+                throw TransportError(.busy, "\(describing): bluetoothd accepted the service but did not listen on RFCOMM channel \(channel) "
+                                     + "(taken meanwhile?); try again, or give another channel")
+            }
+        } catch {
+            _ = try? await bluez.call("/org/bluez", "org.bluez.ProfileManager1", "UnregisterProfile", [.objectPath(path)], about: "\(describing): unpublishing")
+            await exported.remove()
+            throw error
+        }
+        request.logger.debug("rfcomm listening: \(BluetoothUUID.short(service)) on channel \(channel)\(only.map { " of \($0)" } ?? " of every adapter")")
+        return Listener(url: bound, backend: listener)
+    }
+
+    func accept() async throws -> Connection? {
+        let next = try await state.wait { state -> Next? in
+            if state.closed { return .closed }
+            if !state.incoming.isEmpty { return .connection(state.incoming.removeFirst()) }
+            if state.released { return .released }
+            return nil
+        }
+        switch next {
+        case .closed: return nil
+        case .released:
+            throw TransportError(.disconnected, "\(url): bluetoothd released the service (it stopped or restarted); listen again once it is back")
+        case .connection(let incoming):
+            return try await connection(incoming)
+        }
+    }
+
+    private func connection(_ incoming: Incoming) async throws -> Connection {
+        let addressText = String(String(incoming.device.split(separator: "/").last?.dropFirst(4) ?? "").map { $0 == "_" ? ":" : $0 })
+        guard let address = BluetoothAddress(addressText) else {
+            _ = shutdown(incoming.fd.rawValue, Int32(SHUT_RDWR))
+            incoming.fd.closeOwned()
+            throw TransportError(.io, "\(url): bluetoothd handed over a connection from '\(incoming.device)', not a device path")
+        }
+        var peer = url
+        peer.host = address.description
+        let describing = "rfcomm://\(address):\(channel)"
+        let channelBackend = try await DescriptorChannel.adoptSocket(incoming.fd, describing: describing)
+        let backend = BluetoothBackend(channel: channelBackend, device: address, sharedWithBlueZ: true)
+        state.update { state in
+            // Connections closed since are forgotten here, so the table stays as small as what is open.
+            state.accepted = state.accepted.compactMapValues { list in
+                let open = list.filter { $0.backend != nil }
+                return open.isEmpty ? nil : open
+            }
+            state.accepted[incoming.device, default: []].append(Accepted(backend: backend))
+        }
+        let objects = try? await bluez.objects()
+        let device = objects?.devices.first { $0.path == incoming.device }
+        let adapterPath = "/" + incoming.device.split(separator: "/").dropLast().joined(separator: "/")
+        let adapter = objects?.adapters.first { $0.path == adapterPath }
+            ?? BluetoothAdapter(path: adapterPath, name: "", index: nil, address: "", alias: nil, powered: true, discoverable: false, discovering: false)
+        var metadata = BluetoothConnector.metadata(device: device, address: address, adapter: adapter)
+        metadata.extra["addressType"] = "public"
+        metadata.extra["channel"] = String(channel)
+        return Connection(url: (try? TransportURL(describing)) ?? peer, backend: backend, metadata: metadata)
+    }
+
+    /// Ends connections that were handed over but never accepted (bluetoothd holds them too).
+    private static func refuse(_ incoming: [Incoming]) {
+        for connection in incoming {
+            _ = shutdown(connection.fd.rawValue, Int32(SHUT_RDWR))
+            connection.fd.closeOwned()
+        }
+    }
+
+    deinit {
+        // Dropped without close(): refuse what waits, and unpublish in the background.
+        let waiting = state.update { state -> [Incoming]? in
+            guard !state.closed else { return nil }
+            state.closed = true
+            defer { state.incoming = [] }
+            return state.incoming
+        }
+        guard let waiting else { return }
+        Self.refuse(waiting)
+        let (bluez, path, exported) = (bluez, path, export.withLock { $0 })
+        Task.detached {
+            _ = try? await bluez.call("/org/bluez", "org.bluez.ProfileManager1", "UnregisterProfile", [.objectPath(path)], about: "unpublishing")
+            await exported?.remove()
+        }
+    }
+
+    /// Unpublishes the service and refuses connections from then on; accepted ones stay open.
+    func close() async throws {
+        let waiting = state.update { state -> [Incoming] in
+            state.closed = true
+            defer { state.incoming = [] }
+            return state.incoming
+        }
+        Self.refuse(waiting)
+        _ = try? await bluez.call("/org/bluez", "org.bluez.ProfileManager1", "UnregisterProfile", [.objectPath(path)], about: "\(url): unpublishing")
+        if let exported = export.withLock({ $0 }) { await exported.remove() }
+    }
+}

@@ -1,0 +1,263 @@
+import CBlueZ
+import Foundation
+import Glibc
+import SystemPackage
+import Testing
+import TestSupport
+import TransportKit
+
+/// Listening through BlueZ, and rfcomm:// finding its channel through SDP: hci1 listens (a service
+/// published through Profile1, an LE L2CAP PSM), hci0 connects, with BlueZ's own tools (sdptool,
+/// l2test) or a plain kernel socket on one side where the test says so.
+@Suite("lab: Bluetooth listeners and SDP (rfcomm:// and ble:// listening)", .serialized, .enabled(if: Lab.isActive, "needs the qemu lab: run Scripts/lab"))
+struct BlueZListenLabTests {
+    /// A service UUID of the tests' own, so no other record answers the search.
+    static let service = "5a1e0001-7a3f-4c2b-9d51-0b2e1f3c4d5e"
+
+    /// The lab's bluetoothd up (BlueZLabTests.setUp) and no device known: every test starts unpaired.
+    static func setUp() async throws -> BluetoothLabTests.Controllers {
+        let controllers = try await BlueZLabTests.setUp()
+        try await BlueZLabTests.forgetDevices()
+        return controllers
+    }
+
+    /// Accepts one connection in the background; `nil` when none came within `seconds` (so a test
+    /// fails instead of hanging the lab) or the listener closed.
+    static func acceptOne(_ listener: Listener, within seconds: Int = 20) -> Task<Connection?, any Error> {
+        Task {
+            try await withThrowingTaskGroup(of: Connection?.self) { group in
+                group.addTask { try await listener.accept() }
+                group.addTask {
+                    try await Task.sleep(for: .seconds(seconds))
+                    return nil
+                }
+                let first = try await group.next() ?? nil
+                group.cancelAll()
+                return first
+            }
+        }
+    }
+
+    /// Writes `bytes` and reads `expecting` bytes back, on both sides at once.
+    static func exchange(_ connection: Connection, send bytes: [UInt8], expecting: Int) async throws -> [UInt8] {
+        async let written: Void = connection.write(bytes)
+        var received: [UInt8] = []
+        while received.count < expecting, let chunk = try await connection.read() { received += chunk }
+        try await written
+        return received
+    }
+
+    /// 10 KiB each way at once between the two ends of one connection, compared byte for byte.
+    static func tenKiBEachWay(client: Connection, server: Connection) async throws {
+        let toServer = BlueZLabTests.pattern(10 * 1024)
+        let toClient = Array(BlueZLabTests.pattern(10 * 1024).reversed())
+        async let serverSide = exchange(server, send: toClient, expecting: toServer.count)
+        let clientReceived = try await exchange(client, send: toServer, expecting: toClient.count)
+        #expect(try await serverSide == toServer)
+        #expect(clientReceived == toClient)
+    }
+
+    @Test func rfcommFindsAListenersChannelThroughSDPAndCarriesTenKiBEachWay() async throws {
+        let controllers = try await Self.setUp()
+        let listener = try await Transport.listen(on: "rfcomm://\(controllers.peripheralText)?name=TKLab-serial")
+        let channel = try #require(listener.url.port)
+        let accepted = Self.acceptOne(listener)
+
+        let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText)?adapter=hci0")
+        #expect(client.metadata.extra["channel"] == String(channel), "SDP found the listener's channel")
+        #expect(client.metadata.extra["service"] == "1101")
+        let server = try #require(try await accepted.value)
+        #expect(server.metadata.remoteAddress == controllers.centralText)
+        #expect(server.metadata.extra["channel"] == String(channel))
+
+        try await Self.tenKiBEachWay(client: client, server: server)
+
+        // The listening side closes: bluetoothd holds the socket too, and the client must still see the end.
+        try await server.close()
+        let (rest, ending) = await Lab.readToEnd(client)
+        #expect(rest.isEmpty)
+        #expect(ending?.kind == .disconnected, "\(String(describing: ending))")
+        try? await client.close()
+
+        // BlueZ's own SDP client finds the record bluetoothd published for us.
+        let search = try await Lab.run("/usr/bin/sdptool", ["search", "--bdaddr", controllers.peripheralText, "SP"])
+        #expect(search.stdout.contains("Channel: \(channel)"), "sdptool: \(search.stdout) \(search.stderr)")
+        #expect(search.stdout.contains("TKLab-serial"), "the name= option is the record's name: \(search.stdout)")
+        try await listener.close()
+    }
+
+    @Test func anRfcommListenerOnAnyAdapterTakesAPlainSocketAndAReconnectAndUnpublishesWhenClosed() async throws {
+        let controllers = try await Self.setUp()
+        let socketsBefore = Descriptors.open().filter { $0.target.hasPrefix("socket:[") }.count
+        let listener = try await Transport.listen(on: "rfcomm://any?uuid=\(Self.service)")
+        let channel = try #require(listener.url.port)
+
+        // A client that is not this project: a plain kernel RFCOMM socket on hci0 to the published channel.
+        let kind = BluetoothLabTests.SocketKind.rfcomm(channel: UInt8(channel))
+        let plain = kind.socket(boundTo: controllers.central, listening: false)
+        try #require(plain >= 0, "socket: \(errno)")
+        let accepted = Self.acceptOne(listener)
+        // A non-blocking connect(2), given 15 s.
+        _ = fcntl(plain, F_SETFL, fcntl(plain, F_GETFL) | O_NONBLOCK)
+        if kind.connect(plain, to: controllers.peripheral) != 0 {
+            try #require(errno == EINPROGRESS || errno == EAGAIN, "connect: \(errno)")
+            var ready = pollfd(fd: plain, events: Int16(POLLOUT), revents: 0)
+            try #require(poll(&ready, 1, 15_000) == 1, "connect did not complete within 15 s")
+            var code: Int32 = 0
+            var length = socklen_t(MemoryLayout<Int32>.size)
+            getsockopt(plain, SOL_SOCKET, SO_ERROR, &code, &length)
+            try #require(code == 0, "connect: errno \(code)")
+        }
+        _ = fcntl(plain, F_SETFL, fcntl(plain, F_GETFL) & ~O_NONBLOCK)
+        let fromPlain = try #require(try await accepted.value)
+        let hello = Array("hello from a plain socket".utf8)
+        #expect(hello.withUnsafeBytes { send(plain, $0.baseAddress, $0.count, 0) } == hello.count)
+        var got: [UInt8] = []
+        while got.count < hello.count, let chunk = try await fromPlain.read() { got += chunk }
+        #expect(got == hello)
+        close(plain)
+        let (_, ending) = await Lab.readToEnd(fromPlain)
+        #expect(ending?.kind == .disconnected, "\(String(describing: ending))")
+        try? await fromPlain.close()
+
+        // Twice through SDP with our own client, the service named by uuid=.
+        for round in 1...2 {
+            let next = Self.acceptOne(listener)
+            let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText)?adapter=hci0&uuid=\(Self.service)")
+            #expect(client.metadata.extra["channel"] == String(channel), "round \(round)")
+            let server = try #require(try await next.value)
+            try await client.write(Array("round \(round)".utf8))
+            let line = try await server.read()
+            #expect(line.map { String(decoding: $0, as: UTF8.self) } == "round \(round)")
+            try await client.close()
+            try? await server.close()
+        }
+
+        let waiting = Self.acceptOne(listener)
+        try await Task.sleep(for: .milliseconds(200))
+        try await listener.close()
+        #expect(try await waiting.value == nil, "close() ends an accept() that waits")
+        #expect(try await listener.accept() == nil)
+        let gone = await expectLabError(.notFound) {
+            try await Transport.connect(to: "rfcomm://\(controllers.peripheralText)?adapter=hci0&uuid=\(Self.service)")
+        }
+        #expect(gone?.message.contains("publishes no RFCOMM service") == true, "\(String(describing: gone))")
+        let closed = await eventually(5) { Descriptors.open().filter { $0.target.hasPrefix("socket:[") }.count <= socketsBefore }
+        #expect(closed, "sockets left open: \(Descriptors.open())")
+    }
+
+    @Test func anLEListenerTakesL2testAndOurClientBothWays() async throws {
+        let controllers = try await Self.setUp()
+        let listener = try await Transport.listen(on: "ble://FFF0:141?adapter=hci1&mtu=512")
+        #expect(listener.url.port == 141)
+
+        // BlueZ's l2test connects from hci0 and sends ten records of 100 bytes.
+        let accepted = Self.acceptOne(listener)
+        let sender = try BackgroundProgram("/usr/bin/l2test", ["-s", "-V", "le_public", "-P", "141", "-i", "hci0", "-b", "100", "-N", "10", "-g", "2000",
+                                                              controllers.peripheralText])
+        defer { sender.kill() }
+        let fromL2test = try #require(try await accepted.value)
+        #expect(fromL2test.metadata.remoteAddress == controllers.centralText)
+        #expect(fromL2test.metadata.extra["receiveMTU"] == "512")
+        var records: [[UInt8]] = []
+        do {
+            for _ in 0..<10 {
+                guard let record = try await fromL2test.readMessage(timeout: .seconds(10)) else { break }
+                records.append(record)
+            }
+        } catch {
+            Issue.record("after \(records.count) records from l2test: \(error)")
+        }
+        #expect(records.count == 10)
+        #expect(records.allSatisfy { $0.count == 100 }, "\(records.map(\.count))")
+        try? await fromL2test.close()
+
+        // Our own client, 10 KiB each way, writes larger than the MTU.
+        let next = Self.acceptOne(listener)
+        let client = try await BlueZLabTests.connect("ble://FFF0:141/\(controllers.peripheralText)?adapter=hci0&addressType=public")
+        let server = try #require(try await next.value)
+        try await Self.tenKiBEachWay(client: client, server: server)
+        try await client.close()
+        try? await server.close()
+
+        // close() while an accept() waits: the accept ends with nil, and so does every later one.
+        let racing = try await Transport.listen(on: "ble://FFF0:146?adapter=hci1&advertise=false")
+        let waiting = Self.acceptOne(racing)
+        try await Task.sleep(for: .milliseconds(200))
+        try await racing.close()
+        #expect(try await waiting.value == nil)
+        #expect(try await racing.accept() == nil)
+
+        // Closed: the PSM is free again, and a connect is refused.
+        try await listener.close()
+        let refused = await expectLabError(.refused) { try await Transport.connect(to: "ble://FFF0:141/\(controllers.peripheralText)?adapter=hci0&addressType=public") }
+        #expect(refused?.message.contains("nobody listens on L2CAP PSM 141") == true, "\(String(describing: refused))")
+        let again = try await Transport.listen(on: "ble://FFF0:141?adapter=hci1&advertise=false")
+        try await again.close()
+    }
+
+    /// A real D-Bus policy that denies one user bluetoothd (written into the guest's overlay, the
+    /// bus told to reload): the CLI run as that user says which policy refused it.
+    @Test func aDBusPolicyThatRefusesTheUserIsNamed() async throws {
+        let controllers = try await Self.setUp()
+        let policy = "/etc/dbus-1/system.d/zz-transportkit-lab-deny.conf"
+        let text = """
+            <!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN" "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+            <busconfig><policy user="nobody"><deny send_destination="org.bluez"/></policy></busconfig>
+            """
+        try text.write(toFile: policy, atomically: true, encoding: .utf8)
+        let reload = ["--system", "--print-reply", "--dest=org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus.ReloadConfig"]
+        _ = try await Lab.run("/usr/bin/dbus-send", reload)
+        var outcome: Result<Lab.Output, any Error>
+        do {
+            outcome = .success(try await Lab.run("/usr/bin/setpriv", ["--reuid=65534", "--regid=65534", "--clear-groups", Lab.cli,
+                                                                      "connect", "rfcomm://\(controllers.peripheralText):7?adapter=hci0"]))
+        } catch {
+            outcome = .failure(error)
+        }
+        // The policy goes away whatever happened: the suites after this one run as root, unaffected.
+        unlink(policy)
+        _ = try await Lab.run("/usr/bin/dbus-send", reload)
+        let denied = try outcome.get()
+        #expect(denied.status != 0)
+        #expect(denied.stderr.contains("AccessDenied"), "\(denied.stderr)")
+        #expect(denied.stderr.contains("D-Bus policy"), "the message names the policy: \(denied.stderr)")
+        #expect(denied.stderr.contains("/etc/dbus-1/system.d"), "\(denied.stderr)")
+    }
+
+    @Test func listenerErrorsSayWhatToDo() async throws {
+        let controllers = try await Self.setUp()
+        let first = try await Transport.listen(on: "ble://FFF0:142?adapter=hci1&advertise=false")
+        do {
+            _ = try await Transport.listen(on: "ble://FFF0:142?adapter=hci1&advertise=false")
+            Issue.record("a second listener on PSM 142 was accepted")
+        } catch let error as TransportError {
+            #expect(error.kind == .busy)
+            #expect(error.message.contains("PSM 142 is taken"), "\(error)")
+        }
+        try await first.close()
+
+        let taken = try await Transport.listen(on: "rfcomm://any:12?uuid=\(Self.service)")
+        do {
+            _ = try await Transport.listen(on: "rfcomm://any:12")
+            Issue.record("a second listener on RFCOMM channel 12 was accepted")
+        } catch let error as TransportError {
+            #expect(error.kind == .busy)
+            #expect(error.message.contains("RFCOMM channel 12 is taken"), "\(error)")
+        }
+        try await taken.close()
+
+        do {
+            _ = try await Transport.listen(on: "rfcomm://00:11:22:33:44:55")
+            Issue.record("listening on an address that is no adapter's was accepted")
+        } catch let error as TransportError {
+            #expect(error.kind == .notFound)
+            #expect(error.message.contains("no Bluetooth adapter 00:11:22:33:44:55"), "\(error)")
+        }
+        // An RFCOMM channel nobody serves: refused by the peer, now that hci1 is connectable.
+        let unused = await expectLabError(.refused) { try await Transport.connect(to: "rfcomm://\(controllers.peripheralText):25?adapter=hci0") }
+        #expect(unused?.message.contains("nobody listens on RFCOMM channel 25") == true, "\(String(describing: unused))")
+        // The suites after this one start unpaired too.
+        try await BlueZLabTests.forgetDevices()
+    }
+}

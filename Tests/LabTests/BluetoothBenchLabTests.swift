@@ -1,0 +1,196 @@
+import CBlueZ
+import Foundation
+import Glibc
+import Synchronization
+import Testing
+import TestSupport
+import TransportKit
+import TransportKitDBus
+
+/// Throughput through the emulated link, TransportKit beside a plain socket loop (the system calls
+/// in a loop, no event loop) over the same link in the same run: RFCOMM, LE L2CAP CoC and GATT
+/// serial. It prints figures (lines starting `lab: bench`) and asserts only that every byte
+/// arrived: emulated controllers make the ratios the meaningful part, never the absolute rates.
+///
+/// Not in the lab's default run (Scripts/lab.d/run-lab-tests skips it):
+/// `Scripts/lab --no-build --filter BluetoothBench`. BENCHMARKS.md has the figures.
+@Suite("lab: Bluetooth throughput beside a plain socket loop", .serialized, .enabled(if: Lab.isActive, "needs the qemu lab: run Scripts/lab"))
+struct BluetoothBenchLabTests {
+    static let size = 256 * 1024
+
+    /// A kernel socket on hci1 that takes one connection and reads `expecting` bytes; returns when
+    /// they arrived (the clock stops there) and how many did.
+    static func sink(_ listener: Int32, expecting: Int) -> Task<(count: Int, done: ContinuousClock.Instant), Never> {
+        Task.detached {
+            let server = accept(listener, nil, nil)
+            guard server >= 0 else { return (0, .now) }
+            defer { close(server) }
+            var limit = timeval(tv_sec: 20, tv_usec: 0)
+            setsockopt(server, SOL_SOCKET, SO_RCVTIMEO, &limit, socklen_t(MemoryLayout<timeval>.size))
+            var count = 0
+            var buffer = [UInt8](repeating: 0, count: 65536)
+            while count < expecting {
+                let got = recv(server, &buffer, buffer.count, 0)
+                guard got > 0 else { break }
+                count += got
+            }
+            return (count, .now)
+        }
+    }
+
+    static func rate(_ bytes: Int, _ elapsed: Duration) -> Double {
+        Double(bytes) / (Double(elapsed.components.seconds) + Double(elapsed.components.attoseconds) * 1e-18)
+    }
+
+    static func report(_ what: String, plain: Double, ours: Double) {
+        print(String(format: "lab: bench %@: plain loop %.1f KiB/s, TransportKit %.1f KiB/s, ratio %.2f", what, plain / 1024, ours / 1024, ours / plain))
+    }
+
+    /// One transfer of `size` bytes to a fresh sink: the plain loop writes `piece` bytes per send(2).
+    static func plainTransfer(_ kind: BluetoothLabTests.SocketKind, _ controllers: BluetoothLabTests.Controllers, piece: (Int32) -> Int) throws -> Double {
+        let listener = kind.socket(boundTo: controllers.peripheral, listening: true)
+        try #require(listener >= 0 && listen(listener, 1) == 0, "listener: \(errno)")
+        defer { close(listener) }
+        let sink = Self.sink(listener, expecting: size)
+        let client = kind.socket(boundTo: controllers.central, listening: false)
+        try #require(client >= 0, "socket: \(errno)")
+        defer { close(client) }
+        try #require(kind.connect(client, to: controllers.peripheral) == 0, "connect: \(errno)")
+        let chunk = piece(client)
+        let data = BlueZLabTests.pattern(size)
+        let started = ContinuousClock.now
+        var offset = 0
+        while offset < data.count {
+            let end = min(offset + chunk, data.count)
+            let sent = data[offset..<end].withUnsafeBytes { send(client, $0.baseAddress, $0.count, 0) }
+            try #require(sent > 0, "send: \(errno)")
+            offset += sent
+        }
+        let (count, done) = awaitBlocking(sink)
+        try #require(count == size, "the sink got \(count) of \(size) bytes")
+        return rate(size, done - started)
+    }
+
+    /// The same transfer through a TransportKit connection, written in 4 KiB writes.
+    static func ourTransfer(_ kind: BluetoothLabTests.SocketKind, url: String, _ controllers: BluetoothLabTests.Controllers) async throws -> Double {
+        let listener = kind.socket(boundTo: controllers.peripheral, listening: true)
+        try #require(listener >= 0 && listen(listener, 1) == 0, "listener: \(errno)")
+        defer { close(listener) }
+        let sink = Self.sink(listener, expecting: size)
+        let connection = try await BlueZLabTests.connect(url)
+        let data = BlueZLabTests.pattern(size)
+        let started = ContinuousClock.now
+        var offset = 0
+        while offset < data.count {
+            let end = min(offset + 4096, data.count)
+            try await connection.write(Array(data[offset..<end]))
+            offset = end
+        }
+        let (count, done) = await sink.value
+        try? await connection.close()
+        try #require(count == size, "the sink got \(count) of \(size) bytes")
+        return rate(size, done - started)
+    }
+
+    /// Waits for a detached task from synchronous code (the plain loop stays free of async).
+    static func awaitBlocking<T: Sendable>(_ task: Task<T, Never>) -> T {
+        let result = Mutex<T?>(nil)
+        let done = DispatchSemaphore(value: 0)
+        Task.detached {
+            let value = await task.value
+            result.withLock { $0 = value }
+            done.signal()
+        }
+        done.wait()
+        return result.withLock { $0! }
+    }
+
+    @Test func rfcommThroughput() async throws {
+        let controllers = try await BlueZLabTests.setUp()
+        let kind = BluetoothLabTests.SocketKind.rfcomm(channel: 11)
+        let plain = try Self.plainTransfer(kind, controllers) { _ in 4096 }
+        let ours = try await Self.ourTransfer(kind, url: "rfcomm://\(controllers.peripheralText):11?adapter=hci0", controllers)
+        Self.report("RFCOMM \(Self.size / 1024) KiB", plain: plain, ours: ours)
+    }
+
+    @Test func leL2CAPThroughput() async throws {
+        let controllers = try await BlueZLabTests.setUp()
+        let kind = BluetoothLabTests.SocketKind.l2capLE(psm: 145)
+        let plain = try Self.plainTransfer(kind, controllers) { fd in
+            var mtu: UInt16 = 0
+            var length = socklen_t(MemoryLayout<UInt16>.size)
+            getsockopt(fd, SOL_BLUETOOTH, BT_SNDMTU, &mtu, &length)
+            return Int(mtu)
+        }
+        let ours = try await Self.ourTransfer(kind, url: "ble://FFF0:145/\(controllers.peripheralText)?adapter=hci0", controllers)
+        Self.report("LE L2CAP CoC \(Self.size / 1024) KiB", plain: plain, ours: ours)
+    }
+
+    /// GATT serial to the tests' peripheral: TransportKit's ble:// (acquired descriptors, and the
+    /// D-Bus fallback) beside a plain send(2) loop on a write descriptor the test acquires itself
+    /// from bluetoothd (AcquireWrite) on the same connected device.
+    @Test func gattSerialThroughput() async throws {
+        let (controllers, peripheral) = try await GattLabTests.setUp(echo: false)
+        let size = 32 * 1024
+        let data = BlueZLabTests.pattern(size)
+        func waitForPeripheral(_ expected: Int, from started: ContinuousClock.Instant) async throws -> Double {
+            let until = ContinuousClock.now + .seconds(60)
+            while peripheral.log.bytes.withLock({ $0.count }) < expected && ContinuousClock.now < until {
+                try await Task.sleep(for: .milliseconds(2))
+            }
+            let got = peripheral.log.bytes.withLock { $0.count }
+            try #require(got >= expected, "the peripheral got \(got) of \(expected) bytes")
+            return Self.rate(size, ContinuousClock.now - started)
+        }
+
+        // TransportKit, acquired descriptors (the default).
+        var rates: [String: Double] = [:]
+        for (label, url) in [("AcquireWrite", "ble://nus/\(controllers.peripheralText)?adapter=hci0"),
+                             ("WriteValue", "ble://nus/\(controllers.peripheralText)?adapter=hci0&acquire=never")] {
+            let connection = try await Transport.connect(to: url)
+            let before = peripheral.log.bytes.withLock { $0.count }
+            let started = ContinuousClock.now
+            try await connection.write(data)
+            rates[label] = try await waitForPeripheral(before + size, from: started)
+            if label == "WriteValue" {
+                // The plain loop, while this connection keeps the device connected and leaves the
+                // write characteristic unacquired.
+                let bus = try DBusConnection(.system)
+                let reply = try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
+                let device = "/org/bluez/hci0/dev_" + controllers.peripheralText.replacingOccurrences(of: ":", with: "_")
+                let path = (reply.first?.dictionary ?? [:]).first { path, interfaces in
+                    path.hasPrefix(device + "/")
+                        && interfaces.dictionary?["org.bluez.GattCharacteristic1"]?.dictionary?["UUID"]?.text == "6e400002-b5a3-f393-e0a9-e50e24dcca9e"
+                }?.key
+                let characteristic = try #require(path)
+                let acquired = try await bus.call(destination: "org.bluez", path: characteristic, interface: "org.bluez.GattCharacteristic1",
+                                                  member: "AcquireWrite", [.dictionary([:])])
+                defer { Task { await bus.close() } }
+                guard case .unixFD(let fd)? = acquired.first, case .uint16(let mtu)? = acquired.dropFirst().first else {
+                    Issue.record("AcquireWrite answered \(acquired)")
+                    return
+                }
+                defer { close(fd) }
+                let piece = min(Int(mtu) - 3, 510)
+                let plainBefore = peripheral.log.bytes.withLock { $0.count }
+                let plainStarted = ContinuousClock.now
+                var offset = 0
+                while offset < data.count {
+                    let end = min(offset + piece, data.count)
+                    let sent = data[offset..<end].withUnsafeBytes { send(fd, $0.baseAddress, $0.count, 0) }
+                    if sent < 0 && (errno == EAGAIN || errno == EINTR) {
+                        usleep(200)
+                        continue
+                    }
+                    try #require(sent > 0, "send: \(errno)")
+                    offset = end
+                }
+                rates["plain"] = try await waitForPeripheral(plainBefore + size, from: plainStarted)
+            }
+            try? await connection.close()
+        }
+        let plain = try #require(rates["plain"])
+        Self.report("GATT serial \(size / 1024) KiB, AcquireWrite", plain: plain, ours: rates["AcquireWrite"] ?? 0)
+        Self.report("GATT serial \(size / 1024) KiB, WriteValue fallback", plain: plain, ours: rates["WriteValue"] ?? 0)
+    }
+}
