@@ -86,39 +86,13 @@ struct BlueZListenLabTests {
         try await listener.close()
     }
 
-    @Test func anRfcommListenerOnAnyAdapterTakesAPlainSocketAndAReconnectAndUnpublishesWhenClosed() async throws {
+    @Test func anRfcommListenerOnAnyAdapterOnAGivenChannelTakesTwoSDPConnectsAndUnpublishesWhenClosed() async throws {
         let controllers = try await Self.setUp()
         let socketsBefore = Descriptors.open().filter { $0.target.hasPrefix("socket:[") }.count
-        let listener = try await Transport.listen(on: "rfcomm://any?uuid=\(Self.service)")
+        // A channel given in the URL (the test before takes one automatically).
+        let listener = try await Transport.listen(on: "rfcomm://any:13?uuid=\(Self.service)")
         let channel = try #require(listener.url.port)
-
-        // A client that is not this project: a plain kernel RFCOMM socket on hci0 to the published channel.
-        let kind = BluetoothLabTests.SocketKind.rfcomm(channel: UInt8(channel))
-        let plain = kind.socket(boundTo: controllers.central, listening: false)
-        try #require(plain >= 0, "socket: \(errno)")
-        let accepted = Self.acceptOne(listener)
-        // A non-blocking connect(2), given 15 s.
-        _ = fcntl(plain, F_SETFL, fcntl(plain, F_GETFL) | O_NONBLOCK)
-        if kind.connect(plain, to: controllers.peripheral) != 0 {
-            try #require(errno == EINPROGRESS || errno == EAGAIN, "connect: \(errno)")
-            var ready = pollfd(fd: plain, events: Int16(POLLOUT), revents: 0)
-            try #require(poll(&ready, 1, 15_000) == 1, "connect did not complete within 15 s")
-            var code: Int32 = 0
-            var length = socklen_t(MemoryLayout<Int32>.size)
-            getsockopt(plain, SOL_SOCKET, SO_ERROR, &code, &length)
-            try #require(code == 0, "connect: errno \(code)")
-        }
-        _ = fcntl(plain, F_SETFL, fcntl(plain, F_GETFL) & ~O_NONBLOCK)
-        let fromPlain = try #require(try await accepted.value)
-        let hello = Array("hello from a plain socket".utf8)
-        #expect(hello.withUnsafeBytes { send(plain, $0.baseAddress, $0.count, 0) } == hello.count)
-        var got: [UInt8] = []
-        while got.count < hello.count, let chunk = try await fromPlain.read() { got += chunk }
-        #expect(got == hello)
-        close(plain)
-        let (_, ending) = await Lab.readToEnd(fromPlain)
-        #expect(ending?.kind == .disconnected, "\(String(describing: ending))")
-        try? await fromPlain.close()
+        #expect(channel == 13)
 
         // Twice through SDP with our own client, the service named by uuid=.
         for round in 1...2 {
