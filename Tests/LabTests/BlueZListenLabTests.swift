@@ -202,32 +202,17 @@ struct BlueZListenLabTests {
     @Test func listenerErrorsSayWhatToDo() async throws {
         let controllers = try await Self.setUp()
         let first = try await Transport.listen(on: "ble://FFF0:142?adapter=hci1&advertise=false")
-        do {
-            _ = try await Transport.listen(on: "ble://FFF0:142?adapter=hci1&advertise=false")
-            Issue.record("a second listener on PSM 142 was accepted")
-        } catch let error as TransportError {
-            #expect(error.kind == .busy)
-            #expect(error.message.contains("PSM 142 is taken"), "\(error)")
-        }
+        let psm = await expectLabError(.busy) { try await Transport.listen(on: "ble://FFF0:142?adapter=hci1&advertise=false") }
+        #expect(psm?.message.contains("PSM 142 is taken") == true, "\(String(describing: psm))")
         try await first.close()
 
         let taken = try await Transport.listen(on: "rfcomm://any:12?uuid=\(Self.service)")
-        do {
-            _ = try await Transport.listen(on: "rfcomm://any:12")
-            Issue.record("a second listener on RFCOMM channel 12 was accepted")
-        } catch let error as TransportError {
-            #expect(error.kind == .busy)
-            #expect(error.message.contains("RFCOMM channel 12 is taken"), "\(error)")
-        }
+        let channel = await expectLabError(.busy) { try await Transport.listen(on: "rfcomm://any:12") }
+        #expect(channel?.message.contains("RFCOMM channel 12 is taken") == true, "\(String(describing: channel))")
         try await taken.close()
 
-        do {
-            _ = try await Transport.listen(on: "rfcomm://00:11:22:33:44:55")
-            Issue.record("listening on an address that is no adapter's was accepted")
-        } catch let error as TransportError {
-            #expect(error.kind == .notFound)
-            #expect(error.message.contains("no Bluetooth adapter 00:11:22:33:44:55"), "\(error)")
-        }
+        let stranger = await expectLabError(.notFound) { try await Transport.listen(on: "rfcomm://00:11:22:33:44:55") }
+        #expect(stranger?.message.contains("no Bluetooth adapter 00:11:22:33:44:55") == true, "\(String(describing: stranger))")
         // An RFCOMM channel nobody serves: refused by the peer, now that hci1 is connectable.
         let unused = await expectLabError(.refused) { try await Transport.connect(to: "rfcomm://\(controllers.peripheralText):25?adapter=hci0") }
         #expect(unused?.message.contains("nobody listens on RFCOMM channel 25") == true, "\(String(describing: unused))")

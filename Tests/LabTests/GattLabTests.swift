@@ -203,10 +203,19 @@ struct GattLabTests {
 
 /// Expects `body` to fail with a TransportError of `kind`; returns it.
 func expectLabError(_ kind: TransportError.Kind, _ body: () async throws -> Connection) async -> TransportError? {
+    await expectLabError(kind, what: "a connection", release: { try? await $0.close() }, body)
+}
+
+/// The same for a listen that must fail (a listener it got is closed).
+func expectLabError(_ kind: TransportError.Kind, _ body: () async throws -> Listener) async -> TransportError? {
+    await expectLabError(kind, what: "a listener", release: { try? await $0.close() }, body)
+}
+
+private func expectLabError<Value>(_ kind: TransportError.Kind, what: String, release: (Value) async -> Void,
+                                   _ body: () async throws -> Value) async -> TransportError? {
     do {
-        let connection = try await body()
-        try? await connection.close()
-        Issue.record("expected a \(kind) error, got a connection")
+        await release(try await body())
+        Issue.record("expected a \(kind) error, got \(what)")
     } catch let error as TransportError {
         #expect(error.kind == kind, "\(error)")
         return error

@@ -126,6 +126,22 @@ final class BlueZ: Sendable {
                                 discovering: properties["Discovering"]?.boolValue ?? false)
     }
 
+    /// A device's object path on `adapter`: `/org/bluez/hci0/dev_00_AA_01_01_00_01`.
+    static func devicePath(on adapter: BluetoothAdapter, address: String) -> String {
+        adapter.path + "/dev_" + String(address.uppercased().map { $0 == ":" ? "_" : $0 })
+    }
+
+    /// The address in a device's object path (`00:AA:01:01:00:01`), as ``devicePath(on:address:)`` wrote it.
+    static func address(inDevicePath path: String) -> String {
+        String((path.split(separator: "/").last?.dropFirst(4) ?? "").map { $0 == "_" ? ":" : $0 })
+    }
+
+    /// The device with `address` on the adapter at `adapterPath`, among what bluetoothd reported.
+    static func device(_ address: String, onAdapter adapterPath: String, among devices: [BluetoothDevice]) -> BluetoothDevice? {
+        let wanted = address.uppercased()
+        return devices.first { $0.adapterPath == adapterPath && $0.address.uppercased() == wanted }
+    }
+
     static func device(path: String, _ properties: [String: DBusValue]) -> BluetoothDevice {
         var manufacturer: [UInt16: [UInt8]] = [:]
         for (company, value) in properties["ManufacturerData"]?.unwrapped.integerKeyedDictionary ?? [:] {
@@ -221,7 +237,7 @@ final class BlueZ: Sendable {
                   freshSighting: Bool = false) async throws -> BluetoothDevice {
         let wanted = address.uppercased()
         let signals = try await bus.signals(DBusMatch(sender: Self.service, interface: Self.objectManager, member: "InterfacesAdded"))
-        let devicePath = adapter.path + "/dev_" + String(wanted.map { $0 == ":" ? "_" : $0 })
+        let devicePath = Self.devicePath(on: adapter, address: wanted)
         let updates = try await bus.signals(DBusMatch(sender: Self.service, path: devicePath, interface: "org.freedesktop.DBus.Properties",
                                                       member: "PropertiesChanged"))
         let session = try await discoveries.start(self, adapter: adapter, filter: ["Transport": .string(transport), "DuplicateData": .bool(false)])
@@ -240,7 +256,7 @@ final class BlueZ: Sendable {
         let started = ContinuousClock.now
         let limit = Self.searchLimit(deadline, from: started)
         // The device may have appeared between the first look and the subscription.
-        let known = try await objects().devices.first(where: { $0.adapterPath == adapter.path && $0.address.uppercased() == wanted })
+        let known = Self.device(wanted, onAdapter: adapter.path, among: try await objects().devices)
         if let known, !freshSighting { return known }
         var searches: [@Sendable () async throws -> BluetoothDevice?] = [{
             for try await signal in signals {

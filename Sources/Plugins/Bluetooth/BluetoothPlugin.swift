@@ -304,11 +304,16 @@ enum BluetoothConnector {
         let bluez = try BlueZ.shared(bus)
         let objects = try await bluez.objects()
         let adapter = try BlueZ.adapter(named: request[BluetoothPlugin.adapter], among: objects.adapters)
+        let known = BlueZ.device(device.description, onAdapter: adapter.path, among: objects.devices)
+        return (bluez, adapter, try localAddress(of: adapter, request), known)
+    }
+
+    /// The adapter's own address, for binding sockets to it.
+    static func localAddress(of adapter: BluetoothAdapter, _ request: ConnectRequest) throws -> BluetoothAddress {
         guard let local = BluetoothAddress(adapter.address) else {
             throw TransportError(.io, "\(request.url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
         }
-        let known = objects.devices.first { $0.adapterPath == adapter.path && $0.address.uppercased() == device.description }
-        return (bluez, adapter, local, known)
+        return local
     }
 
     /// CornucopiaStreams' CC_meta: the device's name, address, address type and signal strength where known.

@@ -49,9 +49,7 @@ final class LEListener: ListenerBackend {
         }
         let bluez = try BlueZ.shared(bus)
         let adapter = try BlueZ.adapter(named: request[BluetoothPlugin.adapter], among: try await bluez.objects().adapters)
-        guard let local = BluetoothAddress(adapter.address) else {
-            throw TransportError(.io, "\(url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
-        }
+        let local = try BluetoothConnector.localAddress(of: adapter, request)
         let describing = url.description
         let fd = try BluetoothSocket.listenL2CAP(adapter: local, psm: UInt16(port), receiveMTU: request[BluetoothPlugin.mtu],
                                                  security: request[BluetoothPlugin.security], backlog: Int32(request[BluetoothPlugin.backlog]),
@@ -100,7 +98,7 @@ final class LEListener: ListenerBackend {
                                           maximumWriteSize: channel.sendMTU) { errno in
             BluetoothBackend.disconnected(peer, errno: errno, syscall: errno == nil ? nil : "recv")
         }
-        let device = try? await bluez.objects().devices.first { $0.adapterPath == adapter.path && $0.address.uppercased() == peer.description }
+        let device = (try? await bluez.objects().devices).flatMap { BlueZ.device(peer.description, onAdapter: adapter.path, among: $0) }
         var metadata = BluetoothConnector.metadata(device: device, address: peer, adapter: adapter)
         metadata.mtu = channel.sendMTU
         metadata.extra["addressType"] = addressType

@@ -163,7 +163,7 @@ final class RFCOMMListener: ListenerBackend {
                                      + "(taken meanwhile?); try again, or give another channel")
             }
         } catch {
-            _ = try? await bluez.call("/org/bluez", "org.bluez.ProfileManager1", "UnregisterProfile", [.objectPath(path)], about: "\(describing): unpublishing")
+            await Self.unpublish(path, on: bluez, about: "\(describing): unpublishing")
             await exported.remove()
             throw error
         }
@@ -188,8 +188,7 @@ final class RFCOMMListener: ListenerBackend {
     }
 
     private func connection(_ incoming: Incoming) async throws -> Connection {
-        let addressText = String(String(incoming.device.split(separator: "/").last?.dropFirst(4) ?? "").map { $0 == "_" ? ":" : $0 })
-        guard let address = BluetoothAddress(addressText) else {
+        guard let address = BluetoothAddress(BlueZ.address(inDevicePath: incoming.device)) else {
             _ = shutdown(incoming.fd.rawValue, Int32(SHUT_RDWR))
             incoming.fd.closeOwned()
             throw TransportError(.io, "\(url): bluetoothd handed over a connection from '\(incoming.device)', not a device path")
@@ -218,6 +217,11 @@ final class RFCOMMListener: ListenerBackend {
         return Connection(url: (try? TransportURL(describing)) ?? peer, backend: backend, metadata: metadata)
     }
 
+    /// Takes the profile back from bluetoothd (its record and its servers); best effort.
+    private static func unpublish(_ path: String, on bluez: BlueZ, about what: String) async {
+        _ = try? await bluez.call("/org/bluez", "org.bluez.ProfileManager1", "UnregisterProfile", [.objectPath(path)], about: what)
+    }
+
     /// Ends connections that were handed over but never accepted (bluetoothd holds them too).
     private static func refuse(_ incoming: [Incoming]) {
         for connection in incoming {
@@ -238,7 +242,7 @@ final class RFCOMMListener: ListenerBackend {
         Self.refuse(waiting)
         let (bluez, path, exported) = (bluez, path, export.withLock { $0 })
         Task.detached {
-            _ = try? await bluez.call("/org/bluez", "org.bluez.ProfileManager1", "UnregisterProfile", [.objectPath(path)], about: "unpublishing")
+            await Self.unpublish(path, on: bluez, about: "unpublishing")
             await exported?.remove()
         }
     }
@@ -251,7 +255,7 @@ final class RFCOMMListener: ListenerBackend {
             return state.incoming
         }
         Self.refuse(waiting)
-        _ = try? await bluez.call("/org/bluez", "org.bluez.ProfileManager1", "UnregisterProfile", [.objectPath(path)], about: "\(url): unpublishing")
+        await Self.unpublish(path, on: bluez, about: "\(url): unpublishing")
         if let exported = export.withLock({ $0 }) { await exported.remove() }
     }
 }
