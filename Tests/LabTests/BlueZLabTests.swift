@@ -46,8 +46,9 @@ final class BackgroundProgram: Sendable {
 @Suite("lab: Bluetooth through BlueZ (rfcomm://, ble:// L2CAP)", .serialized, .enabled(if: Lab.isActive, "needs the qemu lab: run Scripts/lab"))
 struct BlueZLabTests {
     /// Both controllers up (BluetoothLabTests.controllers(): labctl bt-up), bluetoothd running and
-    /// managing them, hci1 advertising.
-    static func setUp() async throws -> BluetoothLabTests.Controllers {
+    /// managing them, hci1 advertising (the controller's own advertising, mgmt's instance 0) unless
+    /// `advertising` is false (GattLabTests registers an advertisement of its own instead).
+    static func setUp(advertising: Bool = true) async throws -> BluetoothLabTests.Controllers {
         let controllers = try await BluetoothLabTests.controllers()
         try await Lab.ctl("bluez-start")
         let plugin = BluetoothPlugin()
@@ -62,7 +63,7 @@ struct BlueZLabTests {
         // bluetoothd takes over the controllers' settings: make hci1 connectable (page scan) so hci0
         // can reach it over BR/EDR, and advertise again so hci0 can reach it over LE.
         _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "connectable", "on"])
-        _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "advertising", "on"])
+        _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "advertising", advertising ? "on" : "off"])
         return controllers
     }
 
@@ -193,6 +194,7 @@ struct BlueZLabTests {
         #expect(connection.metadata.extra["addressType"] == "public")
         #expect((connection.metadata.mtu ?? 0) > 0)
         #expect(connection.metadata.extra["psm"] == "129")
+        #expect(connection.metadata.extra["security"] == "low", "the level the link has, read back")
         var messages: [[UInt8]] = []
         for _ in 0..<10 {
             guard let message = try await connection.readMessage(timeout: .seconds(10)) else { break }
@@ -229,9 +231,58 @@ struct BlueZLabTests {
         try await connection.close()
     }
 
+    /// The lab registers no agent, so bluetoothd refuses every pairing that needs a person to confirm
+    /// it, and security that the controllers' input and output cannot give fails as on real devices.
+    /// - LE, security=high (MITM) between two NoInputNoOutput controllers: the kernel refuses the
+    ///   channel (EACCES from connect), or, when its SMP stays out of the emulated link ("security
+    ///   requested but not available" in dmesg; seen in some lab runs even with SMP registered), the
+    ///   link comes up unencrypted and the plugin's read-back of BT_SECURITY refuses it. Which of the
+    ///   two happens is the kernel's; both are `.permissionDenied` with what to do.
+    /// - RFCOMM to `rctest -A` with both controllers set to DisplayYesNo: Secure Simple Pairing
+    ///   becomes a numeric comparison that nobody confirms (bluetoothd: "No agent available").
+    @Test func pairingThatNeedsAnAgentOrMoreThanTheDevicesOfferIsRefusedWithWhatToDo() async throws {
+        let controllers = try await Self.setUp()
+        let l2test = try BackgroundProgram("/usr/bin/l2test", ["-w", "-V", "le_public", "-P", "129", "-i", "hci1", "-b", "100"])
+        let le = await expectLabError(.permissionDenied) { try await Self.connect("ble://FFF0:129/\(controllers.peripheralText)?adapter=hci0&security=high") }
+        l2test.kill()
+        #expect(le?.errno == .permissionDenied, "\(String(describing: le))")
+        #expect(le?.syscall == "connect" || le?.message.contains("is at security level low, not high") == true, "\(String(describing: le))")
+        #expect(le?.message.contains("bluetoothctl") == true, "\(String(describing: le))")
+
+        // No key from an earlier test may stand in for the pairing.
+        try await Self.forgetDevices()
+        let capabilities = { (value: String) async throws in
+            for index in ["0", "1"] {
+                let result = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "io-cap", value])
+                try #require(result.status == 0, "btmgmt --index \(index) io-cap \(value): \(result.stderr)")
+            }
+        }
+        var classic: TransportError?
+        do {
+            try await capabilities("1")   // DisplayYesNo
+            let rctest = try BackgroundProgram("/usr/bin/rctest", ["-w", "-A", "-i", "hci1", "-P", "9", "-b", "100"])
+            classic = await expectLabError(.permissionDenied) { try await Self.connect("rfcomm://\(controllers.peripheralText):9?adapter=hci0") }
+            rctest.kill()
+        } catch {
+            Issue.record(error)
+        }
+        // NoInputNoOutput, the kernel's default, again for every later test; then both controllers
+        // powered off and on, which drops the links the refused pairings left (a later RFCOMM
+        // connect over such a link was refused with EACCES in one CI run), and set up again.
+        try await capabilities("3")
+        for index in ["0", "1"] {
+            for state in ["off", "on"] { _ = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "power", state]) }
+        }
+        try await Self.forgetDevices()
+        _ = try await Self.setUp()
+        #expect(classic?.errno == .permissionDenied, "\(String(describing: classic))")
+        #expect(classic?.message.contains("pairing failed") == true && classic?.message.contains("agent") == true, "\(String(describing: classic))")
+    }
+
     @Test func errorsSayWhatToDo() async throws {
         let controllers = try await Self.setUp()
-        let nobody = await expectLabError(.refused) { try await Transport.connect(to: "ble://FFF0:135/\(controllers.peripheralText)?adapter=hci0") }
+        // addressType=public: no LE discovery, so this checks the refusal alone.
+        let nobody = await expectLabError(.refused) { try await Transport.connect(to: "ble://FFF0:135/\(controllers.peripheralText)?adapter=hci0&addressType=public") }
         #expect(nobody?.message.contains("nobody listens on L2CAP PSM 135") == true, "\(String(describing: nobody))")
 
         let absent = await expectLabError(.notFound) { try await Transport.connect(to: "ble://FFF0:128/00:11:22:33:44:55?adapter=hci0&timeout=3") }

@@ -120,6 +120,40 @@ struct BlueZListenLabTests {
         #expect(closed, "sockets left open: \(Descriptors.open())")
     }
 
+    /// bluetoothd killed with SIGKILL sends no Profile1.Release: the listener sees org.bluez leave
+    /// the bus (NameOwnerChanged) and ends a waiting accept() with "disconnected". Once bluetoothd is
+    /// back, listening works again.
+    @Test func anRfcommListenerWhoseBluetoothdIsKilledEndsItsAccept() async throws {
+        let controllers = try await Self.setUp()
+        let listener = try await Transport.listen(on: "rfcomm://any?uuid=\(Self.service)")
+        let waiting = Self.acceptOne(listener)
+        try await Task.sleep(for: .milliseconds(200))
+        _ = try await Lab.run("/usr/bin/pkill", ["-KILL", "-x", "bluetoothd"])
+        do {
+            let connection = try await waiting.value
+            Issue.record("accept() did not fail: \(String(describing: connection))")
+        } catch let error as TransportError {
+            #expect(error.kind == .disconnected, "\(error)")
+            #expect(error.message.contains("left the bus"), "\(error)")
+        }
+        try await listener.close()
+        // pkill returns before the process is gone; labctl bluez-start starts one only when none runs.
+        var running = true
+        for _ in 0..<100 where running {
+            running = try await Lab.run("/usr/bin/pgrep", ["-x", "bluetoothd"]).status == 0
+            if running { try await Task.sleep(for: .milliseconds(100)) }
+        }
+        try #require(!running, "bluetoothd still runs 10 s after SIGKILL")
+        _ = try await BlueZLabTests.setUp()   // bluetoothd started again, both adapters powered
+        let again = try await Transport.listen(on: "rfcomm://any?uuid=\(Self.service)")
+        let next = Self.acceptOne(again)
+        let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText)?adapter=hci0&uuid=\(Self.service)")
+        let server = try #require(try await next.value, "a connection through the new bluetoothd")
+        try await client.close()
+        try? await server.close()
+        try await again.close()
+    }
+
     @Test func anLEListenerTakesL2testAndOurClientBothWays() async throws {
         let controllers = try await Self.setUp()
         let listener = try await Transport.listen(on: "ble://FFF0:141?adapter=hci1&mtu=512")

@@ -258,6 +258,7 @@ enum BluetoothConnector {
         metadata.extra["psm"] = String(psm)
         metadata.extra["sendMTU"] = String(channel.sendMTU)
         metadata.extra["receiveMTU"] = String(channel.receiveMTU)
+        metadata.extra["security"] = channel.security
         return Connection(url: url, backend: backend, metadata: metadata)
     }
 

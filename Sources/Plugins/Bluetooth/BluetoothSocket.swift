@@ -64,6 +64,18 @@ enum BluetoothSocket {
             case .high: UInt8(BT_SECURITY_HIGH)
             }
         }
+
+        /// A kernel level's name: `sdp` (0), low, medium, high, or `fips` (4, Secure Connections only).
+        static func name(of level: UInt8) -> String {
+            switch Int32(level) {
+            case BT_SECURITY_SDP: "sdp"
+            case BT_SECURITY_LOW: "low"
+            case BT_SECURITY_MEDIUM: "medium"
+            case BT_SECURITY_HIGH: "high"
+            case BT_SECURITY_FIPS: "fips"
+            default: "level \(level)"
+            }
+        }
     }
 
     /// An RFCOMM stream socket connected to `device` on `channel`, bound to `adapter`.
@@ -87,6 +99,8 @@ enum BluetoothSocket {
         let fd: SystemPackage.FileDescriptor
         let sendMTU: Int
         let receiveMTU: Int
+        /// The link's security level when the channel opened (``Security/name(of:)``).
+        let security: String
     }
 
     /// An LE L2CAP connection-oriented channel (SOCK_SEQPACKET) to `device` on `psm`.
@@ -101,11 +115,30 @@ enum BluetoothSocket {
             try await connect(fd, describing: describing, deadline: deadline, what: "L2CAP PSM \(psm) on \(device)") {
                 tk_bt_l2cap_connect(fd.rawValue, device.kernel, type, psm)
             }
-            return Channel(fd: fd, sendMTU: try mtu(fd, BT_SNDMTU, describing), receiveMTU: try mtu(fd, BT_RCVMTU, describing))
+            let achieved = try securityLevel(fd, describing)
+            if achieved < security.level {
+                throw TransportError(.permissionDenied, "\(describing): the link to \(device) is at security level \(Security.name(of: achieved)), "
+                                     + "not \(security.rawValue): the kernel did not pair or encrypt it. Pair the device first "
+                                     + "(`bluetoothctl pair \(device)` with an agent running); if the kernel log says \"security requested "
+                                     + "but not available\", the adapter was brought up without mgmt (`btmgmt power off; btmgmt power on`)",
+                                     errno: .permissionDenied, syscall: "getsockopt(BT_SECURITY)")
+            }
+            return Channel(fd: fd, sendMTU: try mtu(fd, BT_SNDMTU, describing), receiveMTU: try mtu(fd, BT_RCVMTU, describing),
+                           security: Security.name(of: achieved))
         } catch {
             fd.closeOwned()
             throw error
         }
+    }
+
+    /// The security level the connected link has now (BT_SECURITY reads the link's, not the socket's wish).
+    private static func securityLevel(_ fd: SystemPackage.FileDescriptor, _ describing: String) throws -> UInt8 {
+        var value = bt_security()
+        var length = socklen_t(MemoryLayout<bt_security>.size)
+        try Syscall.run("getsockopt(BT_SECURITY)", on: describing) {
+            getsockopt(fd.rawValue, SOL_BLUETOOTH, BT_SECURITY, &value, &length)
+        }
+        return value.level
     }
 
     /// A BR/EDR L2CAP channel (SOCK_SEQPACKET) to `device` on `psm`: PSM 1 is SDP (ServiceDiscovery.swift).
@@ -177,7 +210,8 @@ enum BluetoothSocket {
         case .success(let raw):
             let fd = SystemPackage.FileDescriptor(rawValue: raw)
             do {
-                let channel = Channel(fd: fd, sendMTU: try mtu(fd, BT_SNDMTU, describing), receiveMTU: try mtu(fd, BT_RCVMTU, describing))
+                let channel = Channel(fd: fd, sendMTU: try mtu(fd, BT_SNDMTU, describing), receiveMTU: try mtu(fd, BT_RCVMTU, describing),
+                                      security: Security.name(of: try securityLevel(fd, describing)))
                 return (channel, BluetoothAddress(kernel: peer), type == UInt8(BDADDR_LE_RANDOM) ? "random" : "public")
             } catch {
                 fd.closeOwned()
@@ -256,14 +290,21 @@ enum BluetoothSocket {
     static func failure(_ errno: Errno, describing: String, what: String) -> TransportError {
         switch errno {
         case .connectionRefused:
-            return TransportError(.refused, "\(describing): nobody listens on \(what) (the device refused the connection)", errno: errno, syscall: "connect")
+            // An RFCOMM server that demands more security than the pairing gave (MITM, say) answers
+            // the same way as a channel nobody serves.
+            let security = what.hasPrefix("RFCOMM") ? ", or the service there demands more security than this link has" : ""
+            return TransportError(.refused, "\(describing): nobody listens on \(what)\(security) (the device refused the connection)", errno: errno, syscall: "connect")
         case .hostIsDown, .timedOut, .noRouteToHost:
             return TransportError(.timedOut, "\(describing): \(what) did not answer: out of range, switched off, or not connectable", errno: errno, syscall: "connect")
         case .resourceBusy:
             return TransportError(.busy, "\(describing): the adapter is busy with another connection attempt (one LE connect at a time); try again", errno: errno, syscall: "connect")
         case .permissionDenied, .notPermitted:
-            return TransportError(.permissionDenied, "\(describing): \(what) refused the link's security: it needs pairing (`bluetoothctl pair ADDRESS` "
-                                  + "with an agent running); an LE PSM below 128 also needs CAP_NET_BIND_SERVICE", errno: errno, syscall: "connect")
+            // The kernel's answer when pairing fails: the peer wants authentication and nobody
+            // confirmed it (bluetoothd refuses a confirmation when no agent is registered), or the
+            // MITM protection asked for cannot be had with these devices' input and output.
+            return TransportError(.permissionDenied, "\(describing): \(what) refused the link's security: pairing failed. Pair the device "
+                                  + "first with an agent running to confirm it (`bluetoothctl`, then `pair ADDRESS` and `trust ADDRESS`), "
+                                  + "or ask for less security", errno: errno, syscall: "connect")
         case .connectionReset, .connectionAbort:
             return TransportError(.refused, "\(describing): \(what) closed the connection during setup (security or pairing refused?)", errno: errno, syscall: "connect")
         default:

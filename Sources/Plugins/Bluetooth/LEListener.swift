@@ -105,6 +105,7 @@ final class LEListener: ListenerBackend {
         metadata.extra["psm"] = String(psm)
         metadata.extra["sendMTU"] = String(channel.sendMTU)
         metadata.extra["receiveMTU"] = String(channel.receiveMTU)
+        metadata.extra["security"] = channel.security
         return Connection(url: (try? TransportURL(describing)) ?? url, backend: backend, metadata: metadata)
     }
 

@@ -28,8 +28,12 @@ final class RFCOMMListener: ListenerBackend {
     private struct State {
         var incoming: [Incoming] = []
         var closed = false
-        /// Set when bluetoothd released the profile (it is shutting down).
+        /// Set when bluetoothd released the profile (it is shutting down), or left the bus without
+        /// doing so (killed, crashed).
         var released = false
+        /// Set when the bluetoothd that took the profile left the bus: nothing to unpublish then
+        /// (and on a systemd host a call to org.bluez could start a new one just to answer it).
+        var ownerLeft = false
         /// The connections accepted from each device, for Profile1.RequestDisconnection.
         var accepted: [String: [Accepted]] = [:]
     }
@@ -52,6 +56,8 @@ final class RFCOMMListener: ListenerBackend {
     private let path: String
     private let state = AsyncCondition(State())
     private let export = Mutex<DBusExport?>(nil)
+    /// Watches org.bluez's owner: a bluetoothd that dies without Release still ends accept().
+    private let ownerWatch = Mutex<Task<Void, Never>?>(nil)
 
     private init(url: TransportURL, bluez: BlueZ, channel: UInt8, path: String) {
         self.url = url
@@ -97,7 +103,11 @@ final class RFCOMMListener: ListenerBackend {
         } else {
             channel = try BluetoothSocket.freeRFCOMMChannel(on: locals, describing: describing)
         }
-        // Only bluetoothd may hand us connections.
+        // Only bluetoothd may hand us connections. Its leaving the bus is watched from before the
+        // owner is read, so that nothing in between is missed.
+        let ownerChanges = try await bluez.bus.signals(DBusMatch(sender: "org.freedesktop.DBus", path: "/org/freedesktop/DBus",
+                                                                 interface: "org.freedesktop.DBus", member: "NameOwnerChanged",
+                                                                 arg0: BlueZ.service))
         let owner = try await bluez.bus.call(destination: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
                                              member: "GetNameOwner", [.string(BlueZ.service)]).first?.text ?? ""
         var bound = url
@@ -167,6 +177,24 @@ final class RFCOMMListener: ListenerBackend {
             await exported.remove()
             throw error
         }
+        listener.ownerWatch.withLock {
+            $0 = Task {
+                do {
+                    // NameOwnerChanged(name, old owner, new owner): our bluetoothd losing the name
+                    // takes this registration with it. (A change buffered from before GetNameOwner,
+                    // an older bluetoothd's, names another old owner and is passed over.)
+                    for try await signal in ownerChanges
+                    where signal.values.count == 3 && signal.values[1].text == owner && signal.values[2].text != owner { break }
+                } catch {
+                    // The bus connection ended: bluetoothd cannot reach this profile either.
+                }
+                guard !Task.isCancelled else { return }
+                state.update {
+                    $0.released = true
+                    $0.ownerLeft = true
+                }
+            }
+        }
         request.logger.debug("rfcomm listening: \(BluetoothUUID.short(service)) on channel \(channel)\(only.map { " of \($0)" } ?? " of every adapter")")
         return Listener(url: bound, backend: listener)
     }
@@ -181,7 +209,8 @@ final class RFCOMMListener: ListenerBackend {
         switch next {
         case .closed: return nil
         case .released:
-            throw TransportError(.disconnected, "\(url): bluetoothd released the service (it stopped or restarted); listen again once it is back")
+            throw TransportError(.disconnected, "\(url): bluetoothd released the service or left the bus (it stopped, restarted or "
+                                 + "crashed); listen again once it is back")
         case .connection(let incoming):
             return try await connection(incoming)
         }
@@ -232,30 +261,32 @@ final class RFCOMMListener: ListenerBackend {
 
     deinit {
         // Dropped without close(): refuse what waits, and unpublish in the background.
-        let waiting = state.update { state -> [Incoming]? in
+        let left = state.update { state -> (waiting: [Incoming], ownerLeft: Bool)? in
             guard !state.closed else { return nil }
             state.closed = true
             defer { state.incoming = [] }
-            return state.incoming
+            return (state.incoming, state.ownerLeft)
         }
-        guard let waiting else { return }
-        Self.refuse(waiting)
-        let (bluez, path, exported) = (bluez, path, export.withLock { $0 })
+        ownerWatch.withLock { $0?.cancel() }
+        guard let left else { return }
+        Self.refuse(left.waiting)
+        let (bluez, path, exported, ownerLeft) = (bluez, path, export.withLock { $0 }, left.ownerLeft)
         Task.detached {
-            await Self.unpublish(path, on: bluez, about: "unpublishing")
+            if !ownerLeft { await Self.unpublish(path, on: bluez, about: "unpublishing") }
             await exported?.remove()
         }
     }
 
     /// Unpublishes the service and refuses connections from then on; accepted ones stay open.
     func close() async throws {
-        let waiting = state.update { state -> [Incoming] in
+        let (waiting, ownerLeft) = state.update { state -> ([Incoming], Bool) in
             state.closed = true
             defer { state.incoming = [] }
-            return state.incoming
+            return (state.incoming, state.ownerLeft)
         }
         Self.refuse(waiting)
-        await Self.unpublish(path, on: bluez, about: "\(url): unpublishing")
+        ownerWatch.withLock { $0?.cancel() }
+        if !ownerLeft { await Self.unpublish(path, on: bluez, about: "\(url): unpublishing") }
         if let exported = export.withLock({ $0 }) { await exported.remove() }
     }
 }
