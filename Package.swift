@@ -101,6 +101,12 @@ let package = Package(
             swiftSettings: strict
         ),
         .target(
+            name: "TransportKitUSB",
+            dependencies: ["TransportKitCore", "TransportKitLinux", "TransportKitUdev", "CLibUSB", nioCore, system],
+            path: "Sources/Plugins/USB",
+            swiftSettings: strict
+        ),
+        .target(
             name: "TransportKitSpy",
             dependencies: ["TransportKitCore", nioCore, system],
             path: "Sources/Plugins/Spy",
@@ -114,7 +120,8 @@ let package = Package(
         ),
         .target(
             name: "TransportKit",
-            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy", "TransportKitBluetooth"],
+            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy", "TransportKitBluetooth",
+                           "TransportKitUSB"],
             path: "Sources/TransportKit/BuiltIns",
             swiftSettings: strict
         ),
@@ -125,7 +132,7 @@ let package = Package(
             swiftSettings: strict
         ),
 
-        .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops", linkerSettings: [.linkedLibrary("udev")]),
+        .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops", linkerSettings: [.linkedLibrary("udev"), .linkedLibrary("usb-1.0")]),
         .executableTarget(
             name: "transportkit-bench",
             dependencies: ["TransportKit", "CBenchLoops", nioCore, nioPosix],
@@ -147,6 +154,7 @@ let package = Package(
             name: "TransportKitTests",
             // CUdev: the libudev reference enumeration the sysfs listing is checked against.
             dependencies: ["TransportKit", "TransportKitFoundation", "TransportKitLinux", "TransportKitUdev", "TransportKitSerial", "TransportKitDBus",
+                           "TransportKitUSB",
                            "CUdev", "TestSupport", nioPosix, system, logging],
             swiftSettings: strict
         ),
@@ -159,7 +167,7 @@ let package = Package(
             // Runs inside the qemu lab (Scripts/lab) against real USB and Bluetooth drivers; every
             // suite is disabled elsewhere. CBlueZ: the Bluetooth smoke test's raw sockets.
             name: "LabTests",
-            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ", "TestSupport", system],
+            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ", "CBenchLoops", "TestSupport", system],
             swiftSettings: strict
         ),
         .testTarget(

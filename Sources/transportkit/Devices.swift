@@ -5,13 +5,16 @@ import TransportKit
 struct List: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "List the devices TransportKit can reach, each with a URL that connects to it.",
-        discussion: "Serial ports come from udev (or sysfs when udevd is not running)."
+        discussion: """
+            Serial ports and USB devices come from sysfs and udev's database; a USB device's interfaces \
+            (class, endpoints, driver) are listed under it. Bluetooth adapters come from bluetoothd.
+            """
     )
 
     @Flag(help: "Print a JSON array of device objects (camelCase keys).")
     var json = false
 
-    @Flag(help: "Include ports that are not backed by hardware (console, ptmx, unused 8250 slots).")
+    @Flag(help: "Include ports that are not backed by hardware (console, ptmx, unused 8250 slots), and USB hubs.")
     var all = false
 
     @Option(name: .customLong("scan"), help: ArgumentHelp("Also scan for nearby Bluetooth devices (LE and classic) for this long.", valueName: "seconds"))
@@ -68,7 +71,7 @@ struct Watch: AsyncParsableCommand {
     @Flag(help: "Print one JSON object per line.")
     var json = false
 
-    @Flag(help: "Include ports that are not backed by hardware.")
+    @Flag(help: "Include ports that are not backed by hardware, and USB hubs.")
     var all = false
 
     @Option(name: .customLong("scan"), help: ArgumentHelp("Also report nearby Bluetooth devices appearing and expiring, scanning for this long.", valueName: "seconds"))
@@ -156,11 +159,22 @@ enum DeviceTable {
              device.product ?? "-", device.url]
         }
         let widths = header.indices.map { column in ([header] + rows).map { $0[column].count }.max() ?? 0 }
-        return ([header] + rows).map { row in
+        func line(_ row: [String]) -> String {
             row.enumerated().map { index, cell in
                 index == row.count - 1 ? cell : cell.padding(toLength: widths[index], withPad: " ", startingAt: 0)
             }.joined(separator: "  ")
-        }.joined(separator: "\n")
+        }
+        var lines = [line(header)]
+        for (device, row) in zip(devices, rows) {
+            lines.append(line(row))
+            // A USB device's interfaces, one line each under its row (properties "interface.N").
+            let interfaces = device.properties.keys.filter { $0.hasPrefix("interface.") }
+                .compactMap { key in Int(key.dropFirst("interface.".count)).map { ($0, key) } }.sorted { $0.0 < $1.0 }
+            for (number, key) in interfaces {
+                lines.append("    interface \(number): \(device.properties[key] ?? "")")
+            }
+        }
+        return lines.joined(separator: "\n")
     }
 
     static func line(_ event: DeviceEvent) -> String {

@@ -33,4 +33,14 @@ struct CShimTests {
         #expect(libusb_init(&context) == 0)
         libusb_exit(context)
     }
+
+    @Test func libusbOptionsThroughTheShim() {
+        // The variadic libusb_set_option, reached through its non-variadic wrappers.
+        #expect(tk_libusb_disable_device_discovery() == 0)
+        var context: OpaquePointer?
+        #expect(libusb_init(&context) == 0)
+        #expect(tk_libusb_set_log_level(context, 0) == 0)
+        #expect(tk_libusb_set_log_level(context, 99) == LIBUSB_ERROR_INVALID_PARAM.rawValue, "a level out of range is refused")
+        libusb_exit(context)
+    }
 }

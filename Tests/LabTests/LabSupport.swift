@@ -133,7 +133,6 @@ enum Gadget {
     static let serial = "TKLAB0001"
     static let byID = "/dev/serial/by-id/usb-TransportKit_Lab_Serial_TKLAB0001-if00"
     static let selector = "tty://usb/0525:a4a7?serial=TKLAB0001"
-    private static let udc = "/sys/kernel/config/usb_gadget/tkacm/UDC"
 
     /// Plugs the gadget in and waits for both tty nodes; returns (host node, gadget node).
     static func plug() async throws -> (host: String, gadget: String) {
@@ -146,19 +145,22 @@ enum Gadget {
     static func unplug() async throws { try await Lab.ctl("usb-serial", "unplug") }
 
     /// Binds the configured gadget to the controller or unbinds it, as labctl does, without a
-    /// child process: one write to configfs (for the replug cycles).
-    static func setBound(_ bound: Bool) throws {
+    /// child process: one write to configfs (for the replug cycles). The defaults are the CDC-ACM
+    /// gadget; the Loopback gadget is `tkloop` on `dummy_udc.1`.
+    static func setBound(_ bound: Bool, gadget: String = "tkacm", controller: String = "dummy_udc.0") throws {
+        let udc = "/sys/kernel/config/usb_gadget/\(gadget)/UDC"
         let fd = open(udc, O_WRONLY | O_CLOEXEC)
         guard fd >= 0 else { throw TransportError(.io, "open \(udc)", errno: Errno(rawValue: errno), syscall: "open") }
         defer { close(fd) }
-        let text = Array((bound ? "dummy_udc.0\n" : "\n").utf8)
+        let text = Array((bound ? controller + "\n" : "\n").utf8)
         let written = text.withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
         guard written == text.count else { throw TransportError(.io, "write \(udc)", errno: Errno(rawValue: errno), syscall: "write") }
     }
 
-    /// Whether an event is about the gadget's host-side tty.
+    /// Whether an event is about the gadget's host-side tty (the USB device's own events, usb://,
+    /// carry the same ids).
     static func isOurs(_ event: DeviceEvent) -> Bool {
-        event.device.serialNumber == serial && event.device.vendorId == vendorID && event.device.productId == productID
+        event.device.scheme == "tty" && event.device.serialNumber == serial && event.device.vendorId == vendorID && event.device.productId == productID
     }
 }
 

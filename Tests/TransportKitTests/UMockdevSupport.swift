@@ -1,5 +1,7 @@
 import Foundation
 import Glibc
+import TransportKit
+import TransportKitUdev
 
 /// A umockdev testbed: fake sysfs devices that libudev (enumeration and monitors) sees as real.
 /// Works only in a process started under `umockdev-wrapper` (which preloads the mock); Scripts/test
@@ -16,6 +18,7 @@ final class UMockdevTestbed: @unchecked Sendable {
     private typealias RemoveFn = @convention(c) (OpaquePointer, UnsafePointer<CChar>) -> Void
     private typealias UnrefFn = @convention(c) (OpaquePointer) -> Void
     private typealias InMockFn = @convention(c) () -> Int32
+    private typealias SetAttributeFn = @convention(c) (OpaquePointer, UnsafePointer<CChar>, UnsafePointer<CChar>, UnsafePointer<CChar>) -> Void
 
     private struct Library: @unchecked Sendable {
         // @unchecked: C function pointers resolved once and never mutated.
@@ -25,6 +28,7 @@ final class UMockdevTestbed: @unchecked Sendable {
         let remove: RemoveFn
         let unref: UnrefFn
         let inMock: InMockFn
+        let setAttribute: SetAttributeFn
     }
 
     private static let library: Library? = {
@@ -37,8 +41,9 @@ final class UMockdevTestbed: @unchecked Sendable {
               let uevent = symbol(umockdev, "umockdev_testbed_uevent", as: UeventFn.self),
               let remove = symbol(umockdev, "umockdev_testbed_remove_device", as: RemoveFn.self),
               let unref = symbol(gobject, "g_object_unref", as: UnrefFn.self),
-              let inMock = symbol(umockdev, "umockdev_in_mock_environment", as: InMockFn.self) else { return nil }
-        return Library(new: new, addFromString: add, uevent: uevent, remove: remove, unref: unref, inMock: inMock)
+              let inMock = symbol(umockdev, "umockdev_in_mock_environment", as: InMockFn.self),
+              let setAttribute = symbol(umockdev, "umockdev_testbed_set_attribute", as: SetAttributeFn.self) else { return nil }
+        return Library(new: new, addFromString: add, uevent: uevent, remove: remove, unref: unref, inMock: inMock, setAttribute: setAttribute)
     }()
 
     /// `true` in a process started under umockdev-wrapper.
@@ -83,9 +88,36 @@ final class UMockdevTestbed: @unchecked Sendable {
         Self.library?.uevent(pointer, sysPath, action)
     }
 
+    /// Sets (or creates) a sysfs attribute of a device.
+    func setAttribute(_ sysPath: String, _ name: String, _ value: String) {
+        Self.library?.setAttribute(pointer, sysPath, name, value)
+    }
+
     /// Removes a device (and its children) from the fake sysfs.
     func remove(_ sysPath: String) {
         Self.library?.remove(pointer, sysPath)
+    }
+
+    /// Runs the `transportkit` tool built beside the tests with `arguments` and returns its standard
+    /// output. The child gets LD_PRELOAD and the current testbed's UMOCKDEV_DIR, so it sees the same
+    /// devices (read with getenv: ProcessInfo caches the environment from before the testbed existed).
+    static func runCLI(_ arguments: [String]) async -> Data {
+        let binary = URL(fileURLWithPath: ProcessInfo.processInfo.arguments[0]).deletingLastPathComponent()
+            .appendingPathComponent("transportkit").path
+        return await Support.offPool {
+            let process = Process()
+            process.executableURL = URL(fileURLWithPath: binary)
+            process.arguments = arguments
+            var environment = ProcessInfo.processInfo.environment
+            environment["UMOCKDEV_DIR"] = getenv("UMOCKDEV_DIR").map { String(cString: $0) }
+            process.environment = environment
+            let pipe = Pipe()
+            process.standardOutput = pipe
+            guard (try? process.run()) != nil else { return Data() }
+            let data = pipe.fileHandleForReading.readDataToEndOfFile()
+            process.waitUntilExit()
+            return data
+        }
     }
 
     struct TestbedError: Error, CustomStringConvertible {
@@ -184,5 +216,121 @@ enum FakeSerial {
                         product: "Arduino Uno", interfaces: 2)
             + "\n" + interfaceBlock(device + "/\(bus)-\(port):1.1", number: 1, driver: "cdc_acm")
         return (record, ttyPath)
+    }
+}
+
+/// Realistic USB devices in umockdev-record form, for the usb:// listing: the attributes the
+/// kernel writes (drivers/usb/core/sysfs.c, endpoint.c) in its formats, child blocks first.
+enum FakeUSB {
+    struct Endpoint {
+        var address: UInt8
+        /// 2 bulk, 3 interrupt.
+        var type: UInt8
+        var packetSize: Int
+    }
+
+    struct Interface {
+        var number: Int
+        var triple: (UInt8, UInt8, UInt8)
+        var driver: String?
+        var endpoints: [Endpoint]
+    }
+
+    static func hex(_ value: UInt8) -> String { String(format: "%02x", value) }
+
+    /// A device and its interfaces; `configured: false` leaves bConfigurationValue empty, as the
+    /// kernel's "add" uevent finds it.
+    static func device(root: String = "/sys/devices/pci0000:00/0000:00:14.0/usb1", name: String, busnum: Int = 1, devnum: Int,
+                       vid: String, pid: String, serial: String?, manufacturer: String?, product: String?, deviceClass: UInt8 = 0,
+                       speed: String = "480", interfaces: [Interface], configured: Bool = true, maxchild: Int = 0) -> (record: String, sysPath: String) {
+        let path = root + "/" + name
+        var blocks: [String] = []
+        for interface in interfaces {
+            // A root hub usbN names its interfaces N-0:1.0 (drivers/usb/core/message.c).
+            let interfaceStem = name.hasPrefix("usb") ? "\(name.dropFirst(3))-0" : name
+            let interfacePath = path + "/\(interfaceStem):1.\(interface.number)"
+            var lines = ["P: \(interfacePath)", "E: DEVTYPE=usb_interface", "E: SUBSYSTEM=usb",
+                         "E: INTERFACE=\(interface.triple.0)/\(interface.triple.1)/\(interface.triple.2)",
+                         "A: bInterfaceNumber=\(hex(UInt8(interface.number)))", "A: bAlternateSetting= 0",
+                         "A: bInterfaceClass=\(hex(interface.triple.0))", "A: bInterfaceSubClass=\(hex(interface.triple.1))",
+                         "A: bInterfaceProtocol=\(hex(interface.triple.2))", "A: bNumEndpoints=\(hex(UInt8(interface.endpoints.count)))"]
+            for endpoint in interface.endpoints {
+                let directory = "ep_\(hex(endpoint.address))"
+                lines += ["A: \(directory)/bEndpointAddress=\(hex(endpoint.address))", "A: \(directory)/bmAttributes=\(hex(endpoint.type))",
+                          "A: \(directory)/wMaxPacketSize=\(String(format: "%04x", endpoint.packetSize))",
+                          "A: \(directory)/type=\(endpoint.type == 2 ? "Bulk" : "Interrupt")",
+                          "A: \(directory)/direction=\(endpoint.address & 0x80 != 0 ? "in" : "out")"]
+            }
+            if let driver = interface.driver {
+                lines += ["E: DRIVER=\(driver)", "L: driver=../../../../../../bus/usb/drivers/\(driver)"]
+            }
+            blocks.append(lines.joined(separator: "\n") + "\n\n")
+        }
+        var lines = ["P: \(path)", "N: bus/usb/\(String(format: "%03d", busnum))/\(String(format: "%03d", devnum))",
+                     "E: DEVTYPE=usb_device", "E: SUBSYSTEM=usb", "E: DRIVER=usb", "E: BUSNUM=\(String(format: "%03d", busnum))",
+                     "E: DEVNUM=\(String(format: "%03d", devnum))", "E: PRODUCT=\(vid)/\(pid)/100",
+                     "A: idVendor=\(vid)", "A: idProduct=\(pid)", "A: bDeviceClass=\(hex(deviceClass))",
+                     "A: bNumInterfaces=\(String(format: "%2d", interfaces.count))", "A: bConfigurationValue=\(configured ? "1" : "")",
+                     "A: busnum=\(busnum)", "A: devnum=\(devnum)", "A: speed=\(speed)", "A: maxchild=\(maxchild)",
+                     "L: driver=../../../../../bus/usb/drivers/usb"]
+        if let manufacturer { lines.append("A: manufacturer=\(manufacturer)") }
+        if let product { lines.append("A: product=\(product)") }
+        if let serial { lines.append("A: serial=\(serial)") }
+        blocks.append(lines.joined(separator: "\n") + "\n\n")
+        return (blocks.joined(), path)
+    }
+
+    /// A HackRF One: a vendor bulk device, one interface with bulk IN 0x81 and OUT 0x02 of 512 bytes.
+    static func hackRF(root: String = "/sys/devices/pci0000:00/0000:00:14.0/usb1", name: String = "1-4", devnum: Int = 5,
+                       serial: String? = "0000000000000000a06063c8234e925f", configured: Bool = true) -> (record: String, sysPath: String) {
+        device(root: root, name: name, devnum: devnum, vid: "1d50", pid: "6089", serial: serial, manufacturer: "Great Scott Gadgets",
+               product: "HackRF One", interfaces: [Interface(number: 0, triple: (0xff, 0xff, 0xff), driver: nil,
+                                                             endpoints: [Endpoint(address: 0x81, type: 2, packetSize: 512),
+                                                                         Endpoint(address: 0x02, type: 2, packetSize: 512)])],
+               configured: configured)
+    }
+
+    /// A composite debug probe (DAPLink: bDeviceClass ef): a vendor interface with bulk endpoints,
+    /// and CDC-ACM control (interrupt IN) and data (bulk) interfaces bound to cdc_acm.
+    static func debugProbe(name: String = "1-5", devnum: Int = 6) -> (record: String, sysPath: String) {
+        device(name: name, devnum: devnum, vid: "0d28", pid: "0204", serial: "0240000034544e45001b00028aa9001e8011000097969900",
+               manufacturer: "ARM", product: "DAPLink CMSIS-DAP", deviceClass: 0xef, speed: "12",
+               interfaces: [Interface(number: 0, triple: (0xff, 0x00, 0x00), driver: nil,
+                                      endpoints: [Endpoint(address: 0x04, type: 2, packetSize: 64), Endpoint(address: 0x85, type: 2, packetSize: 64)]),
+                            Interface(number: 1, triple: (0x02, 0x02, 0x01), driver: "cdc_acm",
+                                      endpoints: [Endpoint(address: 0x83, type: 3, packetSize: 16)]),
+                            Interface(number: 2, triple: (0x0a, 0x00, 0x00), driver: "cdc_acm",
+                                      endpoints: [Endpoint(address: 0x02, type: 2, packetSize: 64), Endpoint(address: 0x81, type: 2, packetSize: 64)])])
+    }
+
+    /// A four-port hub (05e3:0608) at 1-1, bound to the hub driver.
+    static func hub(name: String = "1-1", devnum: Int = 2) -> (record: String, sysPath: String) {
+        device(name: name, devnum: devnum, vid: "05e3", pid: "0608", serial: nil, manufacturer: nil, product: "USB2.0 Hub", deviceClass: 9,
+               interfaces: [Interface(number: 0, triple: (0x09, 0x00, 0x00), driver: "hub",
+                                      endpoints: [Endpoint(address: 0x81, type: 3, packetSize: 1)])], maxchild: 4)
+    }
+
+    /// The root hub usb1 (1d6b:0002), bound to the hub driver.
+    static func rootHub() -> (record: String, sysPath: String) {
+        device(root: "/sys/devices/pci0000:00/0000:00:14.0", name: "usb1", devnum: 1, vid: "1d6b", pid: "0002", serial: "0000:00:14.0",
+               manufacturer: "Linux 6.1.0 xhci-hcd", product: "xHCI Host Controller", deviceClass: 9,
+               interfaces: [Interface(number: 0, triple: (0x09, 0x00, 0x00), driver: "hub",
+                                      endpoints: [Endpoint(address: 0x81, type: 3, packetSize: 4)])], maxchild: 12)
+    }
+}
+
+/// The monitor's next event, or a thrown timeout after 5 s (so a missing event fails the test
+/// instead of hanging it).
+func next<Record: SysfsRecord>(_ monitor: UdevMonitor<Record>) async throws -> (UdevMonitor<Record>.Action, Record) {
+    try await withThrowingTaskGroup(of: (UdevMonitor<Record>.Action, Record)?.self) { group in
+        group.addTask { try await monitor.next() }
+        group.addTask {
+            try await Task.sleep(for: .seconds(5))
+            return nil
+        }
+        let first = try await group.next() ?? nil
+        group.cancelAll()
+        guard let first else { throw TransportError(.timedOut, "no uevent within 5 s") }
+        return first
     }
 }

@@ -180,21 +180,27 @@ enum SerialDiscovery {
     /// A device record with a URL that reaches the same device after a replug: the USB identity
     /// (serial number when the adapter has one, else the bus location; the interface when the
     /// device has several), else a by-id link, else a by-path link, else the node.
+    /// A port on a USB adapter links to its USB device's record (`properties["usbDevice"]`: the
+    /// usb:// identity URL that `transportkit list` shows for the device).
     static func record(_ info: TTYDeviceInfo) -> DeviceRecord {
-        DeviceRecord(url: identityURL(info), scheme: "tty", devnode: info.devnode, name: info.sysName,
-                     vendorId: info.vendorId, productId: info.productId, serialNumber: info.serialNumber,
-                     manufacturer: info.manufacturer, product: info.product, interface: info.interface,
-                     driver: info.driver, links: info.links, location: info.location, sysPath: info.sysPath,
-                     properties: info.properties)
+        var properties = info.properties
+        if let vendor = info.vendorId, let product = info.productId, let location = info.location {
+            properties["usbDevice"] = USBDevices.identityURL(vendorId: vendor, productId: product, serialNumber: info.serialNumber, location: location)
+        }
+        return DeviceRecord(url: identityURL(info), scheme: "tty", devnode: info.devnode, name: info.sysName,
+                            vendorId: info.vendorId, productId: info.productId, serialNumber: info.serialNumber,
+                            manufacturer: info.manufacturer, product: info.product, interface: info.interface,
+                            driver: info.driver, links: info.links, location: info.location, sysPath: info.sysPath,
+                            properties: properties)
     }
 
     static func identityURL(_ info: TTYDeviceInfo) -> String {
         if let vendor = info.vendorId, let product = info.productId {
             var query: [String] = []
             if let serial = info.serialNumber, !serial.isEmpty {
-                query.append("serial=\(percentEncoded(serial))")
+                query.append("serial=\(USBDevices.percentEncoded(serial))")
             } else if let location = info.location {
-                query.append("location=\(percentEncoded(location))")
+                query.append("location=\(USBDevices.percentEncoded(location))")
             }
             if let interface = info.interface, (info.usbInterfaceCount ?? 2) > 1 {
                 query.append("interface=\(interface)")
@@ -204,22 +210,6 @@ enum SerialDiscovery {
         if let byID = info.links.first(where: { $0.hasPrefix("/dev/serial/by-id/") }) { return "tty://" + byID }
         if let byPath = info.links.first(where: { $0.hasPrefix("/dev/serial/by-path/") }) { return "tty://" + byPath }
         return "tty://" + (info.devnode ?? "/dev/" + info.sysName)
-    }
-
-    /// A value as it may stand in a URL's query: unreserved ASCII kept, every other byte as %XX.
-    private static func percentEncoded(_ text: String) -> String {
-        var out = ""
-        for byte in text.utf8 {
-            let unreserved = (byte >= 0x30 && byte <= 0x39) || (byte | 0x20 >= 0x61 && byte | 0x20 <= 0x7a)
-                || byte == 0x2d || byte == 0x2e || byte == 0x5f || byte == 0x7e
-            if unreserved {
-                out.unicodeScalars.append(Unicode.Scalar(byte))
-            } else {
-                let hex = String(byte, radix: 16, uppercase: true)
-                out += "%" + (hex.count == 1 ? "0" + hex : hex)
-            }
-        }
-        return out
     }
 
     /// The sort key that puts ttyS2 before ttyS10: the name without its trailing digits, then
@@ -296,20 +286,6 @@ enum SerialDiscovery {
 
     /// Hot-plug events for serial ports, subscribed at once.
     static func events(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        let monitor: TTYMonitor
-        do {
-            monitor = try self.monitor(include: { includeAll || $0.isReal })
-        } catch {
-            return AsyncThrowingStream { $0.finish(throwing: error) }
-        }
-        return AsyncThrowingStream {
-            let (action, device) = try await monitor.next()
-            let kind: DeviceEvent.Action = switch action {
-            case .added: .added
-            case .removed: .removed
-            case .changed: .changed
-            }
-            return DeviceEvent(kind, record(device))
-        }
+        TTYMonitor.deviceEvents({ try monitor(include: { includeAll || $0.isReal }) }, record: record)
     }
 }

@@ -8,6 +8,7 @@
 @_exported import TransportKitSockets
 @_exported import TransportKitSpy
 @_exported import TransportKitBluetooth
+@_exported import TransportKitUSB
 
 extension TransportRegistry {
     /// A registry with every built-in plugin registered. `Transport` uses it; applications add
@@ -39,7 +40,7 @@ extension TransportRegistry {
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin(), SerialPlugin(), SpyPlugin(), BluetoothPlugin()]
+        [LoopPlugin(), SocketsPlugin(), SerialPlugin(), SpyPlugin(), BluetoothPlugin(), USBPlugin()]
     }
 
     /// The registry behind these functions.

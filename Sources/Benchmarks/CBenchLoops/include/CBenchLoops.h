@@ -4,6 +4,7 @@
 #define TK_CBENCHLOOPS_H
 #include <stddef.h>
 #include "serial_loops.h"
+#include "usb_loops.h"
 
 /// Sends `total` bytes in `chunk`-sized write(2)s to a peer that read(2)s them all.
 /// Returns the elapsed seconds, or a negative value on failure.

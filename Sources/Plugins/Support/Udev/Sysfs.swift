@@ -48,10 +48,22 @@ public enum Sysfs {
     /// minimal sysfs, an empty test bed).
     public static func names(subsystem: String) throws -> [String] {
         let directory = directory(of: subsystem)
-        guard let stream = opendir(directory) else {
+        guard let names = readDirectory(directory) else {
             if errno == ENOENT { return [] }
             throw TransportError.posix("opendir", errno: Syscall.errno, what: directory, hint: "is /sys mounted?")
         }
+        return names
+    }
+
+    /// The names in a directory (a device's attributes and child directories); none when it cannot
+    /// be read (gone meanwhile).
+    public static func entries(of directory: String) -> [String] {
+        readDirectory(directory) ?? []
+    }
+
+    /// The names in `directory` without "." and "..", or nil with errno set.
+    private static func readDirectory(_ directory: String) -> [String]? {
+        guard let stream = opendir(directory) else { return nil }
         defer { closedir(stream) }
         var names: [String] = []
         while let entry = readdir(stream) {

@@ -181,15 +181,18 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
     }
 
     /// Applies one uevent to the known set; returns the event to report, or nil for a duplicate,
-    /// an action that does not change the device list (bind, unbind, move), or a device the plugin
-    /// does not report.
+    /// an action that does not change the device list (unbind, move), or a device the plugin does
+    /// not report. "bind" counts as an arrival: a USB device's "add" comes before the kernel has
+    /// configured it and made its interfaces, so its reader refuses it until the "bind" that
+    /// follows (drivers/base/dd.c sends one once a driver bound).
     private func admit(action: String, sysPath: String, sysName: String, known: inout [String: Record]) -> (Action, Record)? {
         switch action {
-        case "add", "change":
+        case "add", "change", "bind":
             // Gone again already: its "remove" follows and finds nothing to remove.
             guard let info = read(sysName, sysPath) else { return nil }
             let previous = known.updateValue(info, forKey: info.sysPath)
-            if action == "change" { return (.changed, info) }
+            // A "change" for a device not known yet (between its "add" and its "bind") is its arrival.
+            if action == "change" { return (previous == nil ? .added : .changed, info) }
             // Listed already (it arrived while we enumerated): a duplicate, unless the listing
             // caught it half-made (sysfs attributes appear one by one) and now it says more.
             guard let previous else { return (.added, info) }
@@ -226,6 +229,36 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
                 }
             }
             state.known = now
+        }
+    }
+}
+
+extension UdevMonitor {
+    /// A plugin's `deviceEvents`: the events of the monitor `make` subscribes (at once), each
+    /// device turned into the registry's record by `record`. A monitor that cannot be made ends the
+    /// stream with its error.
+    ///
+    /// ```swift
+    /// public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
+    ///     UdevMonitor.deviceEvents({ try USBDiscovery.monitor(includeAll: includeAll) }, record: USBDiscovery.record)
+    /// }
+    /// ```
+    public static func deviceEvents(_ make: () throws -> UdevMonitor<Record>,
+                                    record: @escaping @Sendable (Record) -> DeviceRecord) -> AsyncThrowingStream<DeviceEvent, any Error> {
+        let monitor: UdevMonitor<Record>
+        do {
+            monitor = try make()
+        } catch {
+            return AsyncThrowingStream { $0.finish(throwing: error) }
+        }
+        return AsyncThrowingStream {
+            let (action, device) = try await monitor.next()
+            let kind: DeviceEvent.Action = switch action {
+            case .added: .added
+            case .removed: .removed
+            case .changed: .changed
+            }
+            return DeviceEvent(kind, record(device))
         }
     }
 }

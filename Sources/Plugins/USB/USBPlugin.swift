@@ -1,0 +1,118 @@
+// usb:// — USB devices: listing and hot-plug from sysfs and udev (TransportKitUdev); streams over a
+// bulk (or interrupt) IN and OUT endpoint pair through libusb's asynchronous transfers
+// (LibUSB.swift opens and claims, USBTransfers.swift moves the data).
+//
+// Grammar:
+//   usb://VID:PID[/SERIAL][?interface=N&alt=N&in=EP&out=EP&location=BUS-PORT&detach=BOOL&transfers=N
+//                         &transferSize=BYTES&zlp=BOOL&wait=BOOL&timeout=SECONDS]
+//     usb://1d50:6089/0000000000000000a06063c8234e925f     a HackRF by serial number
+//     usb://1d6b:0104?location=1-1                          the device plugged into bus 1, port 1
+// See Docs/Schemes.md.
+
+@_spi(Plugins) import TransportKitCore
+import TransportKitUdev
+
+/// The `usb` scheme, USB device listing and hot-plug events.
+///
+/// ```swift
+/// for device in try await USBPlugin().devices(includeAll: false) {
+///     print(device.location ?? "?", device.vendorId ?? "", device.productId ?? "", device.product ?? "", device.url)
+/// }
+/// ```
+public struct USBPlugin: TransportPlugin {
+    /// The plugin; `Transport.builtInPlugins` has one.
+    public init() {}
+
+    static let interface = URLOption.integer("interface", in: 0...255,
+                                             help: "The interface to claim (default: the first with a bulk IN and a bulk OUT endpoint)")
+    static let alt = URLOption.integer("alt", in: 0...255, help: "The interface's alternate setting (default 0)")
+    static let inEndpoint = URLOption.string("in", help: "The IN endpoint address, such as 0x81 (default: the interface's first bulk IN)")
+    static let outEndpoint = URLOption.string("out", help: "The OUT endpoint address, such as 0x02 (default: the interface's first bulk OUT)")
+    static let location = URLOption.string("location", help: "The bus and port path, such as 1-1.4: tells identical devices apart")
+    static let detach = URLOption.bool("detach", default: false,
+                                       help: "Take the interface from a kernel driver bound to it, and give it back on close")
+    static let transfers = URLOption.integer("transfers", in: 2...64, default: 4, help: "Bulk transfers kept in flight each way")
+    static let transferSize = URLOption.integer("transferSize", in: 64...(1 << 20), default: 16384, help: "Bytes per bulk transfer")
+    static let zlp = URLOption.bool("zlp", default: false,
+                                    help: "End a write whose length is a multiple of the packet size with a zero-length packet")
+    static let wait = URLOption.bool("wait", default: false, help: "Wait (up to timeout) for the device to be plugged in instead of failing at once")
+
+    /// The `usb` scheme.
+    public var schemes: [Scheme] {
+        [Scheme(SchemeDescriptor(
+            scheme: "usb",
+            summary: "USB device by identity: a bulk (or interrupt) IN and OUT endpoint pair through libusb",
+            grammar: "usb://VID:PID[/SERIAL][?interface=N&alt=N&in=EP&out=EP&location=BUS-PORT&detach=BOOL&transfers=N&transferSize=BYTES&zlp=BOOL&wait=BOOL]",
+            examples: ["usb://1d50:6089/0000000000000000a06063c8234e925f", "usb://1d6b:0104?location=1-1", "usb://0483:5740?interface=1&detach=true"],
+            authority: .usbDevice, host: .forbidden, port: .forbidden, path: .optional,
+            options: [Self.interface, Self.alt, Self.inEndpoint, Self.outEndpoint, Self.location, Self.detach, Self.transfers,
+                      Self.transferSize, Self.zlp, Self.wait],
+            exclusive: true
+        ), connect: Self.connect)]
+    }
+
+    static func connect(_ request: ConnectRequest) async throws -> Connection {
+        let describing = request.url.description
+        let selector = try USBDeviceSelector(request)
+        let input = try parseEndpoint(request[inEndpoint], option: "in", describing: describing)
+        let output = try parseEndpoint(request[outEndpoint], option: "out", describing: describing)
+        let device = try await USBDiscovery.resolve(selector, wait: request[wait])
+        guard let node = device.devnode else {
+            throw TransportError(.notFound, "\(describing): \(device.sysPath) has no device node below /dev/bus/usb (is devtmpfs mounted?)")
+        }
+        let usb = try LibUSBDevice(node: node, device: device, describing: describing)
+        let engine: USBTransferEngine
+        let choice: USBEndpointChoice
+        var claimed: Int?
+        do {
+            choice = try chooseEndpoints(try usb.alternates(describing: describing), interface: request[interface], alternate: request[alt],
+                                         input: input, output: output, describing: describing)
+            let driver = device.interfaces.first { $0.number == choice.interface }?.driver
+            try usb.claim(choice.interface, alternate: choice.alternate, detach: request[detach], driver: driver, describing: describing)
+            claimed = choice.interface
+            engine = try USBTransferEngine(device: usb, choice: choice, transfers: request[transfers], transferSize: request[transferSize],
+                                           zlp: request[zlp], sysPath: device.sysPath, describing: describing)
+        } catch {
+            usb.close(releasing: claimed)
+            throw error
+        }
+        // From here the engine owns the device and closes it.
+        do {
+            try engine.start()
+        } catch {
+            await engine.close(drain: false)
+            throw error
+        }
+        return Connection(url: request.url, backend: USBBackend(engine: engine), metadata: metadata(device, choice))
+    }
+
+    /// CornucopiaStreams' CC_meta for USB: the device's strings, and the interface and endpoints in use.
+    static func metadata(_ device: USBDeviceInfo, _ choice: USBEndpointChoice) -> ConnectionMetadata {
+        var metadata = ConnectionMetadata()
+        metadata.name = device.product
+        metadata.manufacturer = device.manufacturer
+        metadata.model = device.product
+        metadata.serialNumber = device.serialNumber
+        metadata.remoteAddress = device.location
+        metadata.extra = [
+            "vendorId": device.vendorId, "productId": device.productId, "location": device.location,
+            "interface": String(choice.interface), "alt": String(choice.alternate),
+            "in": choice.input.addressText, "out": choice.output.addressText,
+            "inPacketSize": String(choice.input.maxPacketSize), "outPacketSize": String(choice.output.maxPacketSize),
+            "inType": choice.input.typeName, "outType": choice.output.typeName,
+        ]
+        if let speed = device.speed { metadata.extra["speed"] = "\(device.speedName ?? speed) (\(speed) Mbit/s)" }
+        return metadata
+    }
+
+    /// The USB devices of this machine, each with an identity URL; hubs only with `includeAll`.
+    public func devices(includeAll: Bool) async throws -> [DeviceRecord] {
+        try USBDiscovery.list(includeAll: includeAll)
+    }
+
+    /// Arrivals and removals of USB devices (each once, an arrival once the device is configured),
+    /// subscribed before this returns.
+    public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        USBDiscovery.events(includeAll: includeAll)
+    }
+}
