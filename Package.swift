@@ -167,7 +167,7 @@ let package = Package(
             // Runs inside the qemu lab (Scripts/lab) against real USB and Bluetooth drivers; every
             // suite is disabled elsewhere. CBlueZ: the Bluetooth smoke test's raw sockets.
             name: "LabTests",
-            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ", "CBenchLoops", "TestSupport", system],
+            dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ", "TestSupport", system],
             swiftSettings: strict
         ),
         .testTarget(

@@ -137,6 +137,28 @@ struct USBLabTests {
         #expect(settled, "descriptors \(Descriptors.targets()) (before \(descriptorsBefore)), threads \(Self.threadCount()) (before \(threadsBefore))")
     }
 
+    @Test func theSameFourMiBAtSuperSpeedWith1024BytePackets() async throws {
+        // dummy_hcd reloaded with is_super_speed: the gadget enumerates on its USB 3 root hub.
+        _ = try await Lab.ctl("usb-speed", "super")
+        var failure: (any Error)?
+        do {
+            let connection = try await Self.connect()
+            #expect(connection.metadata.extra["speed"] == "super (5000 Mbit/s)", "\(connection.metadata.extra)")
+            #expect(connection.metadata.extra["inPacketSize"] == "1024" && connection.metadata.extra["outPacketSize"] == "1024",
+                    "super speed bulk endpoints: \(connection.metadata.extra)")
+            let bytes = Self.pattern(4 << 20)
+            let received = try await Self.echo(connection, bytes)
+            #expect(received.count == bytes.count)
+            #expect(received == bytes, "every byte back, in order")
+            try await connection.close()
+        } catch {
+            failure = error
+        }
+        // Back to high speed for the other tests, whatever happened above.
+        _ = try await Lab.ctl("usb-speed", "high")
+        if let failure { throw failure }
+    }
+
     @Test func aSlowReaderSuspendsTheWriterAndLosesNothing() async throws {
         let connection = try await Self.connect("transfers=2&transferSize=4096")
         let bytes = Self.pattern(2 << 20)

@@ -143,6 +143,39 @@ struct InboundQueueTests {
         #expect(try await first.value.map { String(buffer: $0) } == "for the first", "the first reader was not cancelled by the second")
     }
 
+    @Test func deferredAppendsWakeAParkedReaderOnlyAtWakeReaderAndKeepTheirOrder() async throws {
+        let queue = InboundQueue()
+        let woken = Flag()
+        let reader = Task {
+            let first = try await queue.next()
+            woken.set()
+            return first
+        }
+        try await Task.sleep(for: .milliseconds(50))  // parked by now
+        for index in 0..<3 { queue.append(ByteBuffer(string: "\(index)"), deferringWake: true) }
+        try await Task.sleep(for: .milliseconds(50))
+        #expect(!woken.isSet, "a deferred append left the reader parked")
+        #expect(queue.bufferedBytes == 3)
+        queue.wakeReader()
+        #expect(try await reader.value.map { String(buffer: $0) } == "0")
+        queue.wakeReader()  // no reader parked: nothing happens
+        #expect(try await queue.next().map { String(buffer: $0) } == "1")
+        #expect(try await queue.next().map { String(buffer: $0) } == "2")
+    }
+
+    @Test func theEndAfterDeferredAppendsComesAfterThem() async throws {
+        let queue = InboundQueue()
+        let reader = Task { try await queue.next() }
+        try await Task.sleep(for: .milliseconds(50))
+        queue.append(ByteBuffer(string: "a"), deferringWake: true)
+        queue.append(ByteBuffer(string: "b"), deferringWake: true)
+        queue.fail(TransportError(.disconnected, "unplugged"))  // before any wakeReader()
+        #expect(try await reader.value.map { String(buffer: $0) } == "a", "the parked reader gets the first byte, not the end")
+        #expect(try await queue.next().map { String(buffer: $0) } == "b")
+        let error = await expectTransportError(.disconnected) { try await queue.next() }
+        #expect(error?.message == "unplugged")
+    }
+
     @Test func aByteStreamIgnoresEmptyBuffers() async throws {
         let queue = InboundQueue()
         queue.append(ByteBuffer())

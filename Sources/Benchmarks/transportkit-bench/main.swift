@@ -2,6 +2,7 @@
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
 // Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--passes N] [--nio-executor] [--case KEY]
 //      transportkit-bench serial | serial-list (see SerialBench.swift) | costs (see UnitCosts.swift) | parse (URLParseBench.swift)
+//      | usb (in the lab: USBBench.swift)
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
 import CBenchLoops
@@ -28,6 +29,7 @@ case "serial": try await SerialBench.run(); exit(0)
 case "serial-list": try await SerialBench.list(); exit(0)
 case "costs": try await UnitCosts.run(); exit(0)
 case "parse": try URLParseBench.run(); exit(0)
+case "usb": try await USBBench.run(); exit(0)
 
 default: break
 }

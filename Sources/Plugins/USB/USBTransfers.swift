@@ -6,10 +6,14 @@
 // - IN: `transfers` transfers are kept in flight. A completion's bytes go to the InboundQueue; when
 //   it answers .pause the transfer is parked instead of resubmitted, and the queue's onResume
 //   submits the parked ones again once the reader made room. Memory stays bounded by the queue's
-//   high watermark plus what is in flight.
-// - OUT: a write is cut into pieces of `transferSize` (whole packets), each copied into a free OUT transfer and
-//   submitted; a writer waits while every OUT transfer is in flight. A write returns once all its
-//   pieces are submitted; close() waits (up to 2 s) for them to reach the device.
+//   high watermark plus what is in flight. The completions of one libusb_handle_events round are
+//   appended with a deferred wake, and the reader is woken once after the round (BENCHMARKS.md).
+// - OUT: a write is cut into pieces of `transferSize` (whole packets). The writer fills the OUT
+//   transfers that are free; after that each OUT completion fills its transfer with the next piece
+//   and submits it again from the event thread, as a plain libusb loop does, so a long write costs
+//   one wake-up of the writer rather than one per piece. A write returns once all its pieces are
+//   submitted (a writer waits while every OUT transfer is in flight); close() waits (up to 2 s) for
+//   them to reach the device.
 // - `zlp`: the last piece of a write gets LIBUSB_TRANSFER_ADD_ZERO_PACKET, so a write whose length is
 //   a multiple of the packet size ends with a zero-length packet.
 // - Unplugged: libusb completes what arrived, then every other transfer with NO_DEVICE; the reader
@@ -22,18 +26,26 @@ import Synchronization
 @_spi(Plugins) import TransportKitCore
 import TransportKitLinux
 
-/// libusb's completion callback: every transfer's user_data is its engine, which lives until every
-/// transfer has completed (close() waits for that before freeing them).
+/// libusb's completion callback: every transfer's user_data is its TransferTag, whose engine lives
+/// until every transfer has completed (close() waits for that before freeing them).
 private func usbTransferCompleted(_ transfer: UnsafeMutablePointer<libusb_transfer>?) {
-    guard let transfer, let engine = transfer.pointee.user_data else { return }
-    Unmanaged<USBTransferEngine>.fromOpaque(engine).takeUnretainedValue().completed(transfer)
+    guard let transfer, let tag = transfer.pointee.user_data?.assumingMemoryBound(to: TransferTag.self).pointee else { return }
+    tag.engine.takeUnretainedValue().completed(transfer, index: tag.index, isIn: tag.isIn)
+}
+
+/// What a transfer is, for its callback: no search through the engine's transfers.
+private struct TransferTag {
+    let engine: Unmanaged<USBTransferEngine>
+    let index: Int
+    let isIn: Bool
 }
 
 /// The transfers of one connection and the thread that runs them.
 final class USBTransferEngine: @unchecked Sendable {
-    // @unchecked: the transfer pointers and buffers are fixed at init. Each transfer has one owner
-    // at a time, handed over under `state`'s lock: the engine while it is free or parked, libusb
-    // (and then its event thread's callback) from libusb_submit_transfer until the callback.
+    // @unchecked: the transfer pointers are fixed at init. Each transfer, with its slot in
+    // `inBuffers` or `outPieces`, has one owner at a time, handed over under `state`'s lock: the
+    // engine while it is free or parked, libusb (and then its event thread's callback) from
+    // libusb_submit_transfer until the callback.
     private struct State: Sendable {
         var inFlight = 0
         /// Threads inside a libusb call on a transfer outside the event thread (a submission and
@@ -46,6 +58,9 @@ final class USBTransferEngine: @unchecked Sendable {
         var failure: TransportError?
         var closing = false
         var writing = false
+        /// What the current write has not handed to a transfer yet (nil: no write, or all of it
+        /// submitted). Taken piece by piece under the lock, by the writer or the event thread.
+        var pending: ByteBuffer?
     }
 
     let device: LibUSBDevice
@@ -61,11 +76,22 @@ final class USBTransferEngine: @unchecked Sendable {
     let sysPath: String?
     private let inTransfers: [UnsafeMutablePointer<libusb_transfer>]
     private let outTransfers: [UnsafeMutablePointer<libusb_transfer>]
+    /// The IN transfers' memory: each reads into a ByteBuffer of its own, which goes to the reader
+    /// as it is when the transfer came back at least half full (no copy), and is replaced.
+    private let inBuffers: UnsafeMutablePointer<ByteBuffer>
+    private let inSize: Int
+    /// The OUT transfers' memory: each points into the piece of the write it carries (no copy);
+    /// the piece's storage is retained here until the transfer completes.
+    private let outPieces: UnsafeMutablePointer<Unmanaged<AnyObject>?>
+    /// The transfers' user_data: IN transfers first, then OUT.
+    private let tags: UnsafeMutablePointer<TransferTag>
     private let state: AsyncCondition<State>
     private let worker = Mutex<WorkerThread?>(nil)
     /// Control transfers in flight (USBControl.swift), for close() to cancel.
     private let controls = Mutex<[ObjectIdentifier: USBControlRequest]>([:])
     private let closed = Atomic<Bool>(false)
+    /// Held from taking a write's piece until it is submitted (pump()).
+    private let outOrder = Mutex<Void>(())
 
     /// Allocates the transfers and starts the event thread; `start()` submits the IN transfers.
     init(device: LibUSBDevice, choice: USBEndpointChoice, transfers: Int, transferSize: Int, zlp: Bool, sysPath: String?,
@@ -83,45 +109,48 @@ final class USBTransferEngine: @unchecked Sendable {
         let outPacket = max(1, choice.output.maxPacketSize)
         let outSize = max(outPacket, transferSize / outPacket * outPacket)
         self.outSize = outSize
+        self.inSize = inSize
         var ins: [UnsafeMutablePointer<libusb_transfer>] = []
         var outs: [UnsafeMutablePointer<libusb_transfer>] = []
         func release() {
-            for transfer in ins + outs {
-                free(transfer.pointee.buffer)
-                libusb_free_transfer(transfer)
-            }
+            for transfer in ins + outs { libusb_free_transfer(transfer) }
         }
         for index in 0..<(2 * transfers) {
             let isIn = index < transfers
-            let size = isIn ? inSize : outSize
             guard let transfer = libusb_alloc_transfer(0) else {
                 release()
                 throw TransportError(.io, "\(describing): out of memory for \(transfers) transfers", errno: .noMemory, syscall: "libusb_alloc_transfer")
             }
-            guard let buffer = malloc(size) else {
-                libusb_free_transfer(transfer)
-                release()
-                throw TransportError(.io, "\(describing): out of memory for \(transfers) transfers of \(size) bytes", errno: .noMemory, syscall: "malloc")
-            }
+            // The buffer and length are set before each submission (arm(), send()).
             let endpoint = isIn ? choice.input : choice.output
             let fill = endpoint.type == 3 ? libusb_fill_interrupt_transfer : libusb_fill_bulk_transfer
-            fill(transfer, device.handle, endpoint.address, buffer.assumingMemoryBound(to: UInt8.self), Int32(size), usbTransferCompleted, nil, 0)
+            fill(transfer, device.handle, endpoint.address, nil, 0, usbTransferCompleted, nil, 0)
             if isIn { ins.append(transfer) } else { outs.append(transfer) }
         }
         inTransfers = ins
         outTransfers = outs
+        inBuffers = .allocate(capacity: transfers)
+        inBuffers.initialize(repeating: ByteBuffer(), count: transfers)
+        outPieces = .allocate(capacity: transfers)
+        outPieces.initialize(repeating: nil, count: transfers)
         state = AsyncCondition(State(freeOut: Array(0..<transfers).reversed()))
         let hook = ResumeHook()
         inbound = InboundQueue { hook.run() }
-        let opaque = Unmanaged.passUnretained(self).toOpaque()
-        for transfer in ins + outs { transfer.pointee.user_data = opaque }
+        tags = .allocate(capacity: 2 * transfers)
+        for (offset, transfer) in (ins + outs).enumerated() {
+            let isIn = offset < transfers
+            (tags + offset).initialize(to: TransferTag(engine: Unmanaged.passUnretained(self), index: isIn ? offset : offset - transfers, isIn: isIn))
+            transfer.pointee.user_data = UnsafeMutableRawPointer(tags + offset)
+        }
         hook.set { [weak self] in self?.resumeReading() }
         do {
             // The device (Sendable) carries the context into the thread.
-            let thread = try WorkerThread(name: "usb \(choice.input.addressText)") { [state] isStopping in
+            let thread = try WorkerThread(name: "usb \(choice.input.addressText)") { [state, inbound] isStopping in
                 var wait = timeval(tv_sec: 1, tv_usec: 0)
                 while !(isStopping() && state.withLock({ $0.inFlight == 0 && $0.submitting == 0 })) {
                     _ = libusb_handle_events_timeout_completed(device.context, &wait, nil)
+                    // The IN completions of this round were appended without waking the reader.
+                    inbound.wakeReader()
                 }
             } interrupt: {
                 libusb_interrupt_event_handler(device.context)
@@ -129,8 +158,39 @@ final class USBTransferEngine: @unchecked Sendable {
             worker.withLock { $0 = thread }
         } catch {
             release()
+            freeMemory()
             throw error
         }
+        for index in inTransfers.indices { arm(index) }
+    }
+
+    /// Gives IN transfer `index` a new, empty buffer of its own (its owner calls this).
+    private func arm(_ index: Int) {
+        var buffer = ByteBufferAllocator().buffer(capacity: inSize)
+        // The pointer outlives the closure on purpose: libusb writes through it until the transfer
+        // completes. `inBuffers` keeps the only reference to the storage meanwhile, and nothing
+        // changes the buffer before then, so the storage neither moves nor goes away.
+        let base = buffer.withUnsafeMutableWritableBytes { $0.baseAddress }
+        (inBuffers + index).pointee = buffer
+        inTransfers[index].pointee.buffer = base?.assumingMemoryBound(to: UInt8.self)
+        inTransfers[index].pointee.length = Int32(inSize)
+    }
+
+    /// Lets go of the storage OUT transfer `index` pointed into (its owner calls this).
+    private func releasePiece(_ index: Int) {
+        outPieces[index]?.release()
+        outPieces[index] = nil
+    }
+
+    /// Frees `inBuffers` and `outPieces`, once no transfer is in flight.
+    private func freeMemory() {
+        for index in outTransfers.indices { releasePiece(index) }
+        inBuffers.deinitialize(count: inTransfers.count)
+        inBuffers.deallocate()
+        outPieces.deinitialize(count: outTransfers.count)
+        outPieces.deallocate()
+        tags.deinitialize(count: inTransfers.count + outTransfers.count)
+        tags.deallocate()
     }
 
     /// Submits every IN transfer; throws when libusb refuses them (usbfs's memory limit, say).
@@ -144,17 +204,27 @@ final class USBTransferEngine: @unchecked Sendable {
     }
 
     /// On libusb's event thread, for every transfer that ended.
-    fileprivate func completed(_ transfer: UnsafeMutablePointer<libusb_transfer>) {
+    fileprivate func completed(_ transfer: UnsafeMutablePointer<libusb_transfer>, index: Int, isIn: Bool) {
         let status = transfer.pointee.status
-        if let index = inTransfers.firstIndex(of: transfer) {
+        if isIn {
             let length = Int(transfer.pointee.actual_length)
-            var demand = InboundQueue.Demand.more
-            if length > 0 {
-                demand = inbound.append(ByteBuffer(bytes: UnsafeRawBufferPointer(start: transfer.pointee.buffer, count: length)))
+            var element: ByteBuffer?
+            if length * 2 >= inSize {
+                // At least half full: the buffer itself goes to the reader, and the transfer gets
+                // a new one. A short one is copied, so that what waits unread stays within twice
+                // the queue's watermark however small the device's packets.
+                var full = (inBuffers + index).move()
+                full.moveWriterIndex(forwardBy: length)
+                (inBuffers + index).initialize(to: ByteBuffer())
+                arm(index)
+                element = full
+            } else if length > 0 {
+                element = ByteBuffer(bytes: UnsafeRawBufferPointer(start: transfer.pointee.buffer, count: length))
             }
+            let demand = element.map { inbound.append($0, deferringWake: true) } ?? .more
             guard status == LIBUSB_TRANSFER_COMPLETED else {
                 // Only close() and end() cancel; a cancellation from elsewhere still ends the stream.
-                let first = state.update { state -> Bool in
+                let first = state.withLock { state -> Bool in
                     state.inFlight -= 1
                     guard !state.closing, state.failure == nil, !state.failing else { return false }
                     state.failing = true
@@ -163,7 +233,7 @@ final class USBTransferEngine: @unchecked Sendable {
                 if first { end(failure(status, direction: "IN")) }
                 return
             }
-            let resubmit = state.update { state -> Bool in
+            let resubmit = state.withLock { state -> Bool in
                 if state.closing || state.failure != nil || demand == .pause {
                     if demand == .pause && !state.closing && state.failure == nil { state.parked.append(index) }
                     state.inFlight -= 1
@@ -172,29 +242,37 @@ final class USBTransferEngine: @unchecked Sendable {
                 return true
             }
             if resubmit {
-                submit(transfer)
+                submit(transfer, onEventThread: true)
             } else if demand == .pause, inbound.shouldProduce() {
                 // The reader drained between append and parking: no onResume is owed for that.
                 resumeReading()
             }
-        } else if let index = outTransfers.firstIndex(of: transfer) {
+        } else {
             let failed = status != LIBUSB_TRANSFER_COMPLETED && status != LIBUSB_TRANSFER_CANCELLED
-            // The slot is freed and the failure flagged at once, so no writer submits after a
-            // piece that failed; the error itself may take a moment (deviceStays).
-            let first = state.update { state -> Bool in
+            // The slot is freed and the failure flagged at once, so nothing is submitted after a
+            // piece that failed; the error itself may take a moment (deviceStays). Otherwise the
+            // transfer carries the current write's next piece, if there is one.
+            releasePiece(index)
+            let first = state.withLock { state -> Bool in
                 state.inFlight -= 1
                 state.freeOut.append(index)
                 guard failed, state.failure == nil, !state.failing else { return false }
                 state.failing = true
                 return true
             }
-            if first { end(failure(status, direction: "OUT")) }
+            if first {
+                end(failure(status, direction: "OUT"))
+            } else if !failed {
+                pump(onEventThread: true)
+            }
+            // close() may wait for every OUT transfer to be back.
+            if state.withLock({ $0.freeOut.count == outTransfers.count }) { state.update { _ in } }
         }
     }
 
     /// Submits parked IN transfers again (the queue's onResume, on the reader's thread).
     private func resumeReading() {
-        let parked = state.update { state -> [Int] in
+        let parked = state.withLock { state -> [Int] in
             guard !state.closing, state.failure == nil else { return [] }
             defer { state.parked = [] }
             state.inFlight += state.parked.count
@@ -203,9 +281,10 @@ final class USBTransferEngine: @unchecked Sendable {
         for index in parked { submit(inTransfers[index]) }
     }
 
-    /// libusb_submit_transfer for a transfer already counted in flight.
-    private func submit(_ transfer: UnsafeMutablePointer<libusb_transfer>) {
-        whileSubmitting {
+    /// libusb_submit_transfer for a transfer already counted in flight. On the event thread no
+    /// `whileSubmitting` is needed: close() frees nothing before that thread has ended.
+    private func submit(_ transfer: UnsafeMutablePointer<libusb_transfer>, out: Int? = nil, onEventThread: Bool = false) {
+        func body() {
             let result = libusb_submit_transfer(transfer)
             guard result != 0 else {
                 // close() or a failure may have cancelled everything in flight just before this
@@ -213,20 +292,22 @@ final class USBTransferEngine: @unchecked Sendable {
                 if state.withLock({ $0.closing || $0.failure != nil }) { _ = libusb_cancel_transfer(transfer) }
                 return
             }
+            if let out { releasePiece(out) }
             state.update { state in
                 state.inFlight -= 1
-                if let index = outTransfers.firstIndex(of: transfer) { state.freeOut.append(index) }
+                if let out { state.freeOut.append(out) }
             }
             end(result == LIBUSB_ERROR_NO_DEVICE.rawValue ? gone : LibUSBDevice.error(result, "libusb_submit_transfer", describing))
         }
+        if onEventThread { body() } else { whileSubmitting(body) }
     }
 
     /// Runs libusb calls on transfers from a thread other than the event thread, holding the event
     /// thread (and so close()'s freeing of the transfers and the context) until they are done.
     func whileSubmitting<Result>(_ body: () -> Result) -> Result {
-        state.update { $0.submitting += 1 }
+        state.withLock { $0.submitting += 1 }
         defer {
-            let closing = state.update { state -> Bool in
+            let closing = state.withLock { state -> Bool in
                 state.submitting -= 1
                 return state.closing
             }
@@ -311,40 +392,78 @@ final class USBTransferEngine: @unchecked Sendable {
         state.update { $0.inFlight -= 1 }
     }
 
+    /// One piece of a write, in the OUT transfer `slot` (counted in flight already).
+    private struct Piece {
+        let slot: Int
+        let bytes: ByteBuffer
+        let last: Bool
+    }
+
+    /// Under the lock: the current write's next piece in a free OUT transfer, or nil (nothing
+    /// pending, no free transfer, or the connection failing or closing).
+    private func takePiece(_ state: inout State) -> Piece? {
+        guard var pending = state.pending, !state.closing, state.failure == nil, !state.failing,
+              let slot = state.freeOut.popLast() else { return nil }
+        let length = min(outSize, pending.readableBytes)
+        let bytes = pending.readSlice(length: length) ?? ByteBuffer()
+        let last = pending.readableBytes == 0
+        state.pending = last ? nil : pending
+        state.inFlight += 1
+        return Piece(slot: slot, bytes: bytes, last: last)
+    }
+
+    /// Points a piece's transfer at its bytes and submits it (on the writer's thread or the event thread).
+    private func send(_ piece: Piece, onEventThread: Bool) {
+        let transfer = outTransfers[piece.slot]
+        piece.bytes.withUnsafeReadableBytesWithStorageManagement { bytes, storage in
+            // NIO's way to use the bytes after the closure: the retained storage keeps them alive
+            // until the transfer completes (releasePiece).
+            outPieces[piece.slot] = storage.retain()
+            transfer.pointee.buffer = bytes.baseAddress.map { UnsafeMutablePointer(mutating: $0.assumingMemoryBound(to: UInt8.self)) }
+        }
+        transfer.pointee.length = Int32(piece.bytes.readableBytes)
+        transfer.pointee.flags = zlp && piece.last ? UInt8(LIBUSB_TRANSFER_ADD_ZERO_PACKET.rawValue) : 0
+        submit(transfer, out: piece.slot, onEventThread: onEventThread)
+    }
+
+    /// Submits the current write's next pieces into the free OUT transfers, in order: the writer
+    /// and the event thread both pump, and `outOrder` keeps one piece from overtaking another
+    /// between being taken and being submitted.
+    private func pump(onEventThread: Bool = false) {
+        outOrder.withLock { _ in
+            while let piece = state.withLock({ takePiece(&$0) }) {
+                send(piece, onEventThread: onEventThread)
+                // The writer waits for its last piece to be submitted.
+                if piece.last { state.update { _ in } }
+            }
+        }
+    }
+
     /// Sends `buffer`: returns once every piece is submitted.
     func write(_ buffer: ByteBuffer) async throws {
-        _ = try await state.wait { state -> Bool? in
+        // One write at a time; the rest of a write that failed or was cancelled is dropped.
+        try await state.wait { state -> Void? in
             if let failure = state.failure { throw failure }
             if state.closing { throw TransportError(.misuse, "\(self.describing): the connection is closed") }
             guard !state.writing else { return nil }
             state.writing = true
-            return true
+            state.pending = buffer
+            return ()
         }
-        defer { state.update { $0.writing = false } }
-        let total = buffer.readableBytes
-        var offset = 0
-        repeat {
-            let length = min(outSize, total - offset)
-            let slot = try await state.wait { state -> Int? in
-                if let failure = state.failure { throw failure }
-                if state.closing { throw TransportError(.misuse, "\(self.describing): the connection is closed") }
-                guard !state.failing, let slot = state.freeOut.popLast() else { return nil }
-                state.inFlight += 1
-                return slot
+        defer {
+            state.update { state in
+                state.writing = false
+                state.pending = nil
             }
-            let transfer = outTransfers[slot]
-            buffer.withUnsafeReadableBytes { bytes in
-                if length > 0, let base = bytes.baseAddress {
-                    transfer.pointee.buffer.update(from: (base + offset).assumingMemoryBound(to: UInt8.self), count: length)
-                }
-            }
-            transfer.pointee.length = Int32(length)
-            let last = offset + length >= total
-            transfer.pointee.flags = zlp && last ? UInt8(LIBUSB_TRANSFER_ADD_ZERO_PACKET.rawValue) : 0
-            submit(transfer)
-            if let failure = state.withLock({ $0.failure }) { throw failure }
-            offset += length
-        } while offset < total
+        }
+        // Into the free transfers from here, then from the event thread as transfers complete;
+        // this task waits for the last piece to be submitted.
+        pump()
+        try await state.wait { state -> Void? in
+            if let failure = state.failure { throw failure }
+            if state.closing { throw TransportError(.misuse, "\(self.describing): the connection is closed") }
+            return state.pending == nil ? () : nil
+        }
     }
 
     /// Waits (with `drain`, up to 2 s) for written data to reach the device, cancels what is left,
@@ -365,10 +484,8 @@ final class USBTransferEngine: @unchecked Sendable {
         cancelAll()
         await worker.withLock { $0 }?.stop()
         // Transfers first: libusb_free_transfer logs through the transfer's handle and context.
-        for transfer in inTransfers + outTransfers {
-            free(transfer.pointee.buffer)
-            libusb_free_transfer(transfer)
-        }
+        for transfer in inTransfers + outTransfers { libusb_free_transfer(transfer) }
+        freeMemory()
         device.close(releasing: choice.interface)
         if state.withLock({ $0.failure }) == nil {
             inbound.finish()

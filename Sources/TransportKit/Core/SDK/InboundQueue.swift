@@ -114,11 +114,25 @@ public final class InboundQueue: Sendable {
     /// ```
     @discardableResult
     public func append(_ element: ByteBuffer) -> Demand {
+        append(element, deferringWake: false)
+    }
+
+    /// ``append(_:)`` for a producer that brings several elements in one go (the completions one
+    /// `libusb_handle_events` call reports): with `deferringWake`, a parked reader is not resumed
+    /// here; the producer calls ``wakeReader()`` after the last of them, so the reader's thread is
+    /// woken once per batch rather than once per element.
+    ///
+    /// ```swift
+    /// for completion in batch { _ = queue.append(completion.bytes, deferringWake: true) }
+    /// queue.wakeReader()
+    /// ```
+    @discardableResult
+    public func append(_ element: ByteBuffer, deferringWake: Bool) -> Demand {
         if !carriesMessages && element.readableBytes == 0 { return .more }
         let weight = self.weight(element)
         let (reader, demand): (UnsafeContinuation<ByteBuffer?, any Error>?, Demand) = state.withLock { state in
             guard state.end == nil else { return (nil, .pause) }
-            if let reader = state.reader {
+            if !deferringWake, let reader = state.reader {
                 state.reader = nil
                 return (reader.continuation, .more)
             }
@@ -136,6 +150,23 @@ public final class InboundQueue: Sendable {
             }
         }
         return demand
+    }
+
+    /// Resumes a parked reader with the first element that ``append(_:deferringWake:)`` left
+    /// waiting; does nothing when no reader is parked or nothing waits.
+    public func wakeReader() {
+        let (reader, element, resume): (UnsafeContinuation<ByteBuffer?, any Error>?, ByteBuffer?, Bool) = state.withLock { state in
+            guard let reader = state.reader, let (element, resume) = popFirst(&state) else { return (nil, nil, false) }
+            state.reader = nil
+            return (reader.continuation, element, resume)
+        }
+        guard let reader, let element else { return }
+        if let executor {
+            executor.resumeInline { reader.resume(returning: element) }
+        } else {
+            reader.resume(returning: element)
+        }
+        if resume { onResume() }
     }
 
     /// Asks before producing (SwiftNIO's `read()`): `false` while the high watermark is reached,
@@ -160,14 +191,20 @@ public final class InboundQueue: Sendable {
     }
 
     private func end(_ result: Result<Void, TransportError>) {
-        let reader = state.withLock { state -> UnsafeContinuation<ByteBuffer?, any Error>? in
+        let (reader, element) = state.withLock { state -> (UnsafeContinuation<ByteBuffer?, any Error>?, ByteBuffer?) in
             if state.end == nil { state.end = result }
-            guard let reader = state.reader else { return nil }
+            guard let reader = state.reader else { return (nil, nil) }
             state.reader = nil
-            return reader.continuation
+            // A reader parked beside buffered elements: they were appended with a deferred wake.
+            // The first goes to the reader now; the rest, and then the end, to its next calls.
+            return (reader.continuation, popFirst(&state)?.element)
         }
-        // A parked reader means nothing is buffered. Resumed here, not inline: see resumeInline.
-        reader?.resume(with: result.map { nil }.mapError { $0 })
+        // Resumed here, not inline: see resumeInline.
+        if let element {
+            reader?.resume(returning: element)
+        } else {
+            reader?.resume(with: result.map { nil }.mapError { $0 })
+        }
     }
 
     // MARK: Consumer
