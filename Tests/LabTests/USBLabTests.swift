@@ -310,6 +310,85 @@ struct USBLabTests {
         _ = try await Lab.run("/sbin/rmmod", ["usbserial"])
     }
 
+    /// Runs blocking gadget-side I/O on a thread of its own, off the cooperative pool.
+    static func onThread<Value: Sendable>(_ body: @escaping @Sendable () -> Value) async -> Value {
+        await withCheckedContinuation { continuation in
+            Thread { continuation.resume(returning: body()) }.start()
+        }
+    }
+
+    /// Reads reports from the gadget's /dev/hidgN until `count` bytes came, or 10 s passed.
+    static func gadgetRead(_ fd: Int32, count: Int) -> [UInt8] {
+        var bytes: [UInt8] = []
+        var report = [UInt8](repeating: 0, count: 64)
+        let deadline = ContinuousClock.now + .seconds(10)
+        while bytes.count < count, ContinuousClock.now < deadline {
+            var ready = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
+            guard poll(&ready, 1, 100) > 0 else { continue }
+            let got = read(fd, &report, report.count)
+            if got > 0 { bytes += report[0..<got] } else if got < 0 && errno != EAGAIN && errno != EINTR { break }
+        }
+        return bytes
+    }
+
+    /// Writes `bytes` to the gadget's /dev/hidgN as 64-byte reports (each waits until the one
+    /// before went out); `true` when all were written within 10 s.
+    static func gadgetWrite(_ fd: Int32, _ bytes: [UInt8]) -> Bool {
+        var offset = 0
+        let deadline = ContinuousClock.now + .seconds(10)
+        while offset < bytes.count, ContinuousClock.now < deadline {
+            var ready = pollfd(fd: fd, events: Int16(POLLOUT), revents: 0)
+            guard poll(&ready, 1, 100) > 0 else { continue }
+            let wrote = bytes[offset..<min(offset + 64, bytes.count)].withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
+            if wrote > 0 { offset += wrote } else if wrote < 0 && errno != EAGAIN && errno != EINTR { return false }
+        }
+        return offset == bytes.count
+    }
+
+    /// Interrupt endpoints, on the lab's HID gadget (labctl usb-hid: 64-byte vendor reports, usbhid
+    /// bound on the host): reports both ways through usb://, each IN report delivered as it
+    /// arrives, usbhid back on close.
+    @Test func interruptEndpointsCarryReportsBothWaysThroughAHIDGadget() async throws {
+        let plugged = try await Lab.ctl("usb-hid", "plug")
+        let node = try #require(plugged.split(whereSeparator: \.isWhitespace).last.map(String.init), "labctl printed \(plugged)")
+        let gadget = open(node, O_RDWR | O_NONBLOCK | O_CLOEXEC)
+        try #require(gadget >= 0, "open \(node): errno \(errno)")
+        defer {
+            close(gadget)
+        }
+        let hidraw = { (try? FileManager.default.contentsOfDirectory(atPath: "/sys/class/hidraw")) ?? [] }
+        #expect(await eventually(10) { !hidraw().isEmpty }, "usbhid did not bind the gadget's interface")
+        do {
+            // No in=/out=: a device without a bulk pair gets its interrupt pair.
+            let connection = try await Transport.connect(to: "usb://1d6b:0105/TKHID0001?detach=true")
+            #expect(connection.metadata.extra["inType"] == "interrupt" && connection.metadata.extra["outType"] == "interrupt", "\(connection.metadata.extra)")
+            #expect(connection.metadata.extra["inPacketSize"] == "64" && connection.metadata.extra["outPacketSize"] == "64", "\(connection.metadata.extra)")
+            #expect(await eventually(5) { hidraw().isEmpty }, "usbhid let go of the interface while detached")
+
+            // Host to device: 32 reports in one write, each arriving whole at the gadget.
+            let toDevice = Self.pattern(32 * 64)
+            async let atGadget = Self.onThread { Self.gadgetRead(gadget, count: toDevice.count) }
+            try await connection.write(toDevice)
+            #expect(await atGadget == toDevice, "every report, in order")
+
+            // Device to host: one report first (delivered alone, not held for a fuller transfer), then 31 more.
+            let toHost = Self.pattern(32 * 64 + 4096).suffix(32 * 64).map { $0 ^ 0x5a }
+            #expect(await Self.onThread { Self.gadgetWrite(gadget, Array(toHost.prefix(64))) })
+            let first = try await connection.read()
+            #expect(first == Array(toHost.prefix(64)), "one 64-byte report read as it came")
+            async let written = Self.onThread { Self.gadgetWrite(gadget, Array(toHost.dropFirst(64))) }
+            var received = first ?? []
+            while received.count < toHost.count, let chunk = try await connection.read() { received += chunk }
+            #expect(await written)
+            #expect(received == toHost, "every report, in order")
+            try await connection.close()
+            #expect(await eventually(10) { !hidraw().isEmpty }, "usbhid got the interface back on close")
+        } catch {
+            Issue.record(error)
+        }
+        try await Lab.ctl("usb-hid", "unplug")
+    }
+
     @Test func errorsSayWhatToDo() async throws {
         try await Lab.ctl("usb-loopback", "plug")
         let wrongInterface = await expectLabError(.notFound) { try await Transport.connect(to: Self.url + "?interface=5") }

@@ -190,8 +190,9 @@ final class LibUSBDevice: @unchecked Sendable {
 }
 
 /// The interface and endpoints a connection uses: those the URL names, else the first interface
-/// (and alternate setting) with a bulk IN and a bulk OUT endpoint (interrupt ones when it has no
-/// bulk pair but the URL names them).
+/// (and alternate setting) with a bulk IN and a bulk OUT endpoint, else, on a device with no bulk
+/// pair (a vendor HID device, say), the first with an interrupt IN and an interrupt OUT endpoint.
+/// A bulk endpoint beside an interrupt one is used only when the URL names them.
 func chooseEndpoints(_ alternates: [USBAlternate], interface: Int?, alternate: Int?, input: UInt8?, output: UInt8?,
                      describing: String) throws -> USBEndpointChoice {
     func describe(_ alternate: USBAlternate) -> String {
@@ -203,28 +204,31 @@ func chooseEndpoints(_ alternates: [USBAlternate], interface: Int?, alternate: I
     guard !candidates.isEmpty else {
         throw TransportError(.notFound, "\(describing): no interface \(interface.map(String.init) ?? "?") with alternate setting \(alternate ?? 0); the device offers \(offered)")
     }
-    for candidate in candidates {
-        func pick(_ address: UInt8?, wantIn: Bool) throws -> USBEndpoint? {
-            if let address {
-                guard let endpoint = candidate.endpoints.first(where: { $0.address == address }) else { return nil }
-                guard endpoint.isIn == wantIn else {
-                    throw TransportError(.invalidURL, "\(describing): endpoint \(endpoint.addressText) is an \(endpoint.isIn ? "IN" : "OUT") endpoint; "
-                                         + "\(wantIn ? "in=" : "out=") needs an \(wantIn ? "IN (0x80 set)" : "OUT") one. The device offers \(offered)")
+    // Bulk pairs first; interrupt pairs only where no interface has a bulk pair.
+    for type: UInt8 in [2, 3] {
+        for candidate in candidates {
+            func pick(_ address: UInt8?, wantIn: Bool) throws -> USBEndpoint? {
+                if let address {
+                    guard let endpoint = candidate.endpoints.first(where: { $0.address == address }) else { return nil }
+                    guard endpoint.isIn == wantIn else {
+                        throw TransportError(.invalidURL, "\(describing): endpoint \(endpoint.addressText) is an \(endpoint.isIn ? "IN" : "OUT") endpoint; "
+                                             + "\(wantIn ? "in=" : "out=") needs an \(wantIn ? "IN (0x80 set)" : "OUT") one. The device offers \(offered)")
+                    }
+                    guard endpoint.type == 2 || endpoint.type == 3 else {
+                        throw TransportError(.unsupported, "\(describing): endpoint \(endpoint.addressText) is \(endpoint.typeName); usb:// streams bulk and interrupt endpoints")
+                    }
+                    return endpoint
                 }
-                guard endpoint.type == 2 || endpoint.type == 3 else {
-                    throw TransportError(.unsupported, "\(describing): endpoint \(endpoint.addressText) is \(endpoint.typeName); usb:// streams bulk and interrupt endpoints")
-                }
-                return endpoint
+                return candidate.endpoints.first { $0.isIn == wantIn && $0.type == type }
             }
-            return candidate.endpoints.first { $0.isIn == wantIn && $0.type == 2 }
-        }
-        if let inEndpoint = try pick(input, wantIn: true), let outEndpoint = try pick(output, wantIn: false) {
-            return USBEndpointChoice(interface: candidate.interface, alternate: candidate.alternate, input: inEndpoint, output: outEndpoint)
+            if let inEndpoint = try pick(input, wantIn: true), let outEndpoint = try pick(output, wantIn: false) {
+                return USBEndpointChoice(interface: candidate.interface, alternate: candidate.alternate, input: inEndpoint, output: outEndpoint)
+            }
         }
     }
     let named = [input.map { "in=0x\(USBDevices.hex2($0))" }, output.map { "out=0x\(USBDevices.hex2($0))" }].compactMap { $0 }
     throw TransportError(.notFound, "\(describing): no \(interface.map { "interface \($0) " } ?? "interface ")with "
-                         + (named.isEmpty ? "a bulk IN and a bulk OUT endpoint" : named.joined(separator: " and "))
+                         + (named.isEmpty ? "a bulk (or interrupt) IN and OUT endpoint pair" : named.joined(separator: " and "))
                          + "; the device offers \(offered). Name them with interface=, in= and out=")
 }
 

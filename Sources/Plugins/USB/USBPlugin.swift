@@ -24,7 +24,7 @@ public struct USBPlugin: TransportPlugin {
     public init() {}
 
     static let interface = URLOption.integer("interface", in: 0...255,
-                                             help: "The interface to claim (default: the first with a bulk IN and a bulk OUT endpoint)")
+                                             help: "The interface to claim (default: the first with a bulk IN and a bulk OUT endpoint, else the first with an interrupt pair)")
     static let alt = URLOption.integer("alt", in: 0...255, help: "The interface's alternate setting (default 0)")
     static let inEndpoint = URLOption.string("in", help: "The IN endpoint address, such as 0x81 (default: the interface's first bulk IN)")
     static let outEndpoint = URLOption.string("out", help: "The OUT endpoint address, such as 0x02 (default: the interface's first bulk OUT)")
