@@ -120,6 +120,45 @@ struct BlueZListenLabTests {
         #expect(closed, "sockets left open: \(Descriptors.open())")
     }
 
+    /// The CLI as a user runs it: `transportkit bridge --once --listen rfcomm://any:14 tcp://…`
+    /// offers a TCP service over RFCOMM. A client on hci0 talks through it both ways; the service
+    /// ends the conversation, the client sees the end, and the bridge exits 0 and unpublishes.
+    /// (A client that leaves first ends the bridge with status 1: RFCOMM reports a peer's close as
+    /// ECONNRESET, a reset like any other. Docs/Schemes.md says so.)
+    @Test func theCLIBridgeOffersATCPServiceOverAnRfcommListener() async throws {
+        let controllers = try await Self.setUp()
+        let tcp = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(tcp.url.port)
+        let behind = Self.acceptOne(tcp, within: 30)
+        // timeout(1) so that a bridge that never exits fails the test instead of hanging the lab.
+        let bridge = Task {
+            try await Lab.run("/usr/bin/timeout", ["60", Lab.cli, "bridge", "--once", "--listen", "rfcomm://any:14?uuid=\(Self.service)", "tcp://127.0.0.1:\(port)"])
+        }
+        do {
+            // Refused until the bridge has registered its profile: BlueZLabTests.connect retries that.
+            let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText):14?adapter=hci0")
+            let service = try #require(try await behind.value, "the bridge did not connect to the TCP service")
+            try await client.write(Array("over rfcomm".utf8))
+            #expect(try await Self.exchange(service, send: Array("and back".utf8), expecting: 11) == Array("over rfcomm".utf8))
+            var back: [UInt8] = []
+            while back.count < 8, let chunk = try await client.read() { back += chunk }
+            #expect(back == Array("and back".utf8))
+            try await service.close()
+            let (rest, ending) = await Lab.readToEnd(client)
+            #expect(rest.isEmpty && ending?.kind == .disconnected, "the bridge closed the RFCOMM side after the service: \(String(describing: ending))")
+            try? await client.close()
+        } catch {
+            Issue.record(error)
+        }
+        let result = try await bridge.value
+        #expect(result.status == 0, "bridge --once exits 0 after its one client: status \(result.status), \(result.stderr)")
+        try await tcp.close()
+        let gone = await expectLabError(.notFound) {
+            try await Transport.connect(to: "rfcomm://\(controllers.peripheralText)?adapter=hci0&uuid=\(Self.service)")
+        }
+        #expect(gone?.message.contains("publishes no RFCOMM service") == true, "unpublished when the bridge exited: \(String(describing: gone))")
+    }
+
     /// bluetoothd killed with SIGKILL sends no Profile1.Release: the listener sees org.bluez leave
     /// the bus (NameOwnerChanged) and ends a waiting accept() with "disconnected". Once bluetoothd is
     /// back, listening works again.
