@@ -20,8 +20,9 @@ struct GattScanLabTests {
     /// UUIDs of its advertisements (device.c adds advertised UUIDs only while no service discovery
     /// has run), so a scan filtered by service never matches it (seen in the full lab run).
     static func setUp() async throws -> (BluetoothLabTests.Controllers, LabPeripheral) {
+        let ready = try await GattLabTests.setUp()   // starts bluetoothd when this suite runs alone
         try await BlueZLabTests.forgetDevices()
-        return try await GattLabTests.setUp()
+        return ready
     }
 
     /// Collects `scan`'s events until the task is cancelled or the scan ends.
@@ -82,6 +83,30 @@ struct GattScanLabTests {
         try await connection.close()
         let nobody = await expectLabError(.notFound) { try await Transport.connect(to: "ble://FFF3?adapter=hci0&timeout=3") }
         #expect(nobody?.message.contains("no Bluetooth LE device advertising service 0000fff3") == true, "\(String(describing: nobody))")
+    }
+
+    /// `ble://SERVICE:PSM` without a device: the same scan-and-choose rule, then an L2CAP channel
+    /// to the chosen device's PSM. The peripheral advertises the service; an LE listener on hci1
+    /// (advertise=false, so the only advertisement is the peripheral's) serves the PSM.
+    @Test func anL2CAPURLWithoutADeviceScansForTheServiceAndConnectsToItsPSM() async throws {
+        let (controllers, peripheral) = try await Self.setUp()
+        let announcer = peripheral.announceWhileDiscovering()
+        defer { announcer.cancel() }
+        let listener = try await Transport.listen(on: "ble://nus:143?adapter=hci1&advertise=false")
+        let accepted = BlueZListenLabTests.acceptOne(listener)
+        do {
+            let client = try await Transport.connect(to: "ble://nus:143?adapter=hci0")
+            #expect(client.metadata.remoteAddress == controllers.peripheralText)
+            #expect(client.metadata.extra["psm"] == "143", "\(client.metadata.extra)")
+            let server = try #require(try await accepted.value, "the listener accepted nothing")
+            try await client.write(Array("by service".utf8))
+            #expect(try await server.readMessage(timeout: .seconds(10)) == Array("by service".utf8))
+            try await client.close()
+            try? await server.close()
+        } catch {
+            Issue.record(error)
+        }
+        try await listener.close()
     }
 
     @Test("transportkit list --scan shows the peripheral with a URL that connects")

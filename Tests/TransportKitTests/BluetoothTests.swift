@@ -148,7 +148,10 @@ struct BluetoothTests {
         let scan = await expectTransportError(.notFound) { try await daemonless.connect(to: "ble://FFF0:128") }
         #expect(scan?.message.contains("Bluetooth goes through bluetoothd") == true, "\(String(describing: scan))")
         let scanName = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://not-a-uuid:128") }
-        #expect(scanName?.message.contains("is not a service UUID to scan for") == true, "\(String(describing: scanName))")
+        #expect(scanName?.message.contains("'not-a-uuid' is neither a service UUID") == true, "\(String(describing: scanName))")
+        // A short name scans for its service as it does for GATT serial: that needs the bus.
+        let named = await expectTransportError(.notFound) { try await daemonless.connect(to: "ble://nus:128") }
+        #expect(named?.message.contains("Bluetooth goes through bluetoothd") == true, "\(String(describing: named))")
         let bad = await expectTransportError(.invalidURL) { try await daemonless.connect(to: "ble://FFF0:128/00:AA:01:01:00") }
         #expect(bad?.message.contains("is not a Bluetooth address") == true, "\(String(describing: bad))")
     }
@@ -164,7 +167,8 @@ struct BluetoothTests {
         let gatt = await expectTransportError(.unsupported) { try await daemonless.listen(on: "ble://nus") }
         #expect(gatt?.message.contains("a GATT server) is not built") == true, "\(String(describing: gatt))")
         let service = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://uart:128") }
-        #expect(service?.message.contains("is not a service UUID to advertise") == true, "\(String(describing: service))")
+        #expect(service?.message.contains("'uart' is neither a service UUID") == true && service?.message.contains("hm10, nus") == true,
+                "the names a connect takes: \(String(describing: service))")
         let psm = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://FFF0:300") }
         #expect(psm?.message.contains("300") == true, "\(String(describing: psm))")
         // Well-formed listeners get as far as the bus.

@@ -269,14 +269,8 @@ enum BluetoothConnector {
     /// devices seen within ``choiceWindow`` of the first match, the one with the strongest signal
     /// (the first seen on a tie). Never every match in turn.
     static func chooseDevice(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> String {
-        let service: String
-        if request.url.port == nil {
-            service = try GattSerial.service(request).uuid
-        } else if let uuid = BluetoothUUID.normalize(request.host) {
-            service = uuid
-        } else {
-            throw TransportError(.invalidURL, "\(request.url): '\(request.host)' is not a service UUID to scan for (FFF0, or 128-bit with dashes)")
-        }
+        // GATT serial and L2CAP URLs name the service alike: a UUID, or nus / hm10.
+        let service = try GattSerial.service(request).uuid
         let plugin = BluetoothPlugin(bus: bus)
         let adapter = request[BluetoothPlugin.adapter]
         let started = ContinuousClock.now
@@ -289,7 +283,7 @@ enum BluetoothConnector {
         guard var best = first else {
             let seconds = (ContinuousClock.now - started).components.seconds
             throw TransportError(.notFound, "\(request.url): no Bluetooth LE device advertising service \(service) found within \(seconds) s: "
-                                 + "is it switched on, in range and advertising? Give more time with timeout=SECONDS, or the device: ble://\(request.host)/MAC")
+                                 + "is it switched on, in range and advertising? Give more time with timeout=SECONDS, or the device: ble://\(request.host)\(request.url.port.map { ":\($0)" } ?? "")/MAC")
         }
         for try await event in plugin.scan(BluetoothScan(services: [service], end: .after(choiceWindow), expiry: nil, adapter: adapter)) {
             if case .discovered(let found) = event, (found.rssi ?? Int.min) > (best.rssi ?? Int.min) { best = found }

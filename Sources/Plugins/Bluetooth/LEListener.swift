@@ -44,9 +44,8 @@ final class LEListener: ListenerBackend {
         guard url.path.drop(while: { $0 == "/" }).isEmpty else {
             throw TransportError(.invalidURL, "\(url): a listener takes no device; choose the adapter with adapter=hciN: ble://\(request.host):\(port)")
         }
-        guard let service = BluetoothUUID.normalize(request.host) else {
-            throw TransportError(.invalidURL, "\(url): '\(request.host)' is not a service UUID to advertise (FFF0, or 128-bit with dashes)")
-        }
+        // The same names a connect takes (a UUID, or nus / hm10), so one URL serves both ends.
+        let service = try GattSerial.service(request).uuid
         let bluez = try BlueZ.shared(bus)
         let adapter = try BlueZ.adapter(named: request[BluetoothPlugin.adapter], among: try await bluez.objects().adapters)
         let local = try BluetoothConnector.localAddress(of: adapter, request)
