@@ -90,8 +90,7 @@ final class LabPeripheral: Sendable {
                                       [.string("org.bluez.Adapter1"), .string("Alias"), .variant(.string(Self.name))])
         _ = try await connection.call(destination: "org.bluez", path: adapterPath, interface: "org.bluez.GattManager1", member: "RegisterApplication",
                                       [.objectPath(Self.root), .dictionary([:])])
-        _ = try await connection.call(destination: "org.bluez", path: adapterPath, interface: "org.bluez.LEAdvertisingManager1",
-                                      member: "RegisterAdvertisement", [.objectPath(Self.advertisementPath), .dictionary([:])])
+        try await startAdvertising(adapter: adapter)
     }
 
     /// The objects of the application (GetManagedObjects) and the advertisement (GetAll).
@@ -126,7 +125,7 @@ final class LabPeripheral: Sendable {
                                       member: "UnregisterAdvertisement", [.objectPath(Self.advertisementPath)])
     }
 
-    /// Registers the advertisement again, after ``stopAdvertising(adapter:)``.
+    /// Registers the advertisement (at init, and again after ``stopAdvertising(adapter:)``).
     func startAdvertising(adapter: String = "hci1") async throws {
         _ = try await connection.call(destination: "org.bluez", path: "/org/bluez/\(adapter)", interface: "org.bluez.LEAdvertisingManager1",
                                       member: "RegisterAdvertisement", [.objectPath(Self.advertisementPath), .dictionary([:])])

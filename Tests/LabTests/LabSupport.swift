@@ -37,8 +37,14 @@ enum Lab {
     /// cooperative pool; not Foundation's Process, whose waitUntilExit spun forever in the guest
     /// when the test bundle runs outside `swift test` (dispatch_main holds SIGCHLD there).
     static func run(_ executable: String, _ arguments: [String]) async throws -> Output {
-        try await withCheckedThrowingContinuation { continuation in
-            Thread { continuation.resume(with: Result { try runBlocking(executable, arguments) }) }.start()
+        try await onThread { Result { try runBlocking(executable, arguments) } }.get()
+    }
+
+    /// Runs blocking work (a child process, a device node's reads) on a thread of its own, off the
+    /// cooperative pool.
+    static func onThread<Value: Sendable>(_ body: @escaping @Sendable () -> Value) async -> Value {
+        await withCheckedContinuation { continuation in
+            Thread { continuation.resume(returning: body()) }.start()
         }
     }
 

@@ -310,13 +310,6 @@ struct USBLabTests {
         _ = try await Lab.run("/sbin/rmmod", ["usbserial"])
     }
 
-    /// Runs blocking gadget-side I/O on a thread of its own, off the cooperative pool.
-    static func onThread<Value: Sendable>(_ body: @escaping @Sendable () -> Value) async -> Value {
-        await withCheckedContinuation { continuation in
-            Thread { continuation.resume(returning: body()) }.start()
-        }
-    }
-
     /// Reads reports from the gadget's /dev/hidgN until `count` bytes came, or 10 s passed.
     static func gadgetRead(_ fd: Int32, count: Int) -> [UInt8] {
         var bytes: [UInt8] = []
@@ -367,16 +360,16 @@ struct USBLabTests {
 
             // Host to device: 32 reports in one write, each arriving whole at the gadget.
             let toDevice = Self.pattern(32 * 64)
-            async let atGadget = Self.onThread { Self.gadgetRead(gadget, count: toDevice.count) }
+            async let atGadget = Lab.onThread { Self.gadgetRead(gadget, count: toDevice.count) }
             try await connection.write(toDevice)
             #expect(await atGadget == toDevice, "every report, in order")
 
             // Device to host: one report first (delivered alone, not held for a fuller transfer), then 31 more.
             let toHost = Self.pattern(32 * 64 + 4096).suffix(32 * 64).map { $0 ^ 0x5a }
-            #expect(await Self.onThread { Self.gadgetWrite(gadget, Array(toHost.prefix(64))) })
+            #expect(await Lab.onThread { Self.gadgetWrite(gadget, Array(toHost.prefix(64))) })
             let first = try await connection.read()
             #expect(first == Array(toHost.prefix(64)), "one 64-byte report read as it came")
-            async let written = Self.onThread { Self.gadgetWrite(gadget, Array(toHost.dropFirst(64))) }
+            async let written = Lab.onThread { Self.gadgetWrite(gadget, Array(toHost.dropFirst(64))) }
             var received = first ?? []
             while received.count < toHost.count, let chunk = try await connection.read() { received += chunk }
             #expect(await written)

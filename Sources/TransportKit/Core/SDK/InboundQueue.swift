@@ -142,14 +142,17 @@ public final class InboundQueue: Sendable {
             state.paused = true
             return (nil, .pause)
         }
-        if let reader {
-            if let executor {
-                executor.resumeInline { reader.resume(returning: element) }
-            } else {
-                reader.resume(returning: element)
-            }
-        }
+        if let reader { hand(element, to: reader) }
         return demand
+    }
+
+    /// Resumes the parked reader with `element`, inline on the producer's event loop when there is one.
+    private func hand(_ element: ByteBuffer, to reader: UnsafeContinuation<ByteBuffer?, any Error>) {
+        if let executor {
+            executor.resumeInline { reader.resume(returning: element) }
+        } else {
+            reader.resume(returning: element)
+        }
     }
 
     /// Resumes a parked reader with the first element that ``append(_:deferringWake:)`` left
@@ -161,11 +164,7 @@ public final class InboundQueue: Sendable {
             return (reader.continuation, element, resume)
         }
         guard let reader, let element else { return }
-        if let executor {
-            executor.resumeInline { reader.resume(returning: element) }
-        } else {
-            reader.resume(returning: element)
-        }
+        hand(element, to: reader)
         if resume { onResume() }
     }
 
