@@ -1,7 +1,7 @@
 // USB benchmark (issue 15), inside the lab, against the Loopback gadget (labctl usb-loopback plug):
 //   transportkit-bench usb [--url URL] [--bytes N] [--transfers N] [--size N] [--passes N] [--only-c | --only-transportkit]
-// Each pass echoes --bytes through the gadget twice, C first: a plain libusb loop on libusb's own
-// asynchronous API (CBenchLoops/usb_loops.c), then usb:// with the same transfer count and size.
+// Each pass echoes --bytes through the gadget twice: a plain libusb loop on libusb's own asynchronous
+// API (CBenchLoops/usb_loops.c) and usb:// with the same transfer count and size, in alternating order.
 // dummy_hcd under emulation is no speed reference: only the ratio means something.
 
 import CBenchLoops
@@ -45,21 +45,41 @@ enum USBBench {
             print(String(format: "  TransportKit %7.2f MiB/s", mib / tk))
             return
         }
+        // The order alternates (C first in odd passes, TransportKit first in even ones), so that
+        // neither side always runs on a bus and a guest the other has just warmed up or left busy.
         var ratios: [Double] = []
+        var seconds = (c: 0.0, tk: 0.0)
         for pass in 1...passes {
-            let (c, received) = await onThread { () -> (Double, Int64) in
-                var received: Int64 = 0
-                let seconds = tk_bench_c_usb_echo(node, interface, output, input, Int32(transfers), Int32(size), Int64(total), &received)
-                return (seconds, received)
+            func cLoop() async throws -> Double {
+                let (c, received) = await onThread { () -> (Double, Int64) in
+                    var received: Int64 = 0
+                    let seconds = tk_bench_c_usb_echo(node, interface, output, input, Int32(transfers), Int32(size), Int64(total), &received)
+                    return (seconds, received)
+                }
+                guard c > 0, received >= Int64(total) else { throw TransportError(.io, "usb bench: the C loop failed (\(c), \(received) bytes)") }
+                return c
             }
-            guard c > 0, received >= Int64(total) else { throw TransportError(.io, "usb bench: the C loop failed (\(c), \(received) bytes)") }
-            let tk = try await echo(url: url + "?transfers=\(transfers)&transferSize=\(size)", total: total)
+            let transportKit = url + "?transfers=\(transfers)&transferSize=\(size)"
+            let c: Double
+            let tk: Double
+            if pass % 2 == 1 {
+                c = try await cLoop()
+                tk = try await echo(url: transportKit, total: total)
+            } else {
+                tk = try await echo(url: transportKit, total: total)
+                c = try await cLoop()
+            }
             ratios.append(c / tk)
-            print(String(format: "  pass %d  C libusb loop %7.2f MiB/s   TransportKit %7.2f MiB/s (%3.0f%% of C)",
-                         pass, mib / c, mib / tk, 100 * c / tk))
+            seconds.c += c
+            seconds.tk += tk
+            print(String(format: "  pass %2d  C libusb loop %7.2f MiB/s   TransportKit %7.2f MiB/s (%3.0f%% of C)%@",
+                         pass, mib / c, mib / tk, 100 * c / tk, pass % 2 == 1 ? "" : "  TransportKit first"))
         }
         let sorted = ratios.sorted()
-        print(String(format: "  TransportKit / C: median %.2f (min %.2f, max %.2f)", sorted[sorted.count / 2], sorted[0], sorted[sorted.count - 1]))
+        let quartile = (sorted[sorted.count / 4], sorted[(3 * sorted.count) / 4])
+        print(String(format: "  TransportKit / C: median %.2f (middle half %.2f-%.2f, min %.2f, max %.2f); all passes together %.2f (%.1f vs %.1f MiB/s)",
+                     sorted[sorted.count / 2], quartile.0, quartile.1, sorted[0], sorted[sorted.count - 1], seconds.c / seconds.tk,
+                     mib * Double(passes) / seconds.tk, mib * Double(passes) / seconds.c))
     }
 
     /// One echo of `total` bytes through usb://: 1 MiB writes while another task reads them back,
