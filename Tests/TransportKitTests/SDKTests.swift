@@ -311,3 +311,43 @@ struct MessageTests {
         try await loop.close()
     }
 }
+
+@Suite("Searches inside a connect")
+struct SearchLimitTests {
+    @Test func aSearchGivesUpAFifthOfItsTimeBeforeTheDeadlineAndAtMostOneSecondBefore() {
+        let started = ContinuousClock.now
+        #expect(ConnectRequest.searchLimit(before: started + .seconds(2), from: started) == started + .milliseconds(1600))
+        #expect(ConnectRequest.searchLimit(before: started + .seconds(30), from: started) == started + .seconds(29))
+        #expect(ConnectRequest.searchLimit(before: nil, from: started) == nil)
+        // A deadline already behind: give up at once, not before it.
+        #expect(ConnectRequest.searchLimit(before: started - .seconds(1), from: started) == started - .seconds(1))
+    }
+
+    @Test func theFirstSearchToFinishWinsAndTheOthersAreCancelled() async throws {
+        let cancelled = Mutex(false)
+        let found = try await ConnectRequest.first(of: [{ @Sendable in
+            try await Task.sleep(for: .milliseconds(20))
+            return 7
+        }, { @Sendable in
+            do {
+                try await Task.sleep(for: .seconds(30))
+            } catch {
+                cancelled.withLock { $0 = true }
+                throw error
+            }
+            return 8
+        }], until: .now + .seconds(30))
+        #expect(found == 7)
+        #expect(cancelled.withLock { $0 }, "the slower search was cancelled before first(of:until:) returned")
+    }
+
+    @Test func aSearchThatOutlastsItsLimitGivesNilThere() async throws {
+        let started = ContinuousClock.now
+        let found: Int? = try await ConnectRequest.first(of: [{ @Sendable in
+            try await Task.sleep(for: .seconds(30))
+            return 1
+        }], until: started + .milliseconds(100))
+        #expect(found == nil)
+        #expect(ContinuousClock.now - started < .seconds(10))
+    }
+}

@@ -429,6 +429,7 @@ struct KernelUeventTests {
         let timedOut = await expectTransportError(.timedOut) {
             try await Transport.connect(to: "tty://\(link)-never?wait=true&timeout=0.5")
         }
-        #expect(timedOut?.message.contains("timeout") == true)
+        #expect(timedOut?.message.contains("no device at \(link)-never was plugged in within 0.") == true, "\(String(describing: timedOut))")
+        #expect(timedOut?.message.contains("?timeout=") == true)
     }
 }

@@ -225,6 +225,10 @@ final class BlueZ: Sendable {
         return error
     }
 
+    /// How long a search inside a connect without a timeout looks (a device that is not there is
+    /// otherwise searched for until the application gives up).
+    static let searchWithoutDeadline: Duration = .seconds(10)
+
     /// The device with `address` on `adapter`, which bluetoothd did not know when the caller looked:
     /// a discovery runs (LE or BR/EDR by `transport`) until it appears or `deadline` passes.
     ///
@@ -254,7 +258,7 @@ final class BlueZ: Sendable {
     private func discover(_ wanted: String, on adapter: BluetoothAdapter, deadline: ContinuousClock.Instant?, freshSighting: Bool,
                           signals: AsyncThrowingStream<DBusSignal, any Error>, updates: AsyncThrowingStream<DBusSignal, any Error>) async throws -> BluetoothDevice {
         let started = ContinuousClock.now
-        let limit = Self.searchLimit(deadline, from: started)
+        let limit = ConnectRequest.searchLimit(before: deadline, from: started) ?? started + Self.searchWithoutDeadline
         // The device may have appeared between the first look and the subscription.
         let known = Self.device(wanted, onAdapter: adapter.path, among: try await objects().devices)
         if let known, !freshSighting { return known }
@@ -282,35 +286,12 @@ final class BlueZ: Sendable {
                 return known
             }
         }
-        guard let found = try await Self.first(of: searches, until: limit) else {
+        guard let found = try await ConnectRequest.first(of: searches, until: limit) else {
             let seconds = (ContinuousClock.now - started).components.seconds
             throw TransportError(.notFound, "Bluetooth device \(wanted) not found within \(seconds) s on \(adapter.name): is it switched on, in range, "
                                  + "and advertising (LE) or discoverable (classic)? Give more time with timeout=SECONDS")
         }
         return found
-    }
-
-    /// When a search inside a connect gives up: a little before the connect deadline, so that its
-    /// error says "not found" rather than the registry's general "took longer than"; 10 s without one.
-    static func searchLimit(_ deadline: ContinuousClock.Instant?, from started: ContinuousClock.Instant) -> ContinuousClock.Instant {
-        guard let deadline else { return started + .seconds(10) }
-        return deadline - min(.seconds(1), (deadline - started) / 5)
-    }
-
-    /// The result of whichever of `searches` finishes first (nil included), or nil at `limit`; the
-    /// others are cancelled.
-    static func first<Result: Sendable>(of searches: [@Sendable () async throws -> Result?],
-                                        until limit: ContinuousClock.Instant) async throws -> Result? {
-        try await withThrowingTaskGroup(of: Result?.self) { group in
-            for search in searches { group.addTask { try await search() } }
-            group.addTask {
-                try await Task.sleep(until: limit, clock: .continuous)
-                return nil
-            }
-            let first = try await group.next() ?? nil
-            group.cancelAll()
-            return first
-        }
     }
 }
 

@@ -274,12 +274,12 @@ enum BluetoothConnector {
         let plugin = BluetoothPlugin(bus: bus)
         let adapter = request[BluetoothPlugin.adapter]
         let started = ContinuousClock.now
-        let first = try await BlueZ.first(of: [{ @Sendable in
+        let first = try await ConnectRequest.first(of: [{ @Sendable in
             for try await event in plugin.scan(BluetoothScan(services: [service], end: .firstMatch, expiry: nil, adapter: adapter)) {
                 if case .discovered(let found) = event { return found }
             }
             return nil
-        }], until: BlueZ.searchLimit(request.deadline, from: started))
+        }], until: request.searchLimit(from: started, orAfter: BlueZ.searchWithoutDeadline))
         guard var best = first else {
             let seconds = (ContinuousClock.now - started).components.seconds
             throw TransportError(.notFound, "\(request.url): no Bluetooth LE device advertising service \(service) found within \(seconds) s: "

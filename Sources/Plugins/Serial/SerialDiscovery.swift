@@ -231,9 +231,9 @@ enum SerialDiscovery {
         return NaturalKey(stem: name[..<stemEnd], number: Int(name[stemEnd...]) ?? -1)
     }
 
-    /// Finds the one device a selector names; with `wait`, waits (until the connect timeout
-    /// cancels the task) for it to arrive.
-    static func resolve(_ selector: USBSelector, wait: Bool) async throws -> DeviceRecord {
+    /// Finds the one device a selector names; with `wait`, waits for it to arrive, until a little
+    /// before `deadline` (then a timeout that names what did not arrive).
+    static func resolve(_ selector: USBSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil) async throws -> DeviceRecord {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
         let monitor = wait ? try monitor(include: { $0.isReal }) : nil
         let present = try monitor?.knownDevices ?? TTYDeviceInfo.all()
@@ -241,11 +241,8 @@ enum SerialDiscovery {
         guard let monitor else {
             throw TransportError(.notFound, "no serial port matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")
         }
-        while true {
-            let (action, device) = try await monitor.next()
-            if action != .removed, selector.matches(device), let found = try choose(selector, among: monitor.knownDevices) {
-                return record(found)
-            }
+        return try await monitor.arrival(of: "no serial port matching \(selector)", until: ConnectRequest.searchLimit(before: deadline, from: .now)) { device in
+            selector.matches(device) ? try choose(selector, among: monitor.knownDevices).map(record) : nil
         }
     }
 
@@ -263,12 +260,16 @@ enum SerialDiscovery {
 
     /// Waits until a device node (or a link to one) exists: woken by tty uevents, and re-checked
     /// every 250 ms for paths no uevent announces (a pty's link, a node made by hand).
-    static func waitForNode(_ path: String) async throws {
+    static func waitForNode(_ path: String, deadline: ContinuousClock.Instant? = nil) async throws {
         let monitor = try monitor(include: { _ in true })
+        let started = ContinuousClock.now
+        let limit = ConnectRequest.searchLimit(before: deadline, from: started)
         while access(path, F_OK) != 0 {
+            if let limit, ContinuousClock.now >= limit { throw TTYMonitor.notPluggedIn("no device at \(path)", since: started) }
             try await withThrowingTaskGroup(of: Void.self) { group in
                 group.addTask { _ = try await monitor.next() }
-                group.addTask { try await Task.sleep(for: .milliseconds(250)) }
+                let poll = ContinuousClock.now + .milliseconds(250)
+                group.addTask { try await Task.sleep(until: limit.map { min($0, poll) } ?? poll, clock: .continuous) }
                 try await group.next()
                 group.cancelAll()
             }

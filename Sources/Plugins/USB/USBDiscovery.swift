@@ -99,7 +99,7 @@ enum USBDiscovery {
 
     /// Finds the one device a selector names; with `wait`, waits (until the connect deadline
     /// cancels the task) for it to arrive.
-    static func resolve(_ selector: USBDeviceSelector, wait: Bool) async throws -> USBDeviceInfo {
+    static func resolve(_ selector: USBDeviceSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil) async throws -> USBDeviceInfo {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
         let monitor = wait ? try monitor(includeAll: false) : nil
         let present = try monitor?.knownDevices ?? USBDevices.all()
@@ -107,11 +107,8 @@ enum USBDiscovery {
         guard let monitor else {
             throw TransportError(.notFound, "no USB device matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")
         }
-        while true {
-            let (action, device) = try await monitor.next()
-            if action != .removed, selector.matches(device), let found = try choose(selector, among: monitor.knownDevices) {
-                return found
-            }
+        return try await monitor.arrival(of: "no USB device matching \(selector)", until: ConnectRequest.searchLimit(before: deadline, from: .now)) { device in
+            selector.matches(device) ? try choose(selector, among: monitor.knownDevices) : nil
         }
     }
 

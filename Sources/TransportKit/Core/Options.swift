@@ -334,7 +334,7 @@ public struct OptionValues: Sendable, Equatable {
 
 extension Duration {
     /// "1.5 s", for messages.
-    var secondsText: String {
+    @_spi(Plugins) public var secondsText: String {
         let (seconds, attoseconds) = components
         let value = Double(seconds) + Double(attoseconds) / 1e18
         return "\(value.formatted3) s"

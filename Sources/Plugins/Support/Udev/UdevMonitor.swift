@@ -16,7 +16,7 @@ import CUdev
 import Glibc
 import Synchronization
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 import TransportKitLinux
 
 /// A device record a monitor keeps: whatever a plugin reads for a device, keyed by its sysfs path.
@@ -230,6 +230,38 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
             }
             state.known = now
         }
+    }
+}
+
+extension UdevMonitor {
+    /// What a plugin's `?wait=true` waits for: the first event other than a removal for which
+    /// `match` gives a result, until `limit` (nil: no limit; see ``ConnectRequest/searchLimit(from:)``).
+    ///
+    /// - Throws: `.timedOut` naming `what` when `limit` passes first; what `match` throws (an
+    ///   ambiguous match, say).
+    ///
+    /// ```swift
+    /// let found = try await monitor.arrival(of: "no USB device matching \(selector)", until: request.searchLimit(from: .now)) { device in
+    ///     selector.matches(device) ? device : nil
+    /// }
+    /// ```
+    public func arrival<Result: Sendable>(of what: String, until limit: ContinuousClock.Instant?,
+                                          _ match: @escaping @Sendable (Record) throws -> Result?) async throws -> Result {
+        let started = ContinuousClock.now
+        let found = try await ConnectRequest.first(of: [{ @Sendable in
+            while true {
+                let (action, device) = try await self.next()
+                if action != .removed, let result = try match(device) { return result }
+            }
+        }], until: limit)
+        guard let found else { throw Self.notPluggedIn(what, since: started) }
+        return found
+    }
+
+    /// The timeout of a `?wait=true` that saw nothing arrive: "`what` was plugged in within 2.4 s: …".
+    public static func notPluggedIn(_ what: String, since started: ContinuousClock.Instant) -> TransportError {
+        TransportError(.timedOut, "\(what) was plugged in within \((ContinuousClock.now - started).secondsText): "
+                       + "check the cable and `transportkit list`, or wait longer with ?timeout=SECONDS")
     }
 }
 
