@@ -92,11 +92,11 @@ struct UMockdevUSBTests {
         // ?wait=true gives up a little before the connect's timeout and says what did not arrive.
         let started = ContinuousClock.now
         let late = await expectTransportError(.timedOut) {
-            try await Transport.connect(to: "usb://1d50:6089/NOSUCHSERIAL?wait=true&timeout=1")
+            try await Transport.connect(to: "usb://1d50:6089/NOSUCHSERIAL?wait=true&timeout=2")
         }
-        #expect(late?.message.contains("no USB device matching USB 1d50:6089 serial NOSUCHSERIAL was plugged in within 0.") == true, "\(String(describing: late))")
+        #expect(late?.message.contains("no USB device matching USB 1d50:6089 serial NOSUCHSERIAL was plugged in within ") == true, "\(String(describing: late))")
         #expect(late?.message.contains("?timeout=") == true)
-        #expect(ContinuousClock.now - started < .seconds(1), "the search gave up before the registry's deadline")
+        #expect(ContinuousClock.now - started < .seconds(2), "the search gave up before the registry's deadline")
     }
 
     @Test("a serial number that is not URL-safe round-trips through the identity URL")

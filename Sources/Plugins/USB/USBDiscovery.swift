@@ -97,8 +97,8 @@ enum USBDiscovery {
         return ([interface.classTriple] + endpoints + ["driver \(interface.driver ?? "-")"]).joined(separator: ", ")
     }
 
-    /// Finds the one device a selector names; with `wait`, waits (until the connect deadline
-    /// cancels the task) for it to arrive.
+    /// Finds the one device a selector names; with `wait`, waits for it to arrive, until a little
+    /// before `deadline` (then a timeout that names what did not arrive).
     static func resolve(_ selector: USBDeviceSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil) async throws -> USBDeviceInfo {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
         let monitor = wait ? try monitor(includeAll: false) : nil

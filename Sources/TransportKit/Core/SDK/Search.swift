@@ -38,7 +38,7 @@ extension ConnectRequest {
     /// passes (nil: no limit); the others are cancelled. The first error thrown is rethrown.
     ///
     /// ```swift
-    /// let device = try await ConnectRequest.first(of: [{ try await monitor.nextMatch() }], until: limit)
+    /// let reply = try await ConnectRequest.first(of: [{ try await probe(portA) }, { try await probe(portB) }], until: limit)
     /// ```
     public static func first<Result: Sendable>(of searches: [@Sendable () async throws -> Result?],
                                                until limit: ContinuousClock.Instant?) async throws -> Result? {
