@@ -79,6 +79,20 @@ struct BlueZLabTests {
             _ = try? await bus.call(destination: "org.bluez", path: adapter, interface: "org.bluez.Adapter1", member: "RemoveDevice", [.objectPath(path)])
         }
         await bus.close()
+        // RemoveDevice disconnects in the background: wait (up to 5 s) until neither controller has
+        // a link left, so that the next test pairs afresh on a new link rather than reusing one
+        // whose security a removed key set up (an RFCOMM connect right after was refused, EACCES
+        // "pairing failed", in one CI run).
+        let until = ContinuousClock.now + .seconds(5)
+        while ContinuousClock.now < until {
+            var links = 0
+            for index in ["0", "1"] {
+                let listed = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "con"])
+                links += listed.stdout.split(separator: "\n").filter { $0.contains("type") && $0.split(separator: ":").count >= 6 }.count
+            }
+            if links == 0 { return }
+            try await Task.sleep(for: .milliseconds(100))
+        }
     }
 
     /// Connects, retrying while the peer's listener is not up yet (refused) for up to 10 s.
