@@ -30,9 +30,6 @@ struct GattLabTests {
             try #require(result.status == 0, "btmgmt --index 1 power \(state): \(result.stdout)\(result.stderr)")
         }
         let controllers = try await BlueZLabTests.setUp(advertising: false)
-        // No device known from the suites before: bluetoothd connects a device it knows over BR/EDR
-        // to BR/EDR (Device1.Connect failed with br-connection-profile-unavailable in one CI run).
-        try await BlueZLabTests.forgetDevices()
         let peripheral = try await LabPeripheral(echo: echo)
         current.withLock { $0 = peripheral }
         return (controllers, peripheral)
