@@ -33,16 +33,24 @@ enum USBBench {
         let speed = device.properties["speed"] ?? "?"
         let mib = Double(total) / 1_048_576
         print("usb echo through \(url) (\(speed)), \(Int(mib)) MiB out and back, \(transfers) transfers of \(size) bytes each way, \(passes) passes")
+        // One echo each way: the plain C loop on a thread of its own, and usb:// with the same settings.
+        func cLoop() async throws -> Double {
+            let (c, received) = await onThread { () -> (Double, Int64) in
+                var received: Int64 = 0
+                let seconds = tk_bench_c_usb_echo(node, interface, output, input, Int32(transfers), Int32(size), Int64(total), &received)
+                return (seconds, received)
+            }
+            guard c > 0, received >= Int64(total) else { throw TransportError(.io, "usb bench: the C loop failed (\(c), \(received) bytes)") }
+            return c
+        }
+        let transportKit = url + "?transfers=\(transfers)&transferSize=\(size)"
         // For a profiler: one side alone.
         if arguments.contains("--only-c") {
-            var received: Int64 = 0
-            let c = tk_bench_c_usb_echo(node, interface, output, input, Int32(transfers), Int32(size), Int64(total), &received)
-            print(String(format: "  C libusb loop %7.2f MiB/s", mib / c))
+            print(String(format: "  C libusb loop %7.2f MiB/s", mib / (try await cLoop())))
             return
         }
         if arguments.contains("--only-transportkit") {
-            let tk = try await echo(url: url + "?transfers=\(transfers)&transferSize=\(size)", total: total)
-            print(String(format: "  TransportKit %7.2f MiB/s", mib / tk))
+            print(String(format: "  TransportKit %7.2f MiB/s", mib / (try await echo(url: transportKit, total: total))))
             return
         }
         // The order alternates (C first in odd passes, TransportKit first in even ones), so that
@@ -50,16 +58,6 @@ enum USBBench {
         var ratios: [Double] = []
         var seconds = (c: 0.0, tk: 0.0)
         for pass in 1...passes {
-            func cLoop() async throws -> Double {
-                let (c, received) = await onThread { () -> (Double, Int64) in
-                    var received: Int64 = 0
-                    let seconds = tk_bench_c_usb_echo(node, interface, output, input, Int32(transfers), Int32(size), Int64(total), &received)
-                    return (seconds, received)
-                }
-                guard c > 0, received >= Int64(total) else { throw TransportError(.io, "usb bench: the C loop failed (\(c), \(received) bytes)") }
-                return c
-            }
-            let transportKit = url + "?transfers=\(transfers)&transferSize=\(size)"
             let c: Double
             let tk: Double
             if pass % 2 == 1 {

@@ -279,7 +279,7 @@ enum BluetoothConnector {
                 if case .discovered(let found) = event { return found }
             }
             return nil
-        }], until: request.searchLimit(from: started, orAfter: BlueZ.searchWithoutDeadline))
+        }], until: request.searchLimit(from: started) ?? started + BlueZ.searchWithoutDeadline)
         guard var best = first else {
             let seconds = (ContinuousClock.now - started).components.seconds
             throw TransportError(.notFound, "\(request.url): no Bluetooth LE device advertising service \(service) found within \(seconds) s: "

@@ -15,15 +15,6 @@ extension ConnectRequest {
         Self.searchLimit(before: deadline, from: started)
     }
 
-    /// ``searchLimit(from:)``, or `fallback` after `started` when the connect has no deadline.
-    ///
-    /// ```swift
-    /// let limit = request.searchLimit(from: .now, orAfter: .seconds(10))
-    /// ```
-    public func searchLimit(from started: ContinuousClock.Instant, orAfter fallback: Duration) -> ContinuousClock.Instant {
-        Self.searchLimit(before: deadline, from: started) ?? started + fallback
-    }
-
     /// ``searchLimit(from:)`` for a deadline handed down without its request.
     ///
     /// ```swift
