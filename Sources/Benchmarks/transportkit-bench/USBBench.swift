@@ -1,7 +1,9 @@
 // USB benchmark (issue 15), inside the lab, against the Loopback gadget (labctl usb-loopback plug):
-//   transportkit-bench usb [--url URL] [--bytes N] [--transfers N] [--size N] [--passes N] [--only-c | --only-transportkit]
+//   transportkit-bench usb [--url URL] [--bytes N] [--transfers N] [--size N] [--passes N] [--c-handover] [--only-c | --only-transportkit]
 // Each pass echoes --bytes through the gadget twice: a plain libusb loop on libusb's own asynchronous
 // API (CBenchLoops/usb_loops.c) and usb:// with the same transfer count and size, in alternating order.
+// --c-handover gives the C loop usb://'s hand-over of the bytes to another thread (usb_loops.h), as
+// a second reference; the issue's target is against the plain loop.
 // dummy_hcd under emulation is no speed reference: only the ratio means something.
 
 import CBenchLoops
@@ -18,6 +20,7 @@ enum USBBench {
         let transfers = argument("--transfers", default: 4)
         let size = argument("--size", default: 16384)
         let passes = argument("--passes", default: 3)
+        let handover = arguments.contains("--c-handover")
 
         guard let device = try await USBPlugin().devices(includeAll: false).first(where: { $0.url == url }), let node = device.devnode else {
             throw TransportError(.notFound, "usb bench: no device lists as \(url): plug the lab's Loopback gadget in (labctl usb-loopback plug)")
@@ -32,12 +35,14 @@ enum USBBench {
         }
         let speed = device.properties["speed"] ?? "?"
         let mib = Double(total) / 1_048_576
-        print("usb echo through \(url) (\(speed)), \(Int(mib)) MiB out and back, \(transfers) transfers of \(size) bytes each way, \(passes) passes")
+        print("usb echo through \(url) (\(speed)), \(Int(mib)) MiB out and back, \(transfers) transfers of \(size) bytes each way, \(passes) passes"
+              + (handover ? "; the C loop hands its bytes to a consumer thread" : ""))
         // One echo each way: the plain C loop on a thread of its own, and usb:// with the same settings.
         func cLoop() async throws -> Double {
             let (c, received) = await onThread { () -> (Double, Int64) in
                 var received: Int64 = 0
-                let seconds = tk_bench_c_usb_echo(node, interface, output, input, Int32(transfers), Int32(size), Int64(total), &received)
+                let seconds = tk_bench_c_usb_echo(node, interface, output, input, Int32(transfers), Int32(size), Int64(total),
+                                                  handover ? 1 : 0, &received)
                 return (seconds, received)
             }
             guard c > 0, received >= Int64(total) else { throw TransportError(.io, "usb bench: the C loop failed (\(c), \(received) bytes)") }
