@@ -172,6 +172,21 @@ struct TTYTests {
         try await second.close()
     }
 
+    @Test("a lock released a moment later (a forked child's copy of a closed descriptor) is waited for, not called busy")
+    func lockReleasedSoon() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        // Another open file description holds the flock, as a child between fork and exec would
+        // through its copy of a descriptor this process has closed; it lets go after 20 ms.
+        let holder = open(pty.path, O_RDWR | O_NOCTTY | O_CLOEXEC)
+        try #require(holder >= 0)
+        try #require(flock(holder, LOCK_EX | LOCK_NB) == 0)
+        let release = Thread { usleep(20_000); close(holder) }
+        release.start()
+        let connection = try await Transport.connect(to: "tty://\(pty.path)")
+        try await connection.close()
+    }
+
     @Test("exclusive=false lets two openers share the port")
     func shared() async throws {
         let pty = try TestPTY()

@@ -24,7 +24,7 @@ enum DeviceAccess {
             try Syscall.run("tcgetattr", on: path, hint: "\(path) is not a serial port or terminal") { tcgetattr(fd.rawValue, &probe) }
             if exclusive {
                 do {
-                    try Syscall.run("flock", on: path) { flock(fd.rawValue, LOCK_EX | LOCK_NB) }
+                    try lockBriefly(fd, path: path)
                 } catch let error as TransportError where error.errno == .wouldBlock {
                     throw TransportError(.busy, "\(path) is busy: \(DeviceNode.lockHolder(path: path) ?? DeviceNode.openers(of: path) ?? "another program (not visible to this user)") holds it exclusively. Close that program, or open with ?exclusive=false to share the port (bytes then go to whichever reader is first)",
                                          errno: error.errno, syscall: "flock")
@@ -35,6 +35,23 @@ enum DeviceAccess {
         } catch {
             fd.closeOwned()
             throw error
+        }
+    }
+
+    /// flock(LOCK_EX | LOCK_NB), tried again for up to `patience` while the lock is held. A lock
+    /// can outlive its holder's close(2) by a moment: a process that forks (posix_spawn, say) copies
+    /// every descriptor, close-on-exec ones too, into the child until it execs, so a port this
+    /// process (or another) has just closed may still be locked through that copy. A port that is
+    /// really in use stays locked, and its `.busy` comes `patience` later.
+    static func lockBriefly(_ fd: FileDescriptor, path: String, patience: Duration = .milliseconds(50)) throws {
+        let deadline = ContinuousClock.now + patience
+        while true {
+            do {
+                try Syscall.run("flock", on: path) { flock(fd.rawValue, LOCK_EX | LOCK_NB) }
+                return
+            } catch let error as TransportError where error.errno == .wouldBlock && ContinuousClock.now < deadline {
+                usleep(5_000)
+            }
         }
     }
 
