@@ -444,7 +444,7 @@ struct KernelUeventTests {
         let timedOut = await expectTransportError(.timedOut) {
             try await Transport.connect(to: "tty://\(link)-never?wait=true&timeout=2")
         }
-        #expect(timedOut?.message.contains("no device at \(link)-never was plugged in within ") == true, "\(String(describing: timedOut))")
+        #expect(timedOut?.message.contains("no device at \(link)-never was plugged in within the 2 s timeout: ") == true, "\(String(describing: timedOut))")
         #expect(timedOut?.message.contains("?timeout=") == true)
     }
 }

@@ -79,6 +79,11 @@ struct UMockdevDiscoveryTests {
         // Through the registry: the URL form and its errors.
         let none = await expectTransportError(.notFound) { try await Transport.connect(to: "tty://usb/0403:6015") }
         #expect(none?.message.contains("wait=true") == true)
+        // ?wait=true gives up a little before the connect's timeout and says what did not arrive.
+        let started = ContinuousClock.now
+        let late = await expectTransportError(.timedOut) { try await Transport.connect(to: "tty://usb/0403:6015?wait=true&timeout=2") }
+        #expect(late?.message.contains("no serial port matching USB 0403:6015 was plugged in within the 2 s timeout: ") == true, "\(String(describing: late))")
+        #expect(ContinuousClock.now - started < .seconds(2), "the search gave up before the registry's deadline")
         await expectTransportError(.invalidURL) { try await Transport.connect(to: "tty://usb/0403:6001") }
         await expectTransportError(.invalidURL) { try await Transport.connect(to: "tty://usb/FTDI") }
     }

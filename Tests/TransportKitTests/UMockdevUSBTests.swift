@@ -94,7 +94,7 @@ struct UMockdevUSBTests {
         let late = await expectTransportError(.timedOut) {
             try await Transport.connect(to: "usb://1d50:6089/NOSUCHSERIAL?wait=true&timeout=2")
         }
-        #expect(late?.message.contains("no USB device matching USB 1d50:6089 serial NOSUCHSERIAL was plugged in within ") == true, "\(String(describing: late))")
+        #expect(late?.message.contains("no USB device matching USB 1d50:6089 serial NOSUCHSERIAL was plugged in within the 2 s timeout: ") == true, "\(String(describing: late))")
         #expect(late?.message.contains("?timeout=") == true)
         #expect(ContinuousClock.now - started < .seconds(2), "the search gave up before the registry's deadline")
     }

@@ -233,7 +233,8 @@ enum SerialDiscovery {
 
     /// Finds the one device a selector names; with `wait`, waits for it to arrive, until a little
     /// before `deadline` (then a timeout that names what did not arrive).
-    static func resolve(_ selector: USBSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil) async throws -> DeviceRecord {
+    static func resolve(_ selector: USBSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil,
+                        timeout: Duration? = nil) async throws -> DeviceRecord {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
         let monitor = wait ? try monitor(include: { $0.isReal }) : nil
         let present = try monitor?.knownDevices ?? TTYDeviceInfo.all()
@@ -241,7 +242,8 @@ enum SerialDiscovery {
         guard let monitor else {
             throw TransportError(.notFound, "no serial port matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")
         }
-        return try await monitor.arrival(of: "no serial port matching \(selector)", until: ConnectRequest.searchLimit(before: deadline, from: .now)) { device in
+        return try await monitor.arrival(of: "no serial port matching \(selector)", until: ConnectRequest.searchLimit(before: deadline, from: .now),
+                                         timeout: timeout) { device in
             selector.matches(device) ? try choose(selector, among: monitor.knownDevices).map(record) : nil
         }
     }
@@ -260,12 +262,12 @@ enum SerialDiscovery {
 
     /// Waits until a device node (or a link to one) exists: woken by tty uevents, and re-checked
     /// every 250 ms for paths no uevent announces (a pty's link, a node made by hand).
-    static func waitForNode(_ path: String, deadline: ContinuousClock.Instant? = nil) async throws {
+    static func waitForNode(_ path: String, deadline: ContinuousClock.Instant? = nil, timeout: Duration? = nil) async throws {
         let monitor = try monitor(include: { _ in true })
         let started = ContinuousClock.now
         let limit = ConnectRequest.searchLimit(before: deadline, from: started)
         while access(path, F_OK) != 0 {
-            if let limit, ContinuousClock.now >= limit { throw TTYMonitor.notPluggedIn("no device at \(path)", since: started) }
+            if let limit, ContinuousClock.now >= limit { throw TTYMonitor.notPluggedIn("no device at \(path)", since: started, timeout: timeout) }
             try await withThrowingTaskGroup(of: Void.self) { group in
                 group.addTask { _ = try await monitor.next() }
                 let poll = ContinuousClock.now + .milliseconds(250)

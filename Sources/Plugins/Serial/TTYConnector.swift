@@ -59,7 +59,7 @@ enum TTYConnector {
         let wait = request[SerialPlugin.wait]
         if url.host?.lowercased() == "usb" {
             let selector = try USBSelector(request)
-            let record = try await SerialDiscovery.resolve(selector, wait: wait, deadline: request.deadline)
+            let record = try await SerialDiscovery.resolve(selector, wait: wait, deadline: request.deadline, timeout: request.timeout)
             guard let node = record.devnode else {
                 throw TransportError(.notFound, "\(record.sysPath ?? "the device") matches \(selector) but has no device node")
             }
@@ -70,7 +70,7 @@ enum TTYConnector {
             throw TransportError(.invalidURL, "\(url): the device path must be absolute, such as tty:///dev/ttyUSB0. Grammar: \(request.scheme.grammar)")
         }
         if wait, access(path, F_OK) != 0 {
-            try await SerialDiscovery.waitForNode(path, deadline: request.deadline)
+            try await SerialDiscovery.waitForNode(path, deadline: request.deadline, timeout: request.timeout)
         }
         return (path, SerialDiscovery.record(forNode: path))
     }

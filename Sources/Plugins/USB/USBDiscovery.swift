@@ -99,7 +99,8 @@ enum USBDiscovery {
 
     /// Finds the one device a selector names; with `wait`, waits for it to arrive, until a little
     /// before `deadline` (then a timeout that names what did not arrive).
-    static func resolve(_ selector: USBDeviceSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil) async throws -> USBDeviceInfo {
+    static func resolve(_ selector: USBDeviceSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil,
+                        timeout: Duration? = nil) async throws -> USBDeviceInfo {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
         let monitor = wait ? try monitor(includeAll: false) : nil
         let present = try monitor?.knownDevices ?? USBDevices.all()
@@ -107,7 +108,8 @@ enum USBDiscovery {
         guard let monitor else {
             throw TransportError(.notFound, "no USB device matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")
         }
-        return try await monitor.arrival(of: "no USB device matching \(selector)", until: ConnectRequest.searchLimit(before: deadline, from: .now)) { device in
+        return try await monitor.arrival(of: "no USB device matching \(selector)", until: ConnectRequest.searchLimit(before: deadline, from: .now),
+                                           timeout: timeout) { device in
             selector.matches(device) ? try choose(selector, among: monitor.knownDevices) : nil
         }
     }

@@ -56,7 +56,7 @@ public struct USBPlugin: TransportPlugin {
         let selector = try USBDeviceSelector(request)
         let input = try parseEndpoint(request[inEndpoint], option: "in", describing: describing)
         let output = try parseEndpoint(request[outEndpoint], option: "out", describing: describing)
-        let device = try await USBDiscovery.resolve(selector, wait: request[wait], deadline: request.deadline)
+        let device = try await USBDiscovery.resolve(selector, wait: request[wait], deadline: request.deadline, timeout: request.timeout)
         guard let node = device.devnode else {
             throw TransportError(.notFound, "\(describing): \(device.sysPath) has no device node below /dev/bus/usb (is devtmpfs mounted?)")
         }

@@ -236,16 +236,18 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
 extension UdevMonitor {
     /// What a plugin's `?wait=true` waits for: the first event other than a removal for which
     /// `match` gives a result, until `limit` (nil: no limit; see ``ConnectRequest/searchLimit(from:)``).
+    /// `timeout` is the connect's own (``ConnectRequest/timeout``), for the message.
     ///
     /// - Throws: `.timedOut` naming `what` when `limit` passes first; what `match` throws (an
     ///   ambiguous match, say).
     ///
     /// ```swift
-    /// let found = try await monitor.arrival(of: "no USB device matching \(selector)", until: request.searchLimit(from: .now)) { device in
+    /// let found = try await monitor.arrival(of: "no USB device matching \(selector)", until: request.searchLimit(from: .now),
+    ///                                       timeout: request.timeout) { device in
     ///     selector.matches(device) ? device : nil
     /// }
     /// ```
-    public func arrival<Result: Sendable>(of what: String, until limit: ContinuousClock.Instant?,
+    public func arrival<Result: Sendable>(of what: String, until limit: ContinuousClock.Instant?, timeout: Duration? = nil,
                                           _ match: @escaping @Sendable (Record) throws -> Result?) async throws -> Result {
         let started = ContinuousClock.now
         let found = try await ConnectRequest.first(of: [{ @Sendable in
@@ -254,14 +256,17 @@ extension UdevMonitor {
                 if action != .removed, let result = try match(device) { return result }
             }
         }], until: limit)
-        guard let found else { throw Self.notPluggedIn(what, since: started) }
+        guard let found else { throw Self.notPluggedIn(what, since: started, timeout: timeout) }
         return found
     }
 
-    /// The timeout of a `?wait=true` that saw nothing arrive: "`what` was plugged in within 2.4 s: …".
-    public static func notPluggedIn(_ what: String, since started: ContinuousClock.Instant) -> TransportError {
-        TransportError(.timedOut, "\(what) was plugged in within \((ContinuousClock.now - started).secondsText): "
-                       + "check the cable and `transportkit list`, or wait longer with ?timeout=SECONDS")
+    /// The timeout of a `?wait=true` that saw nothing arrive: "`what` was plugged in within the
+    /// 3 s timeout: …", or "within 2.4 s" (the time waited) when `timeout` is not known. The wait
+    /// itself ends a little before the timeout, leaving the rest for opening what arrives.
+    public static func notPluggedIn(_ what: String, since started: ContinuousClock.Instant, timeout: Duration? = nil) -> TransportError {
+        let within = timeout.map { "the \($0.secondsText) timeout" } ?? (ContinuousClock.now - started).secondsText
+        return TransportError(.timedOut, "\(what) was plugged in within \(within): "
+                              + "check the cable and `transportkit list`, or wait longer with ?timeout=SECONDS")
     }
 }
 
