@@ -300,7 +300,7 @@ struct BlueZLabTests {
         #expect(nobody?.message.contains("nobody listens on L2CAP PSM 135") == true, "\(String(describing: nobody))")
 
         let absent = await expectLabError(.notFound) { try await Transport.connect(to: "ble://FFF0:128/00:11:22:33:44:55?adapter=hci0&timeout=3") }
-        #expect(absent?.message.contains("not found within") == true, "\(String(describing: absent))")
+        #expect(absent?.message.contains("not found within the 3 s timeout on hci0") == true, "\(String(describing: absent))")
 
         let unknown = await expectLabError(.notFound) { try await Transport.connect(to: "rfcomm://\(controllers.peripheralText):7?adapter=hci9") }
         #expect(unknown?.message.contains("no Bluetooth adapter hci9; adapters: hci0") == true, "\(String(describing: unknown))")

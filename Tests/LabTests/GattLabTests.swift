@@ -91,7 +91,7 @@ struct GattLabTests {
         }
         #expect(notNotifying?.message.contains("neither notifies nor indicates") == true, "\(String(describing: notNotifying))")
         let missing = await expectLabError(.notFound) { try await Transport.connect(to: "ble://nus/00:11:22:33:44:55?adapter=hci0&timeout=3") }
-        #expect(missing?.message.contains("not found within") == true, "\(String(describing: missing))")
+        #expect(missing?.message.contains("not found within the 3 s timeout") == true, "\(String(describing: missing))")
     }
 
     /// It takes the controllers away; the scan tests (GattScanLabTests) run in a later lab run or

@@ -323,6 +323,12 @@ struct SearchLimitTests {
         #expect(ConnectRequest.searchLimit(before: started - .seconds(1), from: started) == started - .seconds(1))
     }
 
+    @Test func aSearchThatGaveUpNamesTheConnectsTimeoutElseTheTimeItTook() {
+        #expect(ConnectRequest.searchTime(timeout: .seconds(2), orElse: .milliseconds(1600)) == "the 2 s timeout")
+        #expect(ConnectRequest.searchTime(timeout: .milliseconds(1500), orElse: .milliseconds(1200)) == "the 1.5 s timeout")
+        #expect(ConnectRequest.searchTime(timeout: nil, orElse: .seconds(10)) == "10 s")
+    }
+
     @Test func theFirstSearchToFinishWinsAndTheOthersAreCancelled() async throws {
         let cancelled = Mutex(false)
         let found = try await ConnectRequest.first(of: [{ @Sendable in

@@ -238,7 +238,7 @@ final class BlueZ: Sendable {
     /// when one of its advertisements updates it (RSSI, data), or after two seconds with what is
     /// known; Device1.Connect then prefers the bearer just seen.
     func discover(address: String, on adapter: BluetoothAdapter, transport: String, deadline: ContinuousClock.Instant?,
-                  freshSighting: Bool = false) async throws -> BluetoothDevice {
+                  timeout: Duration?, freshSighting: Bool = false) async throws -> BluetoothDevice {
         let wanted = address.uppercased()
         let signals = try await bus.signals(DBusMatch(sender: Self.service, interface: Self.objectManager, member: "InterfacesAdded"))
         let devicePath = Self.devicePath(on: adapter, address: wanted)
@@ -246,7 +246,8 @@ final class BlueZ: Sendable {
                                                       member: "PropertiesChanged"))
         let session = try await discoveries.start(self, adapter: adapter, filter: ["Transport": .string(transport), "DuplicateData": .bool(false)])
         do {
-            let found = try await discover(wanted, on: adapter, deadline: deadline, freshSighting: freshSighting, signals: signals, updates: updates)
+            let found = try await discover(wanted, on: adapter, deadline: deadline, timeout: timeout, freshSighting: freshSighting,
+                                           signals: signals, updates: updates)
             await discoveries.stop(self, adapter: adapter, session: session)
             return found
         } catch {
@@ -255,7 +256,7 @@ final class BlueZ: Sendable {
         }
     }
 
-    private func discover(_ wanted: String, on adapter: BluetoothAdapter, deadline: ContinuousClock.Instant?, freshSighting: Bool,
+    private func discover(_ wanted: String, on adapter: BluetoothAdapter, deadline: ContinuousClock.Instant?, timeout: Duration?, freshSighting: Bool,
                           signals: AsyncThrowingStream<DBusSignal, any Error>, updates: AsyncThrowingStream<DBusSignal, any Error>) async throws -> BluetoothDevice {
         let started = ContinuousClock.now
         let limit = ConnectRequest.searchLimit(before: deadline, from: started) ?? started + Self.searchWithoutDeadline
@@ -287,8 +288,8 @@ final class BlueZ: Sendable {
             }
         }
         guard let found = try await ConnectRequest.first(of: searches, until: limit) else {
-            let seconds = (ContinuousClock.now - started).components.seconds
-            throw TransportError(.notFound, "Bluetooth device \(wanted) not found within \(seconds) s on \(adapter.name): is it switched on, in range, "
+            let within = ConnectRequest.searchTime(timeout: timeout, orElse: Self.searchWithoutDeadline)
+            throw TransportError(.notFound, "Bluetooth device \(wanted) not found within \(within) on \(adapter.name): is it switched on, in range, "
                                  + "and advertising (LE) or discoverable (classic)? Give more time with timeout=SECONDS")
         }
         return found

@@ -239,7 +239,8 @@ enum BluetoothConnector {
             if let seen {
                 found = seen
             } else {
-                found = try await bluez.discover(address: device.description, on: adapter, transport: "le", deadline: request.deadline)
+                found = try await bluez.discover(address: device.description, on: adapter, transport: "le", deadline: request.deadline,
+                                                 timeout: request.timeout)
             }
             known = found
             addressType = found.addressType
@@ -281,8 +282,8 @@ enum BluetoothConnector {
             return nil
         }], until: request.searchLimit(from: started) ?? started + BlueZ.searchWithoutDeadline)
         guard var best = first else {
-            let seconds = (ContinuousClock.now - started).components.seconds
-            throw TransportError(.notFound, "\(request.url): no Bluetooth LE device advertising service \(service) found within \(seconds) s: "
+            let within = ConnectRequest.searchTime(timeout: request.timeout, orElse: BlueZ.searchWithoutDeadline)
+            throw TransportError(.notFound, "\(request.url): no Bluetooth LE device advertising service \(service) found within \(within): "
                                  + "is it switched on, in range and advertising? Give more time with timeout=SECONDS, or the device: ble://\(request.host)\(request.url.port.map { ":\($0)" } ?? "")/MAC")
         }
         for try await event in plugin.scan(BluetoothScan(services: [service], end: .after(choiceWindow), expiry: nil, adapter: adapter)) {

@@ -133,7 +133,7 @@ enum GattSerial {
         } else {
             // Seen over LE right now, so that Connect takes LE (see the header).
             device = try await bluez.discover(address: address.description, on: adapter, transport: "le", deadline: request.deadline,
-                                              freshSighting: known != nil)
+                                              timeout: request.timeout, freshSighting: known != nil)
         }
         let wasConnected = device.connected
         let describing = url.description

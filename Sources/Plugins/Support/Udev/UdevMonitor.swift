@@ -264,9 +264,8 @@ extension UdevMonitor {
     /// 3 s timeout: …", or "within 2.4 s" (the time waited) when `timeout` is not known. The wait
     /// itself ends a little before the timeout, leaving the rest for opening what arrives.
     public static func notPluggedIn(_ what: String, since started: ContinuousClock.Instant, timeout: Duration? = nil) -> TransportError {
-        let within = timeout.map { "the \($0.secondsText) timeout" } ?? (ContinuousClock.now - started).secondsText
-        return TransportError(.timedOut, "\(what) was plugged in within \(within): "
-                              + "check the cable and `transportkit list`, or wait longer with ?timeout=SECONDS")
+        TransportError(.timedOut, "\(what) was plugged in within \(ConnectRequest.searchTime(timeout: timeout, orElse: .now - started)): "
+                       + "check the cable and `transportkit list`, or wait longer with ?timeout=SECONDS")
     }
 }
 

@@ -25,6 +25,18 @@ extension ConnectRequest {
         return deadline - min(.seconds(1), max(.zero, deadline - started) / 5)
     }
 
+    /// How a search that gave up says how long it had: "the 3 s timeout" (the connect's own
+    /// ``timeout``, which the user gave or the default), or `elapsed` written out ("2.4 s") when
+    /// the connect has none. The search itself stops a little earlier (``searchLimit(from:)``), but
+    /// the timeout is the figure the user knows.
+    ///
+    /// ```swift
+    /// throw TransportError(.timedOut, "nothing was plugged in within \(ConnectRequest.searchTime(timeout: request.timeout, orElse: .now - started))")
+    /// ```
+    public static func searchTime(timeout: Duration?, orElse elapsed: Duration) -> String {
+        timeout.map { "the \($0.secondsText) timeout" } ?? elapsed.secondsText
+    }
+
     /// The result of whichever of `searches` finishes first (nil included), or nil once `limit`
     /// passes (nil: no limit); the others are cancelled. The first error thrown is rethrown.
     ///
