@@ -166,6 +166,9 @@ double tk_bench_c_usb_echo(const char *path, int interface, unsigned char out_en
         pthread_cond_signal(&h.ready);
         pthread_mutex_unlock(&h.lock);
         pthread_join(consumer, NULL);
+        // A transfer that completes while the rest are cancelled keeps its buffer (freed below).
+        e.handover = NULL;
+        for (int i = 0; i < h.count; i++) free(h.list[i]);
         free(h.list);
         free(h.taken);
     }
