@@ -177,18 +177,29 @@ struct TTYTests {
         let pty = try TestPTY()
         defer { pty.closeMaster() }
         // Another open file description holds the flock, as a child between fork and exec would
-        // through its copy of a descriptor this process has closed; it lets go after 20 ms.
+        // through its copy of a descriptor this process has closed.
         let holder = open(pty.path, O_RDWR | O_NOCTTY | O_CLOEXEC)
-        try #require(holder >= 0)
-        guard flock(holder, LOCK_EX | LOCK_NB) == 0 else {
-            close(holder)
-            Issue.record("flock on a new pty failed: errno \(errno)")
-            return
+        let opener = open(pty.path, O_RDWR | O_NOCTTY | O_CLOEXEC)
+        defer {
+            if holder >= 0 { close(holder) }
+            if opener >= 0 { close(opener) }
         }
-        let release = Thread { usleep(20_000); close(holder) }
+        try #require(holder >= 0 && opener >= 0)
+        try #require(flock(holder, LOCK_EX | LOCK_NB) == 0)
+        let fd = FileDescriptor(rawValue: opener)
+        // Held: with little patience, the would-block error comes through (openTTY makes it .busy).
+        do {
+            try await DeviceAccess.lockBriefly(fd, path: pty.path, patience: .milliseconds(10))
+            Issue.record("the lock is held; lockBriefly should have given up")
+        } catch let error as TransportError {
+            #expect(error.errno == .wouldBlock && error.syscall == "flock", "\(error)")
+        }
+        // Released 20 ms later: waited for.
+        let release = Thread { usleep(20_000); flock(holder, LOCK_UN) }
+        let started = ContinuousClock.now
         release.start()
-        let connection = try await Transport.connect(to: "tty://\(pty.path)")
-        try await connection.close()
+        try await DeviceAccess.lockBriefly(fd, path: pty.path, patience: .seconds(5))
+        #expect(ContinuousClock.now - started >= .milliseconds(15), "it waited for the release")
     }
 
     @Test("exclusive=false lets two openers share the port")

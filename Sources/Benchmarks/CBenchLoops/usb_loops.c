@@ -121,7 +121,7 @@ double tk_bench_c_usb_echo(const char *path, int interface, unsigned char out_en
     }
     struct echo e = { .total = total, .size = size };
     struct handover h = { .lock = PTHREAD_MUTEX_INITIALIZER, .ready = PTHREAD_COND_INITIALIZER };
-    pthread_t consumer;
+    pthread_t consumer = 0;
     if (handover) {
         if (pthread_create(&consumer, NULL, consume, &h) != 0) {
             libusb_release_interface(handle, interface);

@@ -12,7 +12,7 @@ enum DeviceAccess {
     /// non-blocking mode (the event loop waits for readiness) and close-on-exec.
     /// With `exclusive`, takes flock(LOCK_EX) and sets TIOCEXCL, as serialport-rs and
     /// node-serialport do; both are released when the descriptor is closed.
-    static func openTTY(_ path: String, exclusive: Bool) throws -> FileDescriptor {
+    static func openTTY(_ path: String, exclusive: Bool) async throws -> FileDescriptor {
         let fd: FileDescriptor
         switch Syscall.attempt({ open(path, O_RDWR | O_NOCTTY | O_NONBLOCK | O_CLOEXEC) }) {
         case .success(let raw): fd = FileDescriptor(rawValue: raw)
@@ -24,7 +24,7 @@ enum DeviceAccess {
             try Syscall.run("tcgetattr", on: path, hint: "\(path) is not a serial port or terminal") { tcgetattr(fd.rawValue, &probe) }
             if exclusive {
                 do {
-                    try lockBriefly(fd, path: path)
+                    try await lockBriefly(fd, path: path)
                 } catch let error as TransportError where error.errno == .wouldBlock {
                     throw TransportError(.busy, "\(path) is busy: \(DeviceNode.lockHolder(path: path) ?? DeviceNode.openers(of: path) ?? "another program (not visible to this user)") holds it exclusively. Close that program, or open with ?exclusive=false to share the port (bytes then go to whichever reader is first)",
                                          errno: error.errno, syscall: "flock")
@@ -42,15 +42,16 @@ enum DeviceAccess {
     /// can outlive its holder's close(2) by a moment: a process that forks (posix_spawn, say) copies
     /// every descriptor, close-on-exec ones too, into the child until it execs, so a port this
     /// process (or another) has just closed may still be locked through that copy. A port that is
-    /// really in use stays locked, and its `.busy` comes `patience` later.
-    static func lockBriefly(_ fd: FileDescriptor, path: String, patience: Duration = .milliseconds(50)) throws {
+    /// really in use stays locked, and its `.busy` comes `patience` later. The waits are task
+    /// sleeps: no thread is blocked, and a cancelled connect stops waiting.
+    static func lockBriefly(_ fd: FileDescriptor, path: String, patience: Duration = .milliseconds(50)) async throws {
         let deadline = ContinuousClock.now + patience
         while true {
             do {
                 try Syscall.run("flock", on: path) { flock(fd.rawValue, LOCK_EX | LOCK_NB) }
                 return
             } catch let error as TransportError where error.errno == .wouldBlock && ContinuousClock.now < deadline {
-                usleep(5_000)
+                try await Task.sleep(for: .milliseconds(5))
             }
         }
     }

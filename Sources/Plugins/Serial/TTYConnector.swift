@@ -13,7 +13,7 @@ enum TTYConnector {
         let settings = try request.serialSettings()
         let (path, record) = try await resolve(request)
         request.logger.debug("opening serial port", metadata: ["path": "\(path)"])
-        let fd = try DeviceAccess.openTTY(path, exclusive: request[SerialPlugin.exclusive])
+        let fd = try await DeviceAccess.openTTY(path, exclusive: request[SerialPlugin.exclusive])
         let original: KernelTermios2
         do {
             original = try Termios.get(fd, path: path)

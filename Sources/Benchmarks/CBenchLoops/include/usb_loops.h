@@ -1,5 +1,6 @@
 // Plain C baseline for the usb:// benchmark: libusb's own asynchronous API, no TransportKit, on one
-// thread, measured beside the plugin in the same run (transportkit-bench usb, USBBench.swift).
+// thread (two with `handover`), measured beside the plugin in the same run (transportkit-bench usb,
+// USBBench.swift).
 #ifndef TK_CBENCH_USB_H
 #define TK_CBENCH_USB_H
 
