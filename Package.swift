@@ -108,7 +108,7 @@ let package = Package(
         ),
         .target(
             name: "TransportKitSpy",
-            dependencies: ["TransportKitCore", nioCore, system],
+            dependencies: ["TransportKitCore", "TransportKitLinux", nioCore, system],
             path: "Sources/Plugins/Spy",
             swiftSettings: strict
         ),

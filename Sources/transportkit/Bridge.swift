@@ -1,5 +1,6 @@
 import ArgumentParser
 import Foundation
+import Glibc
 import Synchronization
 import TransportKit
 
@@ -10,18 +11,23 @@ struct Bridge: AsyncParsableCommand {
             Give two endpoints in all: URLs to connect to as arguments, URLs to listen on with \
             --listen. With one --listen and one URL the bridge is a server: it keeps accepting \
             clients until SIGINT or SIGTERM. A target that can be opened many times (tcp, unix, \
-            loop) gets a connection of its own per client, up to --max-clients at once. An \
-            exclusive target (a serial port) serves one client at a time: --busy refuse (the \
-            default) tells a second client "busy" and closes it, --busy replace closes the old \
-            client and serves the new one (ser2net's kickolduser). The target is opened per client \
-            and closed after it, unless --keep-open keeps it open between clients (bytes it sends \
-            while no client is connected are dropped). --once serves one client and exits. Two \
-            URLs, or --listen twice, relay one pair of connections and exit. \
-            Example, sharing a serial port: transportkit bridge --listen tcp://0.0.0.0:2000 tty:///dev/ttyUSB0?baud=115200
-            Status lines (listening, accepted, closed, refused, replaced, failed) go to standard \
-            error; with --json as one JSON object per line. Exit status: 0, or 1 on an error before \
-            serving (a bad URL, an address in use), or 130/143 after SIGINT/SIGTERM with the \
-            listener's socket file removed.
+            loop) gets a connection of its own per client, up to --max-clients at once; more are \
+            told the bridge is full and closed. An exclusive target (a serial port) serves one \
+            client at a time: --busy refuse (the default) tells a second client "busy" and closes \
+            it, --busy replace closes the old client and serves the new one (ser2net's \
+            kickolduser: any client can take over). The target is opened per client and closed \
+            after it, unless --keep-open keeps it open between clients (bytes it sends while no \
+            client is connected are dropped). --once serves one client and exits. Two URLs, or \
+            --listen twice, relay one pair of connections and exit. An option a mode does not use \
+            is refused. The target is checked before anything listens.
+            The bridge does not authenticate clients: listening on an address other machines can \
+            reach lets anyone there use the target, and the tool says so. Share a serial port on \
+            this machine only, and reach it from elsewhere through ssh -L:
+              transportkit bridge --listen tcp://127.0.0.1:2000 tty:///dev/ttyUSB0?baud=115200
+            Status lines (listening, accepted, closed, refused, replaced, failed, warning) go to \
+            standard error; with --json as one JSON object per line. Exit status: 0, or 1 on an \
+            error before serving (a bad URL, an address in use), 64 on a usage error, or \
+            129/130/143 after SIGHUP/SIGINT/SIGTERM with the listener's socket file removed.
             """
     )
 
@@ -38,30 +44,46 @@ struct Bridge: AsyncParsableCommand {
     @Option(parsing: .unconditional, help: Linger.help)
     var linger: Double = 0.5
 
-    @Flag(help: "Serve one client, then exit.")
+    @Flag(help: "Serve one client of the listener, then exit.")
     var once = false
 
-    @Option(help: "For an exclusive target with a client connected: refuse the new client, or replace the old one.")
-    var busy: BusyPolicy = .refuse
+    @Option(help: "An exclusive target (tty://) with a client connected: refuse the new client (default), or replace the old one.")
+    var busy: BusyPolicy?
 
-    @Flag(help: "Keep an exclusive target open between clients.")
+    @Flag(help: "Keep an exclusive target (tty://) open between clients.")
     var keepOpen = false
 
-    @Option(help: "At most this many clients at once (more wait in the listen backlog).")
-    var maxClients = 64
+    @Option(parsing: .unconditional,
+            help: ArgumentHelp("A target opened per client (tcp://, unix://): at most this many clients at once, 1 to \(ClientLimit.most); more are told the bridge is full (default \(ClientLimit.standard), fewer if the descriptor limit cannot hold them).",
+                               valueName: "n"))
+    var maxClients: Int?
 
     @Flag(help: "Print status lines as JSON objects.")
     var json = false
 
     @OptionGroup var logging: LoggingOptions
 
+    /// One --listen and one target URL, without --once: a server.
+    var serves: Bool { listen.count == 1 && urls.count == 1 && !once }
+
     func validate() throws {
+        try Arguments.refuseRepeated(["--linger", "--busy", "--max-clients", "--log-level", "--once", "--keep-open", "--json"])
         guard listen.count + urls.count == 2 else {
             throw ValidationError("a bridge has two endpoints: give two URLs, or one URL and --listen URL, or --listen twice")
         }
         try Linger.check(linger)
-        guard (1...10_000).contains(maxClients) else {
-            throw ValidationError("--max-clients takes a number from 1 to 10000; got \(maxClients)")
+        if once, !(listen.count == 1 && urls.count == 1) {
+            throw ValidationError("--once serves one client of a listener: give it with one --listen URL and one target URL")
+        }
+        if !serves {
+            let unused = [(busy != nil, "--busy"), (keepOpen, "--keep-open"), (maxClients != nil, "--max-clients")].filter(\.0).map(\.1)
+            if !unused.isEmpty {
+                let mode = once ? "--once serves a single client" : "a bridge of two URLs, or of two listeners, relays one pair of connections"
+                throw ValidationError("\(unused.joined(separator: " and ")) \(unused.count == 1 ? "applies" : "apply") to a bridge that serves clients (--listen URL TARGET, without --once); \(mode)")
+            }
+        }
+        if let maxClients, !(1...ClientLimit.most).contains(maxClients) {
+            throw ValidationError("--max-clients takes a number from 1 to \(ClientLimit.most); got \(maxClients)")
         }
     }
 
@@ -71,12 +93,30 @@ struct Bridge: AsyncParsableCommand {
         let linger = Linger.duration(linger)
         let listen = listen
         let urls = urls
-        let server = listen.count == 1 && !once
-        let settings = BridgeServer.Settings(target: urls.first ?? "", linger: linger, busy: busy, keepOpen: keepOpen,
-                                             maxClients: maxClients, status: status)
         do {
+            let settings: BridgeServer.Settings?
+            if serves {
+                // Which flags the target takes is known once its scheme is: refused as usage errors.
+                let target = try Transport.registry.resolve(urls[0])
+                let exclusive = Transport.registry.descriptor(for: target.url.innermost.scheme)?.exclusive == true
+                if exclusive, maxClients != nil {
+                    throw ValidationError("--max-clients: \(target.url.innermost.scheme):// is exclusive (one client at a time); --busy says what happens to the others")
+                }
+                if !exclusive, busy != nil || keepOpen {
+                    throw ValidationError("\(busy != nil ? "--busy" : "--keep-open") applies to an exclusive target (a serial port, tty://), which serves one client at a time; "
+                                          + "\(target.url.innermost.scheme):// gets a connection of its own for every client")
+                }
+                settings = BridgeServer.Settings(target: urls[0], exclusive: exclusive, linger: linger, busy: busy ?? .refuse, keepOpen: keepOpen,
+                                                 limit: exclusive ? 1 : try ClientLimit.choose(maxClients), status: status)
+            } else {
+                settings = nil
+            }
+            // Everything about the URLs to connect to that can be known is checked before anything listens.
+            if let settings { try SpyTraces.checkShared(settings) }
+            for url in urls { try await Transport.registry.check(url) }
+            for url in listen { _ = try Transport.registry.resolve(url, role: .listen) }
             try await Signals.run {
-                if server {
+                if let settings {
                     try await BridgeServer(settings).serve(on: listen[0])
                 } else {
                     try await relayOnce(listen: listen, urls: urls, linger: linger, status: status)
@@ -84,12 +124,18 @@ struct Bridge: AsyncParsableCommand {
             }
         } catch let exit as ExitCode {
             throw exit
+        } catch let usage as ValidationError {
+            // Found only once the target's scheme is known: a usage error all the same, with this
+            // command's usage (thrown from here, the parser would show the tool's).
+            StandardError.write(Self.fullMessage(for: usage) + "\n")
+            throw ExitCode.validationFailure
         } catch {
             throw fail(error)
         }
     }
 
-    /// Accepts one connection on each listener, connects each URL, relays the pair once.
+    /// Accepts one connection on each listener, connects each URL, relays the pair once. A client
+    /// the target fails for is told so in one line.
     private func relayOnce(listen: [String], urls: [String], linger: Duration, status: StatusPrinter) async throws {
         var connections: [Connection] = []
         do {
@@ -99,12 +145,98 @@ struct Bridge: AsyncParsableCommand {
                 }
                 return try await group.reduce(into: []) { $0.append($1) }
             }
-            for url in urls { connections.append(try await ToolConnection.open(url)) }
+            for url in urls {
+                do {
+                    connections.append(try await ToolConnection.open(url))
+                } catch {
+                    for client in connections { await BridgeServer.tell(client, about: error) }
+                    throw error
+                }
+            }
         } catch {
             for connection in connections { try? await connection.close() }
             throw error
         }
         try await Relay.bridge(connections[0], connections[1], linger: linger)
+    }
+}
+
+/// How many clients a server with a target opened per client serves at once.
+enum ClientLimit {
+    /// The default: enough that thousands of silent clients cannot lock out a real one.
+    static let standard = 4096
+    static let most = 100_000
+    /// Descriptors kept for everything but the clients (the listener, the event loops, logs).
+    static let reserve = 64
+    /// Each client holds its own socket and the target's (a tty or a pty holds two).
+    static let descriptorsPerClient = 3
+
+    /// The limit for `asked` (the default when `nil`), after raising the soft descriptor limit to
+    /// the hard one: a default is lowered to what the descriptors allow; a number asked for that
+    /// they cannot hold is an error that says so.
+    static func choose(_ asked: Int?) throws -> Int {
+        var limit = rlimit()
+        guard getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return asked ?? standard }
+        if limit.rlim_cur < limit.rlim_max {
+            var raised = limit
+            raised.rlim_cur = limit.rlim_max
+            if setrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &raised) == 0 { limit = raised }
+        }
+        let affordable = max(1, (Int(clamping: limit.rlim_cur) - reserve) / descriptorsPerClient)
+        guard let asked else { return min(standard, affordable) }
+        guard asked <= affordable else {
+            throw TransportError(.unsupported, "--max-clients \(asked) needs about \(asked * descriptorsPerClient + reserve) file descriptors, and this "
+                                 + "process may open \(limit.rlim_cur) (ulimit -n): ask for \(affordable) at most, or raise the limit (ulimit -Hn, LimitNOFILE=)")
+        }
+        return asked
+    }
+}
+
+/// The arguments as given, for checks the parser does not make.
+enum Arguments {
+    /// Refuses an option given twice: the parser would keep the last one silently.
+    static func refuseRepeated(_ names: [String]) throws {
+        let given = CommandLine.arguments.dropFirst().prefix { $0 != "--" }
+        for name in names {
+            let values = given.filter { $0 == name || $0.hasPrefix(name + "=") }
+            if values.count > 1 {
+                throw ValidationError("\(name) is given \(values.count) times; give it once")
+            }
+        }
+    }
+}
+
+/// spy+ traces in a bridge's target: every client's records go to the one trace, each line with
+/// the client's number (`spy.label=#N`, unless the URL labels them itself).
+enum SpyTraces {
+    /// The target URL for client `id`.
+    static func labelled(_ target: String, client id: Int) throws -> TransportURL {
+        var url = try ToolConnection.restoring(target)
+        func label(_ layer: inout TransportURL) {
+            if layer.scheme == "spy", layer.queryValue("label") == nil, layer.queryValue("format")?.lowercased() != "raw" {
+                layer.query.append(("label", "#\(id)"))
+            }
+            if var inner = layer.inner {
+                label(&inner)
+                layer.inner = inner
+            }
+        }
+        label(&url)
+        return url
+    }
+
+    /// A raw trace (bytes without lines) of a target several clients use at once would mix their
+    /// bytes beyond telling apart: refused before listening.
+    static func checkShared(_ settings: BridgeServer.Settings) throws {
+        guard !settings.exclusive, settings.limit > 1 else { return }
+        var layer: TransportURL? = try TransportURL(settings.target)
+        while let current = layer {
+            if current.scheme == "spy", current.queryValue("format")?.lowercased() == "raw" {
+                throw ValidationError("spy.format=raw in the target of a bridge that serves several clients at once would mix their bytes in one trace; "
+                                      + "use spy.format=hex (every line carries the client's number) or --max-clients 1")
+            }
+            layer = current.inner
+        }
     }
 }
 
@@ -133,10 +265,13 @@ struct StatusPrinter: Sendable {
 struct BridgeServer: Sendable {
     struct Settings: Sendable {
         var target: String
+        /// The target serves one client at a time (its scheme's descriptor says `exclusive`).
+        var exclusive: Bool
         var linger: Duration
         var busy: Bridge.BusyPolicy
         var keepOpen: Bool
-        var maxClients: Int
+        /// Clients served at once (1 for an exclusive target).
+        var limit: Int
         var status: StatusPrinter
     }
 
@@ -147,6 +282,7 @@ struct BridgeServer: Sendable {
     static func acceptOne(on url: String, status: StatusPrinter) async throws -> Connection {
         let listener = try await Transport.listen(on: url)
         status(["event": "listening", "url": listener.url.description])
+        warnIfOpenToStrangers(listener, target: nil, status: status)
         let accepted: Connection?
         do {
             accepted = try await listener.accept()
@@ -156,22 +292,39 @@ struct BridgeServer: Sendable {
         }
         try? await listener.close()
         guard let connection = accepted else {
-            throw TransportError(.disconnected, "the listener on \(listener.url) closed before a connection arrived")
+            throw TransportError(.disconnected, "the listener on \(listener.url.shown) closed before a connection arrived")
         }
         status(["event": "accepted", "url": connection.url.description, "listener": listener.url.description])
         return connection
     }
 
+    /// Says once, when the listener admits strangers (other machines, devices in radio range,
+    /// no authentication), who can now use the target.
+    static func warnIfOpenToStrangers(_ listener: Listener, target: String?, status: StatusPrinter) {
+        guard let exposure = listener.exposure, exposure.admitsStrangers else { return }
+        let what = target.map { "use \($0)" } ?? "connect"
+        status(["event": "warning",
+                "message": "\(listener.url.shown) does not authenticate clients: \(exposure.who) can \(what), and what it relays is not "
+                    + "encrypted. To share on this machine only, listen on 127.0.0.1 (and reach it from elsewhere with ssh -L); see Docs/Security.md"])
+    }
+
+    /// Tells a client in one line that the target failed it, without naming the target (a
+    /// stranger learns nothing of the device behind the bridge), then closes it.
+    static func tell(_ client: Connection, about error: any Error) async {
+        let kind = (error as? TransportError)?.kind.phrase ?? "an error"
+        try? await client.write("transportkit: error: the bridge cannot open its target now (\(kind)); try again later\r\n")
+        try? await client.close()
+    }
+
     /// Serves clients until the task is cancelled (a signal) or the listener fails. The listener
     /// is closed (its socket file removed) before this returns or throws.
     func serve(on url: String) async throws {
-        // The target URL is checked (scheme, grammar, options) before anything listens.
-        let target = try Transport.registry.resolve(settings.target).url
-        let descriptor = Transport.registry.descriptor(for: target.innermost.scheme)
-        let listener = try await Transport.listen(on: url)
-        settings.status(["event": "listening", "url": listener.url.description, "target": settings.target])
+        let listener = try await Transport.registry.listen(on: url, buffering: .compact)
+        settings.status(["event": "listening", "url": listener.url.description, "target": settings.target,
+                         "clients": settings.exclusive ? "1 at a time" : "up to \(settings.limit)"])
+        Self.warnIfOpenToStrangers(listener, target: settings.target, status: settings.status)
         do {
-            if descriptor?.exclusive == true {
+            if settings.exclusive {
                 try await serveExclusive(listener)
             } else {
                 try await serveShared(listener)
@@ -183,20 +336,36 @@ struct BridgeServer: Sendable {
         try await listener.close()
     }
 
-    /// A connection to the target per client, at most `maxClients` at once.
+    /// A connection to the target per client, at most `limit` at once; a client beyond is told
+    /// the bridge is full and closed at once, so it neither waits in the backlog nor holds a place.
     private func serveShared(_ listener: Listener) async throws {
-        let slots = Slots(settings.maxClients)
+        let active = ClientCount()
         try await withThrowingDiscardingTaskGroup { group in
             var number = 0
-            while true {
-                try await slots.acquire()
-                guard let client = try await listener.accept() else { break }
+            while let client = try await listener.accept() {
                 number += 1
                 let id = number
                 accepted(client, id: id)
+                let admitted = active.count.withLock { count -> Bool in
+                    guard count < settings.limit else { return false }
+                    count += 1
+                    return true
+                }
+                guard admitted else {
+                    settings.status(["event": "refused", "client": String(id), "reason": "the bridge serves its limit of \(settings.limit) clients"])
+                    group.addTask {
+                        try? await client.write("transportkit: busy: the bridge serves as many clients as it may; try again later\r\n")
+                        try? await client.close()
+                    }
+                    continue
+                }
                 group.addTask {
-                    defer { slots.release() }
-                    await session(client, id: id) { try await ToolConnection.open(settings.target) }
+                    await session(client, id: id) { try await Transport.registry.connect(to: SpyTraces.labelled(settings.target, client: id), buffering: .compact) }
+                    let left = active.count.withLock { count in
+                        count -= 1
+                        return count
+                    }
+                    if left == 0 { Memory.giveBack(whenStill: { active.count.withLock { $0 == 0 } }) }
                 }
             }
         }
@@ -205,7 +374,7 @@ struct BridgeServer: Sendable {
     /// One client at a time; see `Bridge`'s discussion for the policy.
     private func serveExclusive(_ listener: Listener) async throws {
         let device = SharedDevice(settings.target, keepOpen: settings.keepOpen)
-        if settings.keepOpen { _ = try await device.open() }
+        if settings.keepOpen { _ = try await device.open(client: 0) }
         let current = CurrentSession()
         do {
             var number = 0
@@ -216,8 +385,11 @@ struct BridgeServer: Sendable {
                 if let running = current.state.withLock({ $0 }) {
                     if settings.busy == .refuse {
                         settings.status(["event": "refused", "client": String(id), "reason": "client #\(running.id) is connected"])
-                        try? await client.write("transportkit: busy: \(settings.target) serves another client; try again later\r\n")
-                        try? await client.close()
+                        // The device is not named: a stranger learns only that it is in use.
+                        Task {
+                            try? await client.write("transportkit: busy: the device serves another client; try again later\r\n")
+                            try? await client.close()
+                        }
                         continue
                     }
                     settings.status(["event": "replaced", "client": String(running.id), "by": String(id)])
@@ -227,7 +399,7 @@ struct BridgeServer: Sendable {
                 // Marked busy before the task starts, so a session that ends at once clears it.
                 current.state.withLock { $0 = (id, nil) }
                 let task = Task {
-                    await session(client, id: id, keepTarget: settings.keepOpen) { try await device.open() }
+                    await session(client, id: id, keepTarget: settings.keepOpen) { try await device.open(client: id) }
                     current.state.withLock { if $0?.id == id { $0 = nil } }
                 }
                 current.state.withLock { if $0?.id == id { $0?.task = task } }
@@ -254,7 +426,13 @@ struct BridgeServer: Sendable {
                          target open: @Sendable () async throws -> Connection) async {
         var target: Connection?
         do {
-            let connection = try await open()
+            let connection: Connection
+            do {
+                connection = try await open()
+            } catch {
+                if !(error is CancellationError) { await Self.tell(client, about: error) }
+                throw error
+            }
             target = connection
             if keepTarget {
                 // Drop what the target sent while nobody listened: what is buffered now, for at
@@ -291,6 +469,33 @@ struct BridgeServer: Sendable {
     }
 }
 
+/// The clients a server serves now.
+final class ClientCount: Sendable {
+    /// Guards the number; the accept loop adds, each session's end takes away.
+    let count = Mutex(0)
+}
+
+/// The C library's free memory, given back to the system.
+enum Memory {
+    /// malloc_trim(3): glibc keeps what a load of clients freed in its arenas (tens of MB after
+    /// thousands of clients); the bridge hands it back to the system once it has had no client
+    /// for a second (`idle` still true then), when the last connections' memory is freed too (their
+    /// channels close on the event loops after the sessions end).
+    static func giveBack(whenStill idle: @escaping @Sendable () -> Bool) {
+        Task.detached {
+            try? await Task.sleep(for: .seconds(1))
+            if idle() { _ = trim?(0) }
+        }
+    }
+
+    /// malloc_trim, found at run time: it is declared in <malloc.h>, which Swift's Glibc module
+    /// does not include. Absent (another C library): nothing is given back.
+    private static let trim: (@convention(c) (Int) -> Int32)? = {
+        guard let symbol = dlsym(UnsafeMutableRawPointer(bitPattern: 0), "malloc_trim") else { return nil }
+        return unsafeBitCast(symbol, to: (@convention(c) (Int) -> Int32).self)
+    }()
+}
+
 /// The one session an exclusive target serves: its client's number and task.
 final class CurrentSession: Sendable {
     /// Guards which session runs; set by the accept loop, cleared by the session as it ends.
@@ -310,11 +515,13 @@ final class SharedDevice: Sendable {
         self.keepOpen = keepOpen
     }
 
-    /// The kept connection (reopened if it ended), or a new one per call without `keepOpen`.
-    func open() async throws -> Connection {
-        guard keepOpen else { return try await ToolConnection.open(url) }
+    /// The kept connection (reopened if it ended), or a new one per call without `keepOpen`;
+    /// a spy+ trace in it labels its lines with `client`'s number.
+    func open(client: Int) async throws -> Connection {
+        let target = try SpyTraces.labelled(url, client: client)
+        guard keepOpen else { return try await Transport.registry.connect(to: target) }
         if let kept = connection.withLock({ $0 }), !kept.isClosed { return kept }
-        let fresh = try await ToolConnection.open(url)
+        let fresh = try await Transport.registry.connect(to: target)
         connection.withLock { $0 = fresh }
         return fresh
     }
@@ -325,54 +532,5 @@ final class SharedDevice: Sendable {
             return connection
         }
         try? await kept?.close()
-    }
-}
-
-/// A counting semaphore for tasks: at most `limit` holders; `acquire` waits, cancellably.
-final class Slots: Sendable {
-    private struct State {
-        var free: Int
-        var waiters: [CheckedContinuation<Void, Never>] = []
-    }
-    /// Guards the count and the parked acquirer.
-    private let state: Mutex<State>
-
-    init(_ limit: Int) { state = Mutex(State(free: limit)) }
-
-    func acquire() async throws {
-        while true {
-            try Task.checkCancellation()
-            let taken = state.withLock { state in
-                guard state.free > 0 else { return false }
-                state.free -= 1
-                return true
-            }
-            if taken { return }
-            // Woken by a release or by cancellation; then look again.
-            await withTaskCancellationHandler {
-                await withCheckedContinuation { continuation in
-                    let parked = state.withLock { state in
-                        guard state.free == 0, !Task.isCancelled else { return false }
-                        state.waiters.append(continuation)
-                        return true
-                    }
-                    if !parked { continuation.resume() }
-                }
-            } onCancel: {
-                let waiters = state.withLock { state in
-                    defer { state.waiters = [] }
-                    return state.waiters
-                }
-                for waiter in waiters { waiter.resume() }
-            }
-        }
-    }
-
-    func release() {
-        let waiter = state.withLock { state -> CheckedContinuation<Void, Never>? in
-            state.free += 1
-            return state.waiters.isEmpty ? nil : state.waiters.removeFirst()
-        }
-        waiter?.resume()
     }
 }

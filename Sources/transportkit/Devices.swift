@@ -23,6 +23,7 @@ struct List: AsyncParsableCommand {
     @OptionGroup var logging: LoggingOptions
 
     func validate() throws {
+        try Arguments.refuseRepeated(["--scan", "--log-level", "--json", "--all"])
         if let scanSeconds, !(scanSeconds > 0 && scanSeconds <= 3600) { throw ValidationError("--scan takes seconds between 0 and 3600") }
     }
 
@@ -80,6 +81,7 @@ struct Watch: AsyncParsableCommand {
     @OptionGroup var logging: LoggingOptions
 
     func validate() throws {
+        try Arguments.refuseRepeated(["--scan", "--log-level", "--json", "--all"])
         if let scanSeconds, !(scanSeconds > 0 && scanSeconds <= 86400) { throw ValidationError("--scan takes seconds between 0 and 86400") }
     }
 

@@ -73,7 +73,7 @@ enum Relay {
                     let timer = Task {
                         try await Task.sleep(for: closeLimit)
                         // Settled first: the relay goes on even if releasing takes a while.
-                        outcome.settle(TransportError(.timedOut, "closing \(connection.url) took longer than \(closeLimit): its peer is not taking the bytes queued for it; they were dropped"))
+                        outcome.settle(TransportError(.timedOut, "closing \(connection.url.shown) took longer than \(closeLimit): its peer is not taking the bytes queued for it; they were dropped"))
                         connection.abort()
                     }
                     let result = await outcome.value()

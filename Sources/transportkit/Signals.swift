@@ -1,6 +1,8 @@
 // Signals.swift: SIGINT, SIGTERM and SIGHUP through Dispatch signal sources (signal(7)). A
-// signal cancels the command's work, so everything it opened is closed the normal way (a tty gets its settings back, links and socket files are removed), and the tool then exits
-// with 128 + the signal's number, as shells report a process killed by it.
+// signal cancels the command's work, so everything it opened is closed the normal way (a tty gets
+// its settings back, links and socket files are removed), and the tool then exits with 128 + the
+// signal's number, as shells report a process killed by it. A connect in progress is cancelled
+// too: what it made is closed by the registry, which Signals waits for.
 
 import ArgumentParser
 import Dispatch
@@ -42,7 +44,10 @@ enum Signals {
                 }
                 guard first else { _exit(128 + number) }
                 task?.cancel()
-                DispatchQueue.global().asyncAfter(deadline: .now() + cleanupLimit) { _exit(128 + number) }
+                DispatchQueue.global().asyncAfter(deadline: .now() + cleanupLimit) {
+                    StandardError.write("transportkit: closing up took longer than 3 s; exiting without waiting for the rest\n")
+                    _exit(128 + number)
+                }
             }
             source.resume()
             return source

@@ -7,16 +7,45 @@ import Glibc
 import SystemPackage
 import TransportKit
 
+/// Standard input, output and error as the tool was started with them.
+enum StandardStreams {
+    /// The standard descriptors (0, 1, 2) that were closed when the tool started (`>&-`). Each
+    /// got /dev/null in its place at once: a socket or device opened later would otherwise take
+    /// the number, and the relay's output (or the status lines) would go into it.
+    /// Read first thing in `main`, before anything opens a descriptor (a static let is set once).
+    static let closedAtStart: Set<Int32> = {
+        var closed: Set<Int32> = []
+        for fd in Int32(0)...2 where fcntl(fd, F_GETFD) == -1 && errno == EBADF {
+            closed.insert(fd)
+            // open(2) returns the lowest free number, which is this one.
+            let opened = open("/dev/null", O_RDWR)
+            if opened >= 0 && opened != fd { _ = Glibc.close(opened) }
+        }
+        return closed
+    }()
+
+    /// The error for `connect` when standard input or output was closed at start: the relay would
+    /// have nothing to send, or nowhere to put what arrives.
+    static func closedForRelay() -> StandardStreamError? {
+        if closedAtStart.contains(1) { return .closedAtStart("output", "the bytes that arrive would have nowhere to go; give it a file, a pipe, or > /dev/null to discard them") }
+        if closedAtStart.contains(0) { return .closedAtStart("input", "give it a file, a pipe, or < /dev/null to send nothing") }
+        return nil
+    }
+}
+
 /// Why a relay stopped reading or writing a standard stream.
 enum StandardStreamError: Error, CustomStringConvertible {
     /// Whoever read standard output went away (`| head`): EPIPE, or poll(2) reported it.
     case outputClosed
     /// read(2) on standard input failed (a directory, an I/O error).
     case inputFailed(Errno)
+    /// The tool was started with this standard stream closed (`>&-`); the advice what to give.
+    case closedAtStart(String, String)
 
     var description: String {
         switch self {
         case .outputClosed: "standard output was closed"
+        case .closedAtStart(let stream, let advice): "standard \(stream) is closed (the tool was started with it closed): \(advice)"
         case .inputFailed(let errno):
             "standard input cannot be read: read failed with \(errno.symbolicDescription)"
                 + (errno == .isDirectory ? "; give the tool a file, a pipe or a terminal, not a directory" : "")

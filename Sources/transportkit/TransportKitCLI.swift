@@ -11,6 +11,12 @@ struct TransportKitCLI: AsyncParsableCommand {
         discussion: "Run 'transportkit schemes' for every URL form and its options. spy+URL traces a connection on standard error.",
         subcommands: [Schemes.self, List.self, Watch.self, Connect.self, Bridge.self]
     )
+
+    static func main() async {
+        // Before anything opens a descriptor: a closed standard stream gets /dev/null in its place.
+        _ = StandardStreams.closedAtStart
+        await main(nil)
+    }
 }
 
 /// `--log-level LEVEL`: TransportKit's log (connects, closes, failures, with URL and scheme) on
@@ -85,6 +91,15 @@ struct SchemeJSON: Encodable {
     /// One connection at a time (a serial port): `bridge --listen` serves one client at a time.
     var exclusive: Bool
     var options: [Option]
+    /// The ways the scheme's URLs are used, each with the options it takes (Docs/Schemes.md, "Modes").
+    var modes: [Mode]
+
+    struct Mode: Encodable {
+        var name: String
+        var role: String
+        var form: String
+        var options: [String]
+    }
 
     init(_ descriptor: SchemeDescriptor) {
         scheme = descriptor.scheme
@@ -101,6 +116,9 @@ struct SchemeJSON: Encodable {
         // A wrapper's options are written with its prefix (spy.format).
         let prefix = descriptor.wraps ? descriptor.scheme + "." : ""
         options = descriptor.allOptions.map { Option(name: prefix + $0.name, type: $0.kind.label, default: $0.defaultValue, help: $0.help) }
+        modes = descriptor.effectiveModes.map { mode in
+            Mode(name: mode.name, role: mode.role.rawValue, form: mode.form, options: descriptor.options(of: mode).map { prefix + $0.name })
+        }
     }
 }
 
@@ -127,6 +145,7 @@ struct Connect: AsyncParsableCommand {
     @OptionGroup var logging: LoggingOptions
 
     func validate() throws {
+        try Arguments.refuseRepeated(["--linger", "--log-level"])
         try Linger.check(linger)
     }
 
@@ -135,6 +154,7 @@ struct Connect: AsyncParsableCommand {
         let url = url
         let linger = Linger.duration(linger)
         do {
+            if let closed = StandardStreams.closedForRelay() { throw closed }
             try await Signals.run {
                 let connection = try await ToolConnection.open(url)
                 if connection.url.innermost.scheme == "pty", connection.metadata.extra["link"] == nil,
@@ -180,20 +200,23 @@ enum ToolConnection {
     /// link or a tty's changed settings, to be cleaned up after the tool has exited. The
     /// connection is closed once it is made, and the tool then exits.
     static func open(_ url: String) async throws -> Connection {
-        let connection = try await Task { try await Transport.connect(to: url) }.value
-        if let port = connection.serialPort, !layers(of: connection.url).contains(where: { $0.queryValue("restore") != nil }) {
-            port.restoresSettingsOnClose = true
-        }
-        if Task.isCancelled {
-            try? await connection.close()
-            throw CancellationError()
-        }
-        return connection
+        try await Transport.registry.connect(to: restoring(url))
     }
 
-    private static func layers(of url: TransportURL) -> [TransportURL] {
-        var all = [url]
-        while let inner = all.last?.inner { all.append(inner) }
-        return all
+    /// `url` with `restore=true` on a tty:// layer that does not say: the tool puts a port's line
+    /// settings back when it closes it, also when a signal cuts a connect short and the
+    /// registry closes what the connect made late (Signals waits for that).
+    static func restoring(_ text: String) throws -> TransportURL {
+        var url = try TransportURL(text)
+        func addRestore(_ layer: inout TransportURL) {
+            if var inner = layer.inner {
+                addRestore(&inner)
+                layer.inner = inner
+            } else if layer.scheme == "tty", layer.queryValue("restore") == nil {
+                layer.query.append(("restore", "true"))
+            }
+        }
+        addRestore(&url)
+        return url
     }
 }

@@ -30,6 +30,8 @@ struct CLI {
         private var err = Data()
         private let lock = NSLock()
         private var errLines: [String] = []
+        /// The bytes of standard error after its last newline.
+        private var errPartial = Data()
 
         /// - Parameters:
         ///   - closeStdoutAfter: close the reading end of standard output once this many bytes
@@ -37,9 +39,18 @@ struct CLI {
         ///   - stdinPath: standard input from this file (or directory) instead of a pipe.
         ///   - closeStderrAfter: likewise for standard error (`2>&1 | head`).
         ///   - wrapper: a program that runs the tool, such as `/usr/bin/nohup`.
-        init(_ arguments: [String], launchAs user: String? = nil, closeStdoutAfter: Int? = nil, closeStderrAfter: Int? = nil,
-             stdinPath: String? = nil, wrapper: String? = nil) throws {
-            if let user {
+        ///   - shell: shell words around the tool's start: `umask` runs first, `redirections`
+        ///     (`>&-`, `2>&-`) apply to it, as `/bin/sh -c 'umask 000; exec transportkit … >&-'`.
+        ///   - launchAsShell: run `/bin/sh` with `arguments` as this user instead of the tool.
+        init(_ arguments: [String], launchAs user: String? = nil, launchAsShell shellUser: String? = nil, closeStdoutAfter: Int? = nil,
+             closeStderrAfter: Int? = nil, stdinPath: String? = nil, wrapper: String? = nil, umask: String? = nil, redirections: String = "") throws {
+            if let shellUser {
+                process.executableURL = URL(fileURLWithPath: "/usr/sbin/runuser")
+                process.arguments = ["-u", shellUser, "--", "/bin/sh"] + arguments
+            } else if umask != nil || !redirections.isEmpty {
+                process.executableURL = URL(fileURLWithPath: "/bin/sh")
+                process.arguments = ["-c", "\(umask.map { "umask \($0); " } ?? "")exec \"$0\" \"$@\" \(redirections)", CLI.binary] + arguments
+            } else if let user {
                 process.executableURL = URL(fileURLWithPath: "/usr/sbin/runuser")
                 process.arguments = ["-u", user, "--", CLI.binary] + arguments
             } else if let wrapper {
@@ -83,7 +94,12 @@ struct CLI {
                     if chunk.isEmpty { break }
                     let total = lock.withLock {
                         err.append(chunk)
-                        errLines = String(decoding: err, as: UTF8.self).split(separator: "\n").map(String.init)
+                        // Only the new complete lines are split off: a server prints thousands.
+                        errPartial.append(chunk)
+                        if let last = errPartial.lastIndex(of: UInt8(ascii: "\n")) {
+                            errLines += String(decoding: errPartial[..<last], as: UTF8.self).split(separator: "\n").map(String.init)
+                            errPartial = Data(errPartial[(last + 1)...])
+                        }
                         return err.count
                     }
                     if let limit = closeStderrAfter, total >= limit {
@@ -118,7 +134,9 @@ struct CLI {
         var isRunning: Bool { process.isRunning }
 
         /// The standard-error lines so far.
-        var stderrLines: [String] { lock.withLock { errLines } }
+        var stderrLines: [String] {
+            lock.withLock { errPartial.isEmpty ? errLines : errLines + [String(decoding: errPartial, as: UTF8.self)] }
+        }
 
         /// Waits for the process to exit (killing it after `timeout` seconds).
         func wait(timeout: Double = 20) async -> Result {
@@ -173,6 +191,12 @@ struct CLITests {
         #expect(noDelay["type"] as? String == "bool")
         #expect(noDelay["default"] as? String == "true")
         #expect(options.contains { $0["name"] as? String == "timeout" })
+        let modes = try #require(byName["ble"]?["modes"] as? [[String: Any]])
+        let gatt = try #require(modes.first { $0["name"] as? String == "ble:// GATT serial connection" })
+        #expect(gatt["role"] as? String == "connect")
+        #expect(gatt["options"] as? [String] == ["adapter", "rx", "tx", "acquire", "timeout"], "security is not a GATT option")
+        let tcpModes = try #require(tcp["modes"] as? [[String: Any]])
+        #expect(tcpModes.first { $0["role"] as? String == "listen" }?["options"] as? [String] == ["noDelay", "keepAlive", "keepAliveIdle", "backlog"])
     }
 
     @Test func connectRelaysBytesUntouched() async throws {

@@ -64,7 +64,7 @@ struct DeviceCLITests {
     @Test func connectTTYWithLineOptionsRelaysBothWays() async throws {
         let pty = try RawPTY()
         defer { pty.close() }
-        let running = try CLI.Running(["connect", "--linger", "1", "tty://\(pty.path)?baud=57600&parity=odd&stopBits=2&exclusive=true"])
+        let running = try CLI.Running(["connect", "--linger", "1", "tty://\(pty.path)?baud=57600&stopBits=2&flowControl=xonxoff&exclusive=true"])
         running.send(Array("hello".utf8))
         #expect(await pty.read(count: 5) == Array("hello".utf8))
         pty.write("world")

@@ -378,6 +378,8 @@ struct HostileUseTests {
         var arguments: [String]
         var status: Int32
         var words: [String]
+        /// A bridge that must fail before it listens: no "listening" status line.
+        var neverListens = false
         var description: String { arguments.joined(separator: " ").prefix(120).description }
     }
 
@@ -408,8 +410,8 @@ struct HostileUseTests {
             url("tcp://127.0.0.1:80?keepAliveIdle=40000", "option 'keepAliveIdle=40000'", "outside 1…32767 seconds"),
             url("tcp://127.0.0.1:80?keepAliveIdle=0", "outside 1…32767 seconds"),
             url("tcp://127.0.0.1:80?keepAliveIdle=-inf", "option 'keepAliveIdle=-inf'"),
-            url("tcp://127.0.0.1:80?backlog=0", "option 'backlog=0'"),
-            url("tcp://127.0.0.1:80?backlog=99999999999999999999", "option 'backlog=99999999999999999999'"),
+            url("tcp://127.0.0.1:80?backlog=0", "option 'backlog' is not used by this mode, tcp:// connection"),
+            url("tcp://127.0.0.1:80?backlog=99999999999999999999", "option 'backlog' is not used by this mode, tcp:// connection"),
             url("tcp://127.0.0.1:80?speed=9", "unknown option 'speed'", "tcp accepts: noDelay"),
             url("tcp://127.0.0.1:80?timeout=1&timeout=2", "option 'timeout' is given twice"),
             url("tcp://127.0.0.1:80?TIMEOUT=1&timeout=2", "is given twice"),
@@ -501,7 +503,7 @@ struct HostileUseTests {
             usage(["connect", "--log-level", "loud", "loop://"], "--log-level takes one of"),
             usage(["bridge", "loop://"], "a bridge has two endpoints"),
             usage(["bridge", "loop://", "loop://", "loop://"], "a bridge has two endpoints"),
-            usage(["bridge", "--max-clients", "0", "--listen", "tcp://127.0.0.1:0", "loop://"], "--max-clients takes a number from 1 to 10000"),
+            usage(["bridge", "--max-clients", "0", "--listen", "tcp://127.0.0.1:0", "loop://"], "--max-clients takes a number from 1 to 100000"),
             usage(["bridge", "--busy", "maybe", "--listen", "tcp://127.0.0.1:0", "loop://"], "'maybe' is invalid for '--busy"),
             usage(["bridge", "--linger", "inf", "--listen", "tcp://127.0.0.1:0", "loop://"], "--linger takes a number of seconds"),
             usage(["bridge", "--linger", "-5", "loop://", "loop://"], "--linger takes a number of seconds"),
@@ -523,13 +525,260 @@ struct HostileUseTests {
         ]
     }
 
+    /// Issue 25's rows: Bluetooth, USB, spy+ and the bridge's flags; options a mode does not use;
+    /// inputs that passed validation before; values echoed in full.
+    static func badInputsOfIssue25(fifo: String, socket: String, directory: String) -> [BadInput] {
+        func url(_ text: String, _ words: String...) -> BadInput { BadInput(arguments: ["connect", text], status: 1, words: words) }
+        func usage(_ arguments: [String], _ words: String...) -> BadInput { BadInput(arguments: arguments, status: 64, words: words) }
+        func bridge(_ arguments: [String], _ words: String...) -> BadInput { BadInput(arguments: ["bridge"] + arguments, status: 1, words: words) }
+        func target(_ text: String, _ words: String...) -> BadInput {
+            BadInput(arguments: ["bridge", "--listen", "tcp://127.0.0.1:0", text], status: 1, words: words, neverListens: true)
+        }
+        func listener(_ text: String, _ words: String...) -> BadInput {
+            BadInput(arguments: ["bridge", "--listen", text, "loop://"], status: 1, words: words, neverListens: true)
+        }
+        let mac = "00:11:22:33:44:55"
+        let notUsed = "so it is refused rather than ignored"
+        let long = String(repeating: "b", count: 5000)
+        let huge = String(repeating: "h", count: 100_000)
+        let listen = ["--listen", "tcp://127.0.0.1:0"]
+        return [
+            // rfcomm:// connections
+            url("rfcomm://zz", "'zz' is not a Bluetooth address", "Grammar: rfcomm://"),
+            url("rfcomm://[\(mac)]:3", "'\(mac)' is not an IPv6 address"),
+            url("rfcomm://+0:+0:+0:+0:+0:+0", "has 5 colons"),
+            url("rfcomm://00:11:22:33:44:GG", "has 5 colons"),
+            url("rfcomm://\(mac)?uuid=1101-0000", "uuid=1101-0000 is not a service UUID"),
+            url("rfcomm://\(mac)?uuid=", "uuid= is not a service UUID"),
+            url("rfcomm://\(mac)?uuid=ZZZZ", "uuid=ZZZZ is not a service UUID"),
+            url("rfcomm://\(mac)?uuid=6E400001-B5A3-F393-E0A9", "is not a service UUID"),
+            url("rfcomm://\(mac)?uuid=6E400001B5A3F393E0A9E50E24DCCA9E0", "is not a service UUID"),
+            url("rfcomm://\(mac)?uuid=%EF%BC%A6FFE", "is not a service UUID"),
+            url("rfcomm://\(mac)?uuid=\(long)", "is not a service UUID", "(5000 bytes)"),
+            url("rfcomm://\(mac)?adapter=", "adapter='' names no adapter", "hci0"),
+            url("rfcomm://\(mac)?adapter=wlan0", "adapter='wlan0' names no adapter"),
+            url("rfcomm://\(mac)?adapter=hci", "names no adapter"),
+            url("rfcomm://\(mac)?adapter=hci0x", "names no adapter"),
+            url("rfcomm://\(mac):3?uuid=1101", "option 'uuid' is not used by this mode, rfcomm:// connection to a channel (rfcomm://MAC:CHANNEL)", notUsed),
+            url("rfcomm://\(mac)?backlog=3", "option 'backlog' is not used by this mode, rfcomm:// connection found through SDP", "rfcomm:// listener"),
+            url("rfcomm://\(mac):3?backlog=3", "option 'backlog' is not used by this mode, rfcomm:// connection to a channel"),
+            url("rfcomm://\(mac)?name=x", "option 'name' is not used by this mode, rfcomm:// connection found through SDP"),
+            url("rfcomm://\(mac):3?name=x", "option 'name' is not used"),
+            url("rfcomm://\(mac):0", "the port 0 is outside 1…30"),
+            url("rfcomm://\(mac):abc", "the port 'abc' must be a decimal number"),
+            url("rfcomm://\(mac):99999999999", "the port 99999999999 is outside 1…30"),
+            url("rfcomm://\(mac)?security=max", "option 'security=max'", "expected one of low, medium, high"),
+            url("rfcomm://\(mac)?timeout=-1", "option 'timeout=-1'"),
+            url("rfcomm://\(mac)/path", "a path is not allowed here"),
+            url("rfcomm://", "a host is required", "Grammar: rfcomm://"),
+            url("rfcomm://\(mac)?rx=FFE1", "unknown option 'rx'", "rfcomm accepts: adapter, uuid, name, backlog, security"),
+            url("rfcomm://\(mac)?mtu=100", "unknown option 'mtu'"),
+            url("rfcomm://\(mac)?advertise=true", "unknown option 'advertise'"),
+            // ble:// connections
+            url("ble://nus/+0:+0:+0:+0:+0:+0", "'+0:+0:+0:+0:+0:+0' is not a Bluetooth address"),
+            url("ble://nus/0:11:22:33:44:555", "is not a Bluetooth address"),
+            url("ble://ZZZZ:128/\(mac)", "'ZZZZ' is neither a service UUID", "hm10, nus"),
+            url("ble://\(String(repeating: "7", count: 200)):128/\(mac)", "is neither a service UUID", "(200 bytes)"),
+            url("ble://6E400001-B5A3-F393-E0A9:128/\(mac)", "is neither a service UUID"),
+            url("ble://1101-0000:128/\(mac)", "'1101-0000' is neither a service UUID"),
+            url("ble://[::1]:128/\(mac)", "'::1' is neither a service UUID"),
+            url("ble://nus/\(mac)?security=high", "option 'security' is not used by this mode, ble:// GATT serial connection (ble://SERVICE[/MAC])", "ble:// L2CAP connection"),
+            url("ble://nus/\(mac)?mtu=100", "option 'mtu' is not used by this mode, ble:// GATT serial connection"),
+            url("ble://nus/\(mac)?addressType=random", "option 'addressType' is not used by this mode, ble:// GATT serial connection"),
+            url("ble://nus/\(mac)?backlog=3", "option 'backlog' is not used by this mode, ble:// GATT serial connection", "ble:// L2CAP listener"),
+            url("ble://nus/\(mac)?advertise=false", "option 'advertise' is not used by this mode, ble:// GATT serial connection"),
+            url("ble://nus?security=medium", "option 'security' is not used by this mode, ble:// GATT serial connection"),
+            url("ble://FFF0:128/\(mac)?rx=FFE1", "option 'rx' is not used by this mode, ble:// L2CAP connection (ble://SERVICE:PSM[/MAC])"),
+            url("ble://FFF0:128/\(mac)?tx=FFE1", "option 'tx' is not used by this mode, ble:// L2CAP connection"),
+            url("ble://FFF0:128/\(mac)?acquire=never", "option 'acquire' is not used by this mode, ble:// L2CAP connection"),
+            url("ble://FFF0:128/\(mac)?backlog=3", "option 'backlog' is not used by this mode, ble:// L2CAP connection"),
+            url("ble://FFF0:128/\(mac)?advertise=false", "option 'advertise' is not used by this mode, ble:// L2CAP connection"),
+            url("ble://FFF0:128?rx=FFE1", "option 'rx' is not used by this mode, ble:// L2CAP connection"),
+            url("ble://nus/\(mac)?rx=GGGG", "rx='GGGG' is not a characteristic UUID"),
+            url("ble://nus/\(mac)?tx=", "tx='' is not a characteristic UUID"),
+            url("ble://nus/\(mac)?rx=\(long)", "is not a characteristic UUID", "(5000 bytes)"),
+            url("ble://nus/\(mac)?acquire=sometimes", "expected one of auto, never"),
+            url("ble://FFF0:128/\(mac)?addressType=x", "expected one of bluez, public, random"),
+            url("ble://FFF0:128/\(mac)?mtu=22", "option 'mtu=22'", "outside 23…65535"),
+            url("ble://FFF0:128/\(mac)?mtu=70000", "outside 23…65535"),
+            url("ble://FFF0:128/\(mac)?security=max", "expected one of low, medium, high"),
+            url("ble://FFF0:256/\(mac)", "the port 256 is outside 1…255"),
+            url("ble://FFF0:0/\(mac)", "the port 0 is outside 1…255"),
+            url("ble://FFF0:128/00:11:22:33:44", "'00:11:22:33:44' is not a Bluetooth address"),
+            url("ble://FFF0:128/\(mac)/extra", "is not a Bluetooth address"),
+            url("ble://nus/\(mac)?adapter=", "adapter='' names no adapter"),
+            url("ble://nus/\(mac)?adapter=hci", "names no adapter"),
+            url("ble://nus/\(mac)?adapter=\(long)", "names no adapter", "(5000 bytes)"),
+            url("ble://FFF0:128/\(mac)?adapter=00:11:22:33:44", "names no adapter"),
+            url("ble://nus/\(mac)?uuid=1101", "unknown option 'uuid'", "ble accepts: adapter"),
+            url("ble://nus/\(mac)?name=x", "unknown option 'name'"),
+            url("ble://", "a host is required", "Grammar: ble://"),
+            url("ble://nus/\(mac)?timeout=abc", "option 'timeout=abc'"),
+            // usb://
+            url("usb://0403:6001/", "the serial number after '/' is empty"),
+            url("usb://0403:6001/A/B", "'A/B' is not one serial number", "?location="),
+            url("usb://0403:6001:1", "has 2 colons", "VID:PID", "a serial number goes after a '/'"),
+            url("usb://0403", "expected VID:PID"),
+            url("usb://403:6001", "expected VID:PID"),
+            url("usb://0403:60011", "expected VID:PID"),
+            url("usb://ZZZZ:6001", "expected VID:PID"),
+            url("usb://[::1]", "expected VID:PID"),
+            url("usb://", "expected VID:PID"),
+            url("usb://0403:6001?location=", "location= needs a bus and port path"),
+            url("usb://0403:6001?location=\(long)", "no USB device matches", "(5000 bytes)"),
+            url("usb://0403:6001?interface=256", "option 'interface=256'", "outside 0…255"),
+            url("usb://0403:6001?alt=-1", "option 'alt=-1'"),
+            url("usb://0403:6001?in=zz", "in=zz is not an endpoint address"),
+            url("usb://0403:6001?in=0x+1", "in=0x+1 is not an endpoint address"),
+            url("usb://0403:6001?in=0x02", "in=0x02 is an OUT endpoint"),
+            url("usb://0403:6001?out=0x81", "out=0x81 is an IN endpoint"),
+            url("usb://0403:6001?out=+2", "out=+2 is not an endpoint address"),
+            url("usb://0403:6001?transfers=65", "option 'transfers=65'", "outside 2…64"),
+            url("usb://0403:6001?transferSize=63", "option 'transferSize=63'"),
+            url("usb://0403:6001?zlp=maybe", "expected true or false"),
+            url("usb://0403:6001?detach=2", "option 'detach=2'"),
+            url("usb://0403:6001?wait=x", "option 'wait=x'"),
+            url("usb://0403:6001?serial=A", "unknown option 'serial'", "usb accepts:"),
+            url("usb://0403:6001?baud=9600", "unknown option 'baud'"),
+            url("usb://0403:6001/%0A", "control character"),
+            url("usb://user@0403:6001", "user information"),
+            url("usb://0403:6001#x", "fragments"),
+            // spy+
+            url("spy+loop://?spy.file=", "spy.file= needs a path"),
+            url("spy+loop://?spy.file=\(directory)", "is a directory"),
+            url("spy+loop://?SPY.FILE=\(directory)", "is a directory"),
+            url("spy+loop://?spy.file=/nonexistent-dir-xyz/trace.txt", "the directory it would go in does not exist"),
+            url("spy+loop://?spy.file=/tmp/\(long)", "the trace file (spy.file=)", "(5005 bytes)"),
+            url("spy+loop://?spy.file=/etc/hostname/x", "'hostname' on the way is not a directory"),
+            url("spy+loop://?spy.file=\(fifo)", "is a FIFO (named pipe)"),
+            url("spy+loop://?spy.file=\(socket)", "is a unix socket"),
+            url("spy+loop://?spy.format=raw&spy.label=x", "spy.label= begins the lines of the hex format"),
+            url("spy+loop://?spy.direction=up", "expected one of both, rx, tx"),
+            url("spy+loop://?spy.timeout=3", "unknown option 'spy.timeout'", "spy accepts: spy.format, spy.direction, spy.file, spy.label"),
+            url("spy+spy+loop://", "the wrapper 'spy' is given twice"),
+            url("spy+tcp://127.0.0.1:80?backlog=1", "option 'backlog' is not used by this mode, tcp:// connection"),
+            url("spy+ble://nus/\(mac)?security=high", "option 'security' is not used by this mode, ble:// GATT serial connection"),
+            url("spy+usb://0403:6001/", "the serial number after '/' is empty"),
+            url("spy+rfcomm://zz", "'zz' is not a Bluetooth address"),
+            url("spy+pty://?dataBits=7", "unknown option 'dataBits'"),
+            url("spy+tty:///dev/ptmx", "the pseudo-terminal multiplexer"),
+            url("spy+unix:///tmp/x.sock?mode=0600", "option 'mode' is not used by this mode, unix:// connection"),
+            // tty:// and pty://
+            url("tty:///dev/ptmx", "the pseudo-terminal multiplexer", "pty://"),
+            url("tty:///dev/ttyS0?serial=x", "option 'serial' is not used by this mode, tty:// connection to a device node", "tty:// connection to a USB adapter"),
+            url("tty:///dev/ttyS0?location=1-1", "option 'location' is not used by this mode, tty:// connection to a device node"),
+            url("tty:///dev/ttyS0?interface=0", "option 'interface' is not used by this mode, tty:// connection to a device node"),
+            url("tty://usb/0403:6001?serial=", "serial= is empty"),
+            url("tty://usb/0403:6001?location=", "location= is empty"),
+            url("tty://usb/0403:6001?location=\(long)", "no serial port matches", "(5000 bytes)"),
+            url("tty:///dev/ttyS0?link=/tmp/x", "unknown option 'link'"),
+            url("tty:///dev/ttyS0?backlog=1", "unknown option 'backlog'"),
+            url("pty://?dataBits=7", "unknown option 'dataBits'", "pty accepts: baud, stopBits, flowControl, link"),
+            url("pty://?parity=even", "unknown option 'parity'"),
+            url("pty://?exclusive=true", "unknown option 'exclusive'"),
+            url("pty://?link=/tmp/\(long)", "cannot create the link", "(5005 bytes)", "ENAMETOOLONG"),
+            // tcp://, unix://, loop://
+            url("tcp://\(huge):80", "cannot resolve the host", "(100000 bytes)"),
+            url("tcp://127.0.0.1:\(String(repeating: "9", count: 100_000))", "is outside 0…65535", "(100000 bytes)"),
+            url("tcp://127.0.0.1:99999999999", "the port 99999999999 is outside 0…65535"),
+            url("tcp://[\(mac)]:80", "is not an IPv6 address"),
+            url("tcp://[1:2:3:4:5:6:7:8:9]:80", "is not an IPv6 address"),
+            url("tcp://[::1::2]:80", "is not an IPv6 address"),
+            url("tcp://[1.2.3.4]:80", "is not an IPv6 address"),
+            url("tcp://[::ffff:1.2.3.400]:80", "is not an IPv6 address"),
+            url("tcp://127.0.0.1:80?backlog=16", "option 'backlog' is not used by this mode, tcp:// connection (tcp://HOST:PORT)", "tcp:// listener"),
+            url("unix:///tmp/x.sock?mode=0600", "option 'mode' is not used by this mode, unix:// connection"),
+            url("unix:///tmp/x.sock?backlog=3", "option 'backlog' is not used by this mode, unix:// connection"),
+            url("unix:///tmp/\(long)", "is too long: Linux allows 107 bytes", "(5005 bytes)"),
+            url("loop://?backlog=1", "unknown option 'backlog'"),
+            // What a bridge checks before it listens (item 9)
+            target("rfcomm://zz", "'zz' is not a Bluetooth address"),
+            target("ble://ZZZZ:128/\(mac)", "'ZZZZ' is neither a service UUID"),
+            target("ble://nus/+0:+0:+0:+0:+0:+0", "is not a Bluetooth address"),
+            target("spy+loop://?spy.file=", "spy.file= needs a path"),
+            target("spy+loop://?spy.file=\(directory)", "is a directory"),
+            target("spy+loop://?spy.file=\(fifo)", "is a FIFO"),
+            target("tty:///etc/hostname", "is a regular file, not a serial port"),
+            target("tty://\(directory)", "is a directory, not a serial port"),
+            target("tty://\(socket)", "is a unix socket, not a serial port", "unix://"),
+            target("tty:///dev/ptmx", "the pseudo-terminal multiplexer"),
+            target("tty://usb/zzzz:0001", "two 4-digit hex IDs"),
+            target("tty://usb/0403:6001?serial=", "serial= is empty"),
+            target("unix:///etc/hostname", "is a regular file, not a socket"),
+            target("usb://0403:6001/", "the serial number after '/' is empty"),
+            target("usb://0403:6001?in=0x02", "is an OUT endpoint"),
+            target("tcp://127.0.0.1:80?backlog=3", "option 'backlog' is not used by this mode, tcp:// connection"),
+            target("rfcomm://\(mac)?adapter=", "names no adapter"),
+            // Listeners
+            listener("tcp://127.0.0.1:0?timeout=3", "option 'timeout' is not used by this mode, tcp:// listener (tcp://ADDRESS:PORT)"),
+            listener("unix:///tmp/tk-never.sock?mode=abc", "mode=abc is not a file mode", "0600"),
+            listener("unix:///tmp/tk-never.sock?mode=1777", "mode=1777 is not a file mode"),
+            listener("unix:///tmp/tk-never.sock?mode=6", "mode=6 is not a file mode"),
+            listener("unix:///tmp/tk-never.sock?mode=", "is not a file mode"),
+            listener("unix:///tmp/tk-never.sock?timeout=1", "option 'timeout' is not used by this mode, unix:// listener"),
+            listener("ble://FFF0:128?addressType=public", "option 'addressType' is not used by this mode, ble:// L2CAP listener"),
+            listener("ble://FFF0:128?rx=FFE1", "option 'rx' is not used by this mode, ble:// L2CAP listener"),
+            listener("ble://FFF0:128?timeout=3", "option 'timeout' is not used by this mode, ble:// L2CAP listener"),
+            listener("ble://FFF0:128/\(mac)", "a listener takes no device"),
+            listener("ble://nus", "a GATT server) is not built"),
+            listener("ble://ZZZZ:128", "'ZZZZ' is neither a service UUID"),
+            listener("ble://FFF0:128?adapter=", "names no adapter"),
+            listener("rfcomm://zz", "to listen, give `any`"),
+            listener("rfcomm://any?timeout=3", "option 'timeout' is not used by this mode, rfcomm:// listener"),
+            listener("rfcomm://any?uuid=1101-0000", "is not a service UUID"),
+            listener("rfcomm://any?adapter=", "names no adapter"),
+            listener("rfcomm://any:31", "the port 31 is outside 1…30"),
+            listener("rfcomm://any?security=x", "expected one of low, medium, high"),
+            // The bridge's flags (item 7)
+            usage(["bridge", "--once", "loop://", "loop://"], "--once serves one client of a listener"),
+            usage(["bridge", "--once", "--listen", "tcp://127.0.0.1:0", "--listen", "tcp://127.0.0.1:0"], "--once serves one client of a listener"),
+            usage(["bridge", "--keep-open", "loop://", "loop://"], "--keep-open applies to a bridge that serves clients"),
+            usage(["bridge", "--busy", "replace", "loop://", "loop://"], "--busy applies to a bridge that serves clients"),
+            usage(["bridge", "--max-clients", "3", "loop://", "loop://"], "--max-clients applies to a bridge that serves clients", "relays one pair"),
+            usage(["bridge", "--once", "--max-clients", "3"] + listen + ["loop://"], "--max-clients applies", "--once serves a single client"),
+            usage(["bridge", "--once", "--busy", "refuse"] + listen + ["loop://"], "--busy applies"),
+            usage(["bridge", "--once", "--keep-open"] + listen + ["loop://"], "--keep-open applies"),
+            usage(["bridge", "--keep-open"] + listen + ["loop://"], "--keep-open applies to an exclusive target", "loop:// gets a connection of its own", "bridge"),
+            usage(["bridge", "--busy", "replace"] + listen + ["loop://"], "--busy applies to an exclusive target"),
+            usage(["bridge", "--busy", "refuse"] + listen + ["tcp://127.0.0.1:9"], "--busy applies to an exclusive target"),
+            usage(["bridge", "--max-clients", "3"] + listen + ["tty:///dev/ttyS0"], "--max-clients: tty:// is exclusive"),
+            usage(["bridge", "--max-clients", "5", "--max-clients", "6"] + listen + ["loop://"], "--max-clients is given 2 times; give it once"),
+            usage(["bridge", "--max-clients=5", "--max-clients", "6"] + listen + ["loop://"], "--max-clients is given 2 times"),
+            usage(["bridge", "--linger", "1", "--linger", "2"] + listen + ["loop://"], "--linger is given 2 times"),
+            usage(["bridge", "--busy", "refuse", "--busy", "replace"] + listen + ["tty:///dev/ttyS0"], "--busy is given 2 times"),
+            usage(["bridge", "--json", "--json"] + listen + ["loop://"], "--json is given 2 times"),
+            usage(["bridge", "--once", "--once"] + listen + ["loop://"], "--once is given 2 times"),
+            usage(["bridge", "--max-clients", "-1"] + listen + ["loop://"], "--max-clients takes a number from 1 to 100000; got -1"),
+            usage(["bridge", "--max-clients", "100001"] + listen + ["loop://"], "--max-clients takes a number from 1 to 100000"),
+            usage(["bridge", "--max-clients", "abc"] + listen + ["loop://"], "'abc' is invalid for '--max-clients"),
+            usage(["bridge", "--max-clients", "99999999999999999999999"] + listen + ["loop://"], "is invalid for '--max-clients"),
+            usage(["bridge", "--max-clients", "1e3"] + listen + ["loop://"], "'1e3' is invalid for '--max-clients"),
+            usage(["bridge", "--max-clients"], "Missing value for '--max-clients"),
+            usage(["bridge", "--busy"], "Missing value for '--busy"),
+            usage(["bridge", "--busy", "REFUSE"] + listen + ["tty:///dev/ttyS0"], "'REFUSE' is invalid for '--busy"),
+            usage(["bridge", "--listen"], "Missing value for '--listen"),
+            usage(["bridge", "--once", "--listen", "tcp://127.0.0.1:0"], "a bridge has two endpoints"),
+            usage(["bridge"] + listen + listen + listen, "a bridge has two endpoints"),
+            usage(["bridge", "--listen", "tcp://127.0.0.1:0", "spy+loop://?spy.format=raw&spy.file=\(directory)/raw"], "would mix their bytes"),
+            usage(["connect", "--linger", "1", "--linger", "2", "loop://"], "--linger is given 2 times"),
+            usage(["connect", "--log-level", "debug", "--log-level", "info", "loop://"], "--log-level is given 2 times"),
+            usage(["list", "--json", "--json"], "--json is given 2 times"),
+            usage(["watch", "--all", "--all"], "--all is given 2 times"),
+            usage(["list", "--scan", "1", "--scan", "2"], "--scan is given 2 times"),
+        ]
+    }
+
     @Test func everyMalformedInputGetsASpecificErrorAndNoOutput() async throws {
         let fifo = temporaryPath("fifo")
         #expect(mkfifo(fifo, 0o600) == 0)
         let socketPath = temporaryPath("not-a-tty.sock")
         let listener = try await Transport.listen(on: "unix://\(socketPath)")
-        let table = Self.badInputs(fifo: fifo, socket: socketPath)
-        #expect(table.count >= 100)
+        let directory = temporaryPath("a-directory")
+        #expect(mkdir(directory, 0o700) == 0)
+        let added = Self.badInputsOfIssue25(fifo: fifo, socket: socketPath, directory: directory)
+        #expect(added.count >= 150, "issue 25 asks for 150 new rows (\(added.count))")
+        let table = Self.badInputs(fifo: fifo, socket: socketPath) + added
+        #expect(table.count >= 250)
         let results = try await withThrowingTaskGroup(of: (BadInput, CLI.Result).self) { group in
             var rows = table.makeIterator()
             var results: [(BadInput, CLI.Result)] = []
@@ -549,6 +798,9 @@ struct HostileUseTests {
                 #expect(result.stderr.contains(word), "\(row): '\(word)' missing from: \(result.stderr.prefix(400))")
             }
             #expect(!result.stderr.contains("Fatal error") && !result.stderr.contains("crashed"), "\(row)")
+            if row.neverListens {
+                #expect(!result.stderr.split(separator: "\n").contains { $0.hasPrefix("listening ") }, "\(row): checked before listening")
+            }
             #expect(result.stderr.utf8.count < 2000, "\(row): a message, not a dump (\(result.stderr.utf8.count) bytes)")
         }
         try await listener.close()

@@ -193,8 +193,9 @@ struct OptionTests {
     @Test("bad options fail before I/O with the grammar", arguments: [
         ("tcp://localhost:1?color=red", "unknown option 'color'"),
         ("tcp://localhost:1?noDelay=maybe", "expected true or false"),
-        ("tcp://localhost:1?backlog=0", "0 is outside 1…65535"),
-        ("tcp://localhost:1?backlog=x", "expected an integer"),
+        ("tcp://localhost:1?keepAliveIdle=0", "0 is outside 1…32767"),
+        ("tcp://localhost:1?keepAliveIdle=x", "expected a number"),
+        ("tcp://localhost:1?backlog=16", "option 'backlog' is not used by this mode, tcp:// connection (tcp://HOST:PORT)"),
         ("tcp://localhost:1?timeout=-1", "outside 0…31536000 seconds"),
         ("tcp://localhost:70000", "outside 0…65535"),
         ("tcp://localhost", "a port is required"),
@@ -206,7 +207,7 @@ struct OptionTests {
         // Ports are decimal for host:port schemes (the URL model keeps the text; the scheme decides).
         ("tcp://host:port", "the port 'port' must be a decimal number"),
         ("tcp://host:", "the port '' must be a decimal number"),
-        ("tcp://host:99999999999", "must be a decimal number"),
+        ("tcp://host:99999999999", "the port 99999999999 is outside 0…65535"),
         ("tcp://host:01a7", "must be a decimal number"),
     ])
     func rejects(_ url: String, reason: String) async {
@@ -371,7 +372,7 @@ struct HugeValueTests {
         ("loop://?buffer=+5", "expected an integer"),
         ("loop://?buffer=1.5", "expected an integer"),
         ("tty:///dev/ttyS0?baud=-1", "-1 is outside 1…20000000"),
-        ("tcp://h:99999999999999999999", "must be a decimal number"),
+        ("tcp://h:99999999999999999999", "the port 99999999999999999999 is outside 0…65535"),
         ("tty://a:0/dev/ttyS0", "the port 0 is outside 1…20000000"),
     ])
     func refused(_ url: String, reason: String) async {

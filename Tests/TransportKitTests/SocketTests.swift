@@ -426,8 +426,8 @@ struct WriteBoundTests {
         }
         release.signal()
         #expect(accepted < total, "the writer was held while the loop was blocked")
-        #expect(accepted <= ChannelBackend.inFlightCap + chunk, "\(accepted) bytes accepted while the loop was blocked")
-        #expect(accepted >= ChannelBackend.inFlightCap - chunk, "the writer went on up to the cap (\(accepted))")
+        #expect(accepted <= Buffering.standard.inFlight.high + chunk, "\(accepted) bytes accepted while the loop was blocked")
+        #expect(accepted >= Buffering.standard.inFlight.high - chunk, "the writer went on up to the cap (\(accepted))")
         // Once the loop runs again, everything arrives, in order.
         let received = await Support.readAll(peer)
         try await writer.value

@@ -112,7 +112,7 @@ struct TransportURLTests {
         ("tcp://[::1:4000", "no ']' closes"),
         ("tcp://[::1]4000", "expected ':PORT'"),
         ("tcp://[zz]:1", "not an IPv6 address"),
-        ("rfcomm://00:0a:3a:22:68:73:3:4", "neither HOST:PORT nor a Bluetooth address"),
+        ("rfcomm://00:0a:3a:22:68:73:3:4", "has 7 colons: an authority is HOST:PORT"),
         ("tcp://host:1#frag", "fragments"),
         ("tcp://host:1?a=1&A=2", "given twice"),
         ("tcp://host:1?=1", "has no name"),

@@ -188,10 +188,18 @@ final class BlueZ: Sendable {
                        + "`bluetoothctl power on`\(adapter.index.map { " or `btmgmt --index \($0) power on`" } ?? "") (and check `rfkill list`)")
     }
 
-    /// Turns BlueZ's D-Bus errors (org.bluez.Error.*) into errors that say what to do.
+    /// Turns BlueZ's D-Bus errors (org.bluez.Error.*, by their name in ``TransportError/code``)
+    /// into errors that say what to do; the code stays on the result. (BlueZ's own reasons, such
+    /// as "le-connection-abort-by-local", come only in the message of org.bluez.Error.Failed.)
     static func explain(_ error: TransportError, about what: String) -> TransportError {
+        var explained = explainWords(error, about: what)
+        explained.code = error.code
+        return explained
+    }
+
+    private static func explainWords(_ error: TransportError, about what: String) -> TransportError {
         let message = error.message
-        func has(_ name: String) -> Bool { message.contains("org.bluez.Error.\(name)") }
+        func has(_ name: String) -> Bool { error.code == "org.bluez.Error.\(name)" }
         if has("NotReady") {
             return TransportError(.unsupported, "\(what): the adapter is not ready (powered off?): `bluetoothctl power on`. \(message)")
         }

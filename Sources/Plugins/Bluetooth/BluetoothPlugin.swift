@@ -2,18 +2,25 @@
 // (BlueZ.swift), kernel sockets for the data (BluetoothSocket.swift). Never raw HCI: it fights
 // bluetoothd ("Command Disallowed").
 //
-// Grammar:
-//   rfcomm://MAC[:CHANNEL][?adapter=hciN&uuid=UUID]      Bluetooth Classic, RFCOMM channel 1…30; no channel:
-//                                                        found through SDP (ServiceDiscovery.swift)
-//   rfcomm://any|ADAPTER-MAC[:CHANNEL] (listening)       a service published through BlueZ (SerialPortProfile.swift)
-//   ble://SERVICE:PSM (listening)                        an LE L2CAP listener that advertises SERVICE (LEListener.swift)
+// Grammar (each form is a mode of its scheme: an option another form uses is refused):
+//   rfcomm://MAC:CHANNEL[?adapter=hciN&security=…]       Bluetooth Classic, RFCOMM channel 1…30
+//   rfcomm://MAC[?adapter=hciN&uuid=UUID&security=…]     the channel found through SDP (ServiceDiscovery.swift)
+//   rfcomm://any|ADAPTER-MAC[:CHANNEL][?uuid=…&name=…&backlog=N&security=…] (listening)
+//                                                        a service published through BlueZ (SerialPortProfile.swift)
+//   ble://SERVICE:PSM[?adapter=hciN&advertise=BOOL&mtu=N&security=…&backlog=N] (listening)
+//                                                        an LE L2CAP listener that advertises SERVICE (LEListener.swift)
 //   ble://SERVICE:PSM/MAC[?adapter=hciN&addressType=…&mtu=N&security=…]
 //                                                        an LE L2CAP connection-oriented channel
-//   ea://…                                               refused: Apple's External Accessory has no Linux counterpart
 //   ble://SERVICE/MAC[?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never]
 //                                                        GATT serial (GattSerial.swift)
 //   ble://SERVICE[:PSM]                                  no device: the strongest advertising SERVICE (chooseDevice)
-// Not built: a GATT server (listening on ble://SERVICE without a PSM); refused with a message that says so.
+//   ea://…                                               refused: Apple's External Accessory has no Linux counterpart
+// security= asks the kernel for an encrypted (medium) or MITM-protected (high) link; the kernel
+// refuses an RFCOMM connect it cannot secure, and an L2CAP channel's level is read back and checked.
+// An LE listener admits no peer below it; an RFCOMM listener takes low or medium (bluetoothd's
+// Profile API asks for medium at most, and hands over sockets that cannot tell). Not built: a GATT server
+// (listening on ble://SERVICE without a PSM), and security= for GATT serial (BlueZ's GATT client
+// raises the link's security by itself when a characteristic demands it); both are refused.
 
 import NIOCore
 import Synchronization
@@ -49,7 +56,7 @@ public struct BluetoothPlugin: TransportPlugin {
                                               help: "ble://: the device's LE address type; bluez (default) asks bluetoothd, discovering the device if needed")
     static let mtu = URLOption.integer("mtu", in: 23...65535, help: "ble://…:PSM: the receive MTU to offer (default: the kernel's, 672)")
     static let security = URLOption.choice("security", default: BluetoothSocket.Security.low,
-                                           help: "ble://…:PSM: link security; medium and high encrypt the link and may start pairing (needs an agent)")
+                                           help: "Link security: low accepts any link; medium (encrypted) and high (paired with MITM protection) may start pairing, which needs an agent. Listening: the least a peer's link must have")
 
     static let uuid = URLOption.string("uuid", help: "rfcomm://: the service to find through SDP when the URL has no channel, and to publish when listening (default: 1101, the Serial Port Profile)")
     static let name = URLOption.string("name", help: "rfcomm:// listening: the service name in the published SDP record (default: TransportKit serial port)")
@@ -75,12 +82,20 @@ public struct BluetoothPlugin: TransportPlugin {
             Scheme(SchemeDescriptor(
                 scheme: "rfcomm",
                 summary: "Bluetooth Classic RFCOMM (Serial Port Profile) through BlueZ",
-                grammar: "rfcomm://MAC[:CHANNEL][?adapter=hciN&uuid=UUID]; listening: rfcomm://any|ADAPTER-MAC[:CHANNEL][?uuid=UUID&name=NAME]",
+                grammar: "rfcomm://MAC[:CHANNEL][?adapter=hciN&uuid=UUID&security=low|medium|high]; "
+                    + "listening: rfcomm://any|ADAPTER-MAC[:CHANNEL][?uuid=UUID&name=NAME&backlog=N&security=…]",
                 examples: ["rfcomm://00:0A:3A:22:68:73", "rfcomm://00:0A:3A:22:68:73:1", "rfcomm://00:0A:3A:22:68:73?uuid=1101&adapter=hci1",
-                           "rfcomm://any (listening)"],
+                           "rfcomm://any?security=medium (listening)"],
                 host: .required, port: .optional, portRange: 1...30, path: .forbidden,
-                options: [Self.adapter, Self.uuid, Self.name, Self.backlog]
-            ), connect: { [bus] in try await BluetoothConnector.rfcomm($0, bus: bus) },
+                options: [Self.adapter, Self.uuid, Self.name, Self.backlog, Self.security],
+                modes: [SchemeMode("rfcomm:// connection to a channel", form: "rfcomm://MAC:CHANNEL", port: .required,
+                                   options: [Self.adapter, Self.security]),
+                        SchemeMode("rfcomm:// connection found through SDP", form: "rfcomm://MAC", port: .forbidden,
+                                   options: [Self.adapter, Self.uuid, Self.security]),
+                        SchemeMode("rfcomm:// listener", role: .listen, form: "rfcomm://any|ADAPTER-MAC[:CHANNEL]",
+                                   options: [Self.adapter, Self.uuid, Self.name, Self.backlog, Self.security])]
+            ), check: { request in try BluetoothConnector.checkRFCOMM(request) },
+               connect: { [bus] in try await BluetoothConnector.rfcomm($0, bus: bus) },
                listen: { [bus] in try await RFCOMMListener.listen($0, bus: bus) }),
             Scheme(SchemeDescriptor(
                 scheme: "ble",
@@ -91,8 +106,15 @@ public struct BluetoothPlugin: TransportPlugin {
                            "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024", "ble://nus",
                            "ble://FFF0:128?adapter=hci1 (listening)"],
                 host: .required, port: .optional, portRange: 1...255, path: .optional,
-                options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.mtu, Self.security, Self.advertise, Self.backlog]
-            ), connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) },
+                options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.mtu, Self.security, Self.advertise, Self.backlog],
+                modes: [SchemeMode("ble:// L2CAP connection", form: "ble://SERVICE:PSM[/MAC]", port: .required,
+                                   options: [Self.adapter, Self.addressType, Self.mtu, Self.security]),
+                        SchemeMode("ble:// GATT serial connection", form: "ble://SERVICE[/MAC]", port: .forbidden,
+                                   options: [Self.adapter, Self.rx, Self.tx, Self.acquire]),
+                        SchemeMode("ble:// L2CAP listener", role: .listen, form: "ble://SERVICE:PSM", port: .required,
+                                   options: [Self.adapter, Self.advertise, Self.mtu, Self.security, Self.backlog])]
+            ), check: { request in try BluetoothConnector.checkBLE(request) },
+               connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) },
                listen: { [bus] in try await LEListener.listen($0, bus: bus) }),
             Scheme(SchemeDescriptor(
                 scheme: "ea",
@@ -102,7 +124,7 @@ public struct BluetoothPlugin: TransportPlugin {
                 host: .optional, port: .forbidden, path: .optional,
                 options: []
             ), connect: { request in
-                throw TransportError(.unsupported, "\(request.url): ea:// is Apple's External Accessory framework (MFi accessories on iOS), which Linux "
+                throw TransportError(.unsupported, "\(request.url.shown): ea:// is Apple's External Accessory framework (MFi accessories on iOS), which Linux "
                                      + "does not have. The same accessories are reached here over Bluetooth Classic as rfcomm://MAC:CHANNEL, "
                                      + "or over USB as usb://VID:PID")
             }),
@@ -177,33 +199,98 @@ enum AdapterEvents {
 
 /// Connecting rfcomm:// and ble://.
 enum BluetoothConnector {
+    /// What a server checks about an rfcomm:// URL before it listens: everything but the radio.
+    static func checkRFCOMM(_ request: ConnectRequest) throws {
+        _ = try adapterName(request)
+        _ = request[BluetoothPlugin.security]
+        if request.mode?.role == .listen {
+            _ = try RFCOMMListener.localHost(request)
+            _ = try RFCOMMListener.security(request)
+            _ = try serviceUUID(request)
+            _ = request[BluetoothPlugin.name]
+            _ = request[BluetoothPlugin.backlog]
+        } else {
+            _ = try deviceAddress(request.host, request)
+            if request.url.port == nil { _ = try serviceUUID(request) }
+        }
+    }
+
+    /// What a server checks about a ble:// URL before it listens: the service, the device's
+    /// address, the characteristics, the adapter's name.
+    static func checkBLE(_ request: ConnectRequest) throws {
+        _ = try GattSerial.service(request)
+        _ = try adapterName(request)
+        if request.mode?.role == .listen {
+            _ = try LEListener.psm(request)
+            return
+        }
+        _ = try device(request)
+        if request.url.port == nil {
+            _ = try GattSerial.characteristicOption(request, BluetoothPlugin.rx)
+            _ = try GattSerial.characteristicOption(request, BluetoothPlugin.tx)
+            _ = request[BluetoothPlugin.acquire]
+        } else {
+            _ = request[BluetoothPlugin.addressType]
+            _ = request[BluetoothPlugin.mtu]
+            _ = request[BluetoothPlugin.security]
+        }
+    }
+
+    /// `adapter=`: an adapter's name (hci0) or address; `nil` when not given (the first powered one).
+    static func adapterName(_ request: ConnectRequest) throws -> String? {
+        guard let name = request[BluetoothPlugin.adapter] else { return nil }
+        let isName = name.hasPrefix("hci") && name.utf8.count > 3 && name.utf8.count <= 6 && name.utf8.dropFirst(3).allSatisfy { $0 >= UInt8(ascii: "0") && $0 <= UInt8(ascii: "9") }
+        guard isName || BluetoothAddress(name) != nil else {
+            throw TransportError(.invalidURL, "\(request.url.shown): adapter='\(TransportError.printable(name, limit: 40))' names no adapter: "
+                                 + "give its name (hci0) or its address (00:1A:7D:DA:71:13); `transportkit list` shows the adapters. Grammar: \(request.scheme.grammar)")
+        }
+        return name
+    }
+
+    /// A device's address as a URL gives it.
+    static func deviceAddress(_ text: String, _ request: ConnectRequest) throws -> BluetoothAddress {
+        guard let device = BluetoothAddress(text) else {
+            throw TransportError(.invalidURL, "\(request.url.shown): '\(TransportError.printable(text, limit: 40))' is not a Bluetooth address "
+                                 + "(six pairs of hexadecimal digits, 00:0A:3A:22:68:73). Grammar: \(request.scheme.grammar)")
+        }
+        return device
+    }
+
+    /// The device of a ble:// URL (its path), or `nil` when it names none (the strongest advertiser).
+    static func device(_ request: ConnectRequest) throws -> BluetoothAddress? {
+        let text = String(request.url.path.drop { $0 == "/" })
+        return text.isEmpty ? nil : try deviceAddress(text, request)
+    }
+
     static func rfcomm(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Connection {
         let url = request.url
-        guard let device = BluetoothAddress(request.host) else {
-            throw TransportError(.invalidURL, "\(url): '\(request.host)' is not a Bluetooth address (six hexadecimal pairs, 00:0A:3A:22:68:73). Grammar: \(request.scheme.grammar)")
-        }
-        let service = try serviceUUID(request)
+        try checkRFCOMM(request)   // every part, before any I/O
+        let device = try deviceAddress(request.host, request)
+        let service = url.port == nil ? try serviceUUID(request) : ServiceDiscovery.serialPort
+        let security = request[BluetoothPlugin.security]
         let (_, adapter, local, known) = try await resolve(request, bus: bus, device: device)
         let describing = url.description
         let channel: Int
         let fd: SystemPackage.FileDescriptor
         if let port = url.port {
             channel = port
-            fd = try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: UInt8(port), describing: describing,
+            fd = try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: UInt8(port), security: security, describing: describing,
                                                          deadline: request.deadline)
         } else {
             (channel, fd) = try await ServiceDiscovery.withRFCOMMChannel(adapter: local, device: device, service: service, describing: describing,
                                                                         deadline: request.deadline) { found in
                 request.logger.debug("SDP: \(device) offers \(BluetoothUUID.short(service)) on RFCOMM channel \(found)")
-                return (Int(found), try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: found, describing: describing,
-                                                                             deadline: request.deadline))
+                return (Int(found), try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: found, security: security,
+                                                                             describing: describing, deadline: request.deadline))
             }
         }
-        let backend = try await DescriptorChannel.adoptSocket(fd, describing: describing)
+        let backend = try await DescriptorChannel.adoptSocket(fd, describing: describing, buffering: request.buffering)
         var metadata = metadata(device: known, address: device, adapter: adapter)
         metadata.extra["addressType"] = "public"
         metadata.extra["channel"] = String(channel)
         if url.port == nil { metadata.extra["service"] = BluetoothUUID.short(service) }
+        // The level asked for: the kernel refused the connect if the link could not have it.
+        metadata.extra["security"] = security.rawValue
         return Connection(url: url, backend: BluetoothBackend(channel: backend, device: device), metadata: metadata)
     }
 
@@ -211,19 +298,22 @@ enum BluetoothConnector {
     static func serviceUUID(_ request: ConnectRequest) throws -> String {
         guard let text = request[BluetoothPlugin.uuid] else { return ServiceDiscovery.serialPort }
         guard let uuid = BluetoothUUID.normalize(text) else {
-            throw TransportError(.invalidURL, "\(request.url): uuid=\(text) is not a service UUID (1101, 32-bit, or 128-bit with or without dashes)")
+            throw TransportError(.invalidURL, "\(request.url.shown): uuid=\(TransportError.printable(text, limit: 40)) is not a service UUID "
+                                 + "(1101, 32-bit, or 128-bit written 8-4-4-4-12 or without dashes)")
         }
         return uuid
     }
 
     static func ble(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Connection {
         let url = request.url
-        var deviceText = String(url.path.drop { $0 == "/" })
-        if deviceText.isEmpty {
-            deviceText = try await chooseDevice(request, bus: bus)
-        }
-        guard let device = BluetoothAddress(deviceText) else {
-            throw TransportError(.invalidURL, "\(url): '\(deviceText)' is not a Bluetooth address (six hexadecimal pairs, E3:2E:44:66:A2:4A). Grammar: \(request.scheme.grammar)")
+        // Every part is checked before any I/O, the service also when a device is given.
+        try checkBLE(request)
+        let named = try device(request)
+        let device: BluetoothAddress
+        if let named {
+            device = named
+        } else {
+            device = try deviceAddress(try await chooseDevice(request, bus: bus), request)
         }
         guard let psm = url.port else {
             return try await GattSerial.connect(request, bus: bus, device: device)
@@ -250,7 +340,7 @@ enum BluetoothConnector {
                                                              receiveMTU: request[BluetoothPlugin.mtu], security: request[BluetoothPlugin.security],
                                                              describing: describing, deadline: request.deadline)
         let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
-                                          maximumWriteSize: channel.sendMTU) { errno in
+                                          maximumWriteSize: channel.sendMTU, watermarks: request.buffering.inbound) { errno in
             BluetoothBackend.disconnected(device, errno: errno, syscall: errno == nil ? nil : "recv")
         }
         var metadata = metadata(device: known, address: device, adapter: adapter)
@@ -273,7 +363,7 @@ enum BluetoothConnector {
         // GATT serial and L2CAP URLs name the service alike: a UUID, or nus / hm10.
         let service = try GattSerial.service(request).uuid
         let plugin = BluetoothPlugin(bus: bus)
-        let adapter = request[BluetoothPlugin.adapter]
+        let adapter = try adapterName(request)
         let started = ContinuousClock.now
         let first = try await ConnectRequest.first(of: [{ @Sendable in
             for try await event in plugin.scan(BluetoothScan(services: [service], end: .firstMatch, expiry: nil, adapter: adapter)) {
@@ -283,7 +373,7 @@ enum BluetoothConnector {
         }], until: request.searchLimit(from: started) ?? started + BlueZ.searchWithoutDeadline)
         guard var best = first else {
             let within = ConnectRequest.searchTime(timeout: request.timeout, orElse: BlueZ.searchWithoutDeadline)
-            throw TransportError(.notFound, "\(request.url): no Bluetooth LE device advertising service \(service) found within \(within): "
+            throw TransportError(.notFound, "\(request.url.shown): no Bluetooth LE device advertising service \(service) found within \(within): "
                                  + "is it switched on, in range and advertising? Give more time with timeout=SECONDS, or the device: ble://\(request.host)\(request.url.port.map { ":\($0)" } ?? "")/MAC")
         }
         for try await event in plugin.scan(BluetoothScan(services: [service], end: .after(choiceWindow), expiry: nil, adapter: adapter)) {
@@ -299,7 +389,7 @@ enum BluetoothConnector {
         -> (bluez: BlueZ, adapter: BluetoothAdapter, local: BluetoothAddress, known: BluetoothDevice?) {
         let bluez = try BlueZ.shared(bus)
         let objects = try await bluez.objects()
-        let adapter = try BlueZ.adapter(named: request[BluetoothPlugin.adapter], among: objects.adapters)
+        let adapter = try BlueZ.adapter(named: try adapterName(request), among: objects.adapters)
         let known = BlueZ.device(device.description, onAdapter: adapter.path, among: objects.devices)
         return (bluez, adapter, try localAddress(of: adapter, request), known)
     }
@@ -307,7 +397,7 @@ enum BluetoothConnector {
     /// The adapter's own address, for binding sockets to it.
     static func localAddress(of adapter: BluetoothAdapter, _ request: ConnectRequest) throws -> BluetoothAddress {
         guard let local = BluetoothAddress(adapter.address) else {
-            throw TransportError(.io, "\(request.url): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
+            throw TransportError(.io, "\(request.url.shown): bluetoothd reports adapter \(adapter.name) with the address '\(adapter.address)'")
         }
         return local
     }

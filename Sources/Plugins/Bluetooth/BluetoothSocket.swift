@@ -23,7 +23,8 @@ struct BluetoothAddress: Sendable, Hashable, CustomStringConvertible {
         guard parts.count == 6 else { return nil }
         var bytes: [UInt8] = []
         for part in parts {
-            guard part.count == 2, let byte = UInt8(part, radix: 16) else { return nil }
+            // Two hexadecimal digits each: UInt8(_:radix:) alone would also take "+0".
+            guard part.utf8.count == 2, part.allSatisfy({ $0.isASCII && $0.isHexDigit }), let byte = UInt8(part, radix: 16) else { return nil }
             bytes.append(byte)
         }
         self.bytes = bytes
@@ -78,12 +79,17 @@ enum BluetoothSocket {
         }
     }
 
-    /// An RFCOMM stream socket connected to `device` on `channel`, bound to `adapter`.
-    static func connectRFCOMM(adapter: BluetoothAddress, device: BluetoothAddress, channel: UInt8, describing: String,
+    /// An RFCOMM stream socket connected to `device` on `channel`, bound to `adapter`, its link
+    /// at `security` at least: the kernel secures the link before it opens the channel and refuses
+    /// the connect when it cannot (rfcomm_check_security, hci_conn_security). BT_SECURITY read
+    /// back on an RFCOMM socket gives the socket's own setting, not the link's, so there is nothing
+    /// to check afterwards, unlike L2CAP.
+    static func connectRFCOMM(adapter: BluetoothAddress, device: BluetoothAddress, channel: UInt8, security: Security = .low, describing: String,
                               deadline: ContinuousClock.Instant?) async throws -> SystemPackage.FileDescriptor {
         let fd = try open(SOCK_STREAM, BTPROTO_RFCOMM, describing: describing)
         do {
             try Syscall.run("bind", on: describing) { tk_bt_rfcomm_bind(fd.rawValue, adapter.kernel, 0) }
+            try configure(fd, receiveMTU: nil, security: security, describing: describing)
             try await connect(fd, describing: describing, deadline: deadline, what: "RFCOMM channel \(channel) on \(device)") {
                 tk_bt_rfcomm_connect(fd.rawValue, device.kernel, channel)
             }
@@ -115,14 +121,7 @@ enum BluetoothSocket {
             try await connect(fd, describing: describing, deadline: deadline, what: "L2CAP PSM \(psm) on \(device)") {
                 tk_bt_l2cap_connect(fd.rawValue, device.kernel, type, psm)
             }
-            let achieved = try securityLevel(fd, describing)
-            if achieved < security.level {
-                throw TransportError(.permissionDenied, "\(describing): the link to \(device) is at security level \(Security.name(of: achieved)), "
-                                     + "not \(security.rawValue): the kernel did not pair or encrypt it. Pair the device first "
-                                     + "(`bluetoothctl pair \(device)` with an agent running); if the kernel log says \"security requested "
-                                     + "but not available\", the adapter was brought up without mgmt (`btmgmt power off; btmgmt power on`)",
-                                     errno: .permissionDenied, syscall: "getsockopt(BT_SECURITY)")
-            }
+            let achieved = try requireSecurity(security, fd, device: device, describing: describing)
             return Channel(fd: fd, sendMTU: try mtu(fd, BT_SNDMTU, describing), receiveMTU: try mtu(fd, BT_RCVMTU, describing),
                            security: Security.name(of: achieved))
         } catch {
@@ -131,8 +130,23 @@ enum BluetoothSocket {
         }
     }
 
-    /// The security level the connected link has now (BT_SECURITY reads the link's, not the socket's wish).
-    private static func securityLevel(_ fd: SystemPackage.FileDescriptor, _ describing: String) throws -> UInt8 {
+    /// The link's level on a connected socket, or `.permissionDenied` when it is below `security`.
+    @discardableResult
+    static func requireSecurity(_ security: Security, _ fd: SystemPackage.FileDescriptor, device: BluetoothAddress, describing: String) throws -> UInt8 {
+        let achieved = try securityLevel(fd, describing)
+        guard achieved >= security.level else {
+            throw TransportError(.permissionDenied, "\(describing): the link to \(device) is at security level \(Security.name(of: achieved)), "
+                                 + "not \(security.rawValue): the kernel did not pair or encrypt it. Pair the device first "
+                                 + "(`bluetoothctl pair \(device)` with an agent running); if the kernel log says \"security requested "
+                                 + "but not available\", the adapter was brought up without mgmt (`btmgmt power off; btmgmt power on`)",
+                                 errno: .permissionDenied, syscall: "getsockopt(BT_SECURITY)")
+        }
+        return achieved
+    }
+
+    /// The security level the connected link has now. On L2CAP sockets BT_SECURITY reads the
+    /// link's; on RFCOMM ones, only the socket's own setting.
+    static func securityLevel(_ fd: SystemPackage.FileDescriptor, _ describing: String) throws -> UInt8 {
         var value = bt_security()
         var length = socklen_t(MemoryLayout<bt_security>.size)
         try Syscall.run("getsockopt(BT_SECURITY)", on: describing) {
@@ -202,16 +216,23 @@ enum BluetoothSocket {
         }
     }
 
-    /// One connection from a listening L2CAP socket, if one is waiting (else `nil`, EAGAIN).
-    static func acceptL2CAP(_ listener: SystemPackage.FileDescriptor, describing: String) throws -> (channel: Channel, peer: BluetoothAddress, addressType: String)? {
+    /// One connection from a listening L2CAP socket, if one is waiting (else `nil`, EAGAIN). One
+    /// whose link is below `security` is closed and passed over (`nil`): the kernel asked for it,
+    /// but a peer that failed to pair must not be let in regardless.
+    static func acceptL2CAP(_ listener: SystemPackage.FileDescriptor, security: Security, describing: String) throws -> (channel: Channel, peer: BluetoothAddress, addressType: String)? {
         var peer = bdaddr_t()
         var type: UInt8 = 0
         switch Syscall.attempt({ tk_bt_l2cap_accept(listener.rawValue, &peer, &type) }) {
         case .success(let raw):
             let fd = SystemPackage.FileDescriptor(rawValue: raw)
             do {
+                let level = try securityLevel(fd, describing)
+                guard level >= security.level else {
+                    fd.closeOwned()
+                    return nil
+                }
                 let channel = Channel(fd: fd, sendMTU: try mtu(fd, BT_SNDMTU, describing), receiveMTU: try mtu(fd, BT_RCVMTU, describing),
-                                      security: Security.name(of: try securityLevel(fd, describing)))
+                                      security: Security.name(of: level))
                 return (channel, BluetoothAddress(kernel: peer), type == UInt8(BDADDR_LE_RANDOM) ? "random" : "public")
             } catch {
                 fd.closeOwned()
@@ -292,10 +313,14 @@ enum BluetoothSocket {
         case .connectionRefused:
             // An RFCOMM server that demands more security than the pairing gave (MITM, say) answers
             // the same way as a channel nobody serves.
-            let security = what.hasPrefix("RFCOMM") ? ", or the service there demands more security than this link has" : ""
-            return TransportError(.refused, "\(describing): nobody listens on \(what)\(security) (the device refused the connection)", errno: errno, syscall: "connect")
+            let also = what.hasPrefix("RFCOMM") ? ", or the service there demands more security than this link has"
+                : ", or its listener's backlog is full"
+            return TransportError(.refused, "\(describing): nobody listens on \(what)\(also) (the device refused the connection)", errno: errno, syscall: "connect")
         case .hostIsDown, .timedOut, .noRouteToHost:
             return TransportError(.timedOut, "\(describing): \(what) did not answer: out of range, switched off, or not connectable", errno: errno, syscall: "connect")
+        case .resourceBusy where what.hasPrefix("RFCOMM"):
+            return TransportError(.busy, "\(describing): \(what) is already connected from this machine (a channel carries one connection between "
+                                  + "two devices); close the other connection first", errno: errno, syscall: "connect")
         case .resourceBusy:
             return TransportError(.busy, "\(describing): the adapter is busy with another connection attempt (one LE connect at a time); try again", errno: errno, syscall: "connect")
         case .permissionDenied, .notPermitted:

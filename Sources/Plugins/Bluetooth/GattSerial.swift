@@ -38,16 +38,19 @@ enum BluetoothUUID {
         "hm10": ("0000ffe0" + baseTail, "0000ffe1" + baseTail, "0000ffe1" + baseTail),
     ]
 
-    /// `FFE0`, `0000FFE0`, a 128-bit UUID with or without dashes, in BlueZ's form; `nil` if none of those.
+    /// `FFE0`, `0000FFE0`, a 128-bit UUID with dashes where RFC 4122 puts them (8-4-4-4-12) or
+    /// without any, in BlueZ's form; `nil` if none of those (`1101-0000` is not a UUID).
     static func normalize(_ text: String) -> String? {
         let lower = text.lowercased()
         let hex = lower.filter { $0 != "-" }
-        guard !hex.isEmpty, hex.allSatisfy(\.isHexDigit) else { return nil }
+        guard !hex.isEmpty, hex.allSatisfy({ $0.isASCII && $0.isHexDigit }) else { return nil }
+        if lower.contains("-") {
+            guard lower.split(separator: "-", omittingEmptySubsequences: false).map(\.count) == [8, 4, 4, 4, 12] else { return nil }
+        }
         switch hex.count {
         case 4: return "0000" + hex + baseTail
         case 8: return hex + baseTail
         case 32:
-            if lower.contains("-") && lower.count != 36 { return nil }
             let characters = Array(hex)
             let groups = [0..<8, 8..<12, 12..<16, 16..<20, 20..<32].map { String(characters[$0]) }
             return groups.joined(separator: "-")
@@ -107,7 +110,7 @@ enum GattSerial {
             return (known.service, known.rx, known.tx)
         }
         guard let uuid = BluetoothUUID.normalize(host) else {
-            throw TransportError(.invalidURL, "\(request.url): '\(host)' is neither a service UUID (FFE0, 6E400001-B5A3-F393-E0A9-E50E24DCCA9E) "
+            throw TransportError(.invalidURL, "\(request.url.shown): '\(TransportError.printable(host, limit: 40))' is neither a service UUID (FFE0, 6E400001-B5A3-F393-E0A9-E50E24DCCA9E) "
                                  + "nor a known GATT serial service (\(BluetoothUUID.serialServices.keys.sorted().joined(separator: ", "))). Grammar: \(request.scheme.grammar)")
         }
         return (uuid, nil, nil)
@@ -116,7 +119,7 @@ enum GattSerial {
     static func characteristicOption(_ request: ConnectRequest, _ option: URLOption<String?>) throws -> String? {
         guard let text = request[option] else { return nil }
         guard let uuid = BluetoothUUID.normalize(text) else {
-            throw TransportError(.invalidURL, "\(request.url): \(option.spec.name)='\(text)' is not a characteristic UUID (FFE1, or 128-bit with dashes)")
+            throw TransportError(.invalidURL, "\(request.url.shown): \(option.spec.name)='\(TransportError.printable(text, limit: 40))' is not a characteristic UUID (FFE1, or 128-bit with dashes)")
         }
         return uuid
     }
@@ -181,11 +184,11 @@ enum GattSerial {
             guard let changed = signal.values.dropFirst().first?.dictionary else { continue }
             if changed["ServicesResolved"]?.boolValue == true { return }
             if changed["Connected"]?.boolValue == false {
-                throw TransportError(.disconnected, "\(url): Bluetooth device \(device.address) disconnected before its services were read")
+                throw TransportError(.disconnected, "\(url.shown): Bluetooth device \(device.address) disconnected before its services were read")
             }
         }
         try Task.checkCancellation()
-        throw TransportError(.disconnected, "\(url): Bluetooth device \(device.address) went away before its services were read")
+        throw TransportError(.disconnected, "\(url.shown): Bluetooth device \(device.address) went away before its services were read")
     }
 
     /// The receive and transmit characteristics in `service` on `device`.
@@ -204,13 +207,13 @@ enum GattSerial {
         }
         guard let service = services.sorted(by: { $0.path < $1.path }).first(where: { $0.uuid == uuid }) else {
             let offered = Set(services.map { BluetoothUUID.short($0.uuid) }).sorted().joined(separator: ", ")
-            throw TransportError(.notFound, "\(url): Bluetooth device \(device.address) has no GATT service \(uuid); it offers: \(offered.isEmpty ? "none" : offered)")
+            throw TransportError(.notFound, "\(url.shown): Bluetooth device \(device.address) has no GATT service \(uuid); it offers: \(offered.isEmpty ? "none" : offered)")
         }
         let inService = characteristics.filter { $0.service == service.path }.map(\.characteristic).sorted { $0.path < $1.path }
         let listing = inService.map(\.summary).joined(separator: "; ")
         func named(_ uuid: String, _ role: String) throws -> GattCharacteristic {
             guard let found = inService.first(where: { $0.uuid == uuid }) else {
-                throw TransportError(.notFound, "\(url): service \(BluetoothUUID.short(service.uuid)) has no characteristic \(uuid) (\(role)); it has: \(listing)")
+                throw TransportError(.notFound, "\(url.shown): service \(BluetoothUUID.short(service.uuid)) has no characteristic \(uuid) (\(role)); it has: \(listing)")
             }
             return found
         }
@@ -218,11 +221,11 @@ enum GattSerial {
         if let wantedRx {
             rx = try named(wantedRx, "rx")
             guard rx.canReceive else {
-                throw TransportError(.unsupported, "\(url): characteristic \(BluetoothUUID.short(rx.uuid)) (rx) neither notifies nor indicates: \(rx.summary)")
+                throw TransportError(.unsupported, "\(url.shown): characteristic \(BluetoothUUID.short(rx.uuid)) (rx) neither notifies nor indicates: \(rx.summary)")
             }
         } else {
             guard let found = inService.first(where: \.canReceive) else {
-                throw TransportError(.unsupported, "\(url): no characteristic in service \(BluetoothUUID.short(service.uuid)) notifies or indicates; "
+                throw TransportError(.unsupported, "\(url.shown): no characteristic in service \(BluetoothUUID.short(service.uuid)) notifies or indicates; "
                                      + "it has: \(listing). Name the ones to use with rx= and tx=")
             }
             rx = found
@@ -231,11 +234,11 @@ enum GattSerial {
         if let wantedTx {
             tx = try named(wantedTx, "tx")
             guard tx.canWrite else {
-                throw TransportError(.unsupported, "\(url): characteristic \(BluetoothUUID.short(tx.uuid)) (tx) cannot be written: \(tx.summary)")
+                throw TransportError(.unsupported, "\(url.shown): characteristic \(BluetoothUUID.short(tx.uuid)) (tx) cannot be written: \(tx.summary)")
             }
         } else {
             guard let found = inService.first(where: \.canWriteWithoutResponse) ?? inService.first(where: \.canWrite) else {
-                throw TransportError(.unsupported, "\(url): no characteristic in service \(BluetoothUUID.short(service.uuid)) can be written; "
+                throw TransportError(.unsupported, "\(url.shown): no characteristic in service \(BluetoothUUID.short(service.uuid)) can be written; "
                                      + "it has: \(listing). Name the ones to use with rx= and tx=")
             }
             tx = found
@@ -439,7 +442,7 @@ final class GattBackend: ConnectionBackend {
                                               about: "writing to \(link.address)")
             } catch let error as TransportError {
                 if let ended = ended.withLock({ $0 }) { throw ended }
-                if error.message.contains("Not connected") || error.message.contains("org.bluez.Error.NotConnected") {
+                if error.code == "org.bluez.Error.NotConnected" || error.message.contains("Not connected") {
                     throw link.disconnected()
                 }
                 throw error

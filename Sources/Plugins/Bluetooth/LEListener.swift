@@ -22,11 +22,17 @@ final class LEListener: ListenerBackend {
     private let adapter: BluetoothAdapter
     private let service: String
     private let psm: UInt16
+    /// The least a peer's link must have; a peer below it is closed on accept.
+    private let security: BluetoothSocket.Security
+    /// How much each accepted channel may buffer (the listen request's).
+    private let buffering: Buffering
     private let advertisement: Advertisement?
     private let state = AsyncCondition(State())
 
     private init(url: TransportURL, fd: SystemPackage.FileDescriptor, bluez: BlueZ, adapter: BluetoothAdapter, service: String, psm: UInt16,
-                 advertisement: Advertisement?) {
+                 security: BluetoothSocket.Security, buffering: Buffering, advertisement: Advertisement?) {
+        self.security = security
+        self.buffering = buffering
         self.url = url
         self.fd = fd
         self.bluez = bluez
@@ -36,22 +42,31 @@ final class LEListener: ListenerBackend {
         self.advertisement = advertisement
     }
 
-    @Sendable static func listen(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Listener {
+    /// The PSM of a listening URL, which names no device.
+    static func psm(_ request: ConnectRequest) throws -> Int {
         let url = request.url
         guard let port = url.port else {
-            throw TransportError(.unsupported, "\(url): listening for GATT serial (a GATT server) is not built; listen on an L2CAP channel: ble://SERVICE:PSM")
+            throw TransportError(.unsupported, "\(url.shown): listening for GATT serial (a GATT server) is not built; listen on an L2CAP channel: ble://SERVICE:PSM")
         }
         guard url.path.drop(while: { $0 == "/" }).isEmpty else {
-            throw TransportError(.invalidURL, "\(url): a listener takes no device; choose the adapter with adapter=hciN: ble://\(request.host):\(port)")
+            throw TransportError(.invalidURL, "\(url.shown): a listener takes no device; choose the adapter with adapter=hciN: ble://\(request.host):\(port)")
         }
+        return port
+    }
+
+    @Sendable static func listen(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Listener {
+        let url = request.url
+        let port = try psm(request)
         // The same names a connect takes (a UUID, or nus / hm10), so one URL serves both ends.
         let service = try GattSerial.service(request).uuid
+        let security = request[BluetoothPlugin.security]
+        let name = try BluetoothConnector.adapterName(request)
         let bluez = try BlueZ.shared(bus)
-        let adapter = try BlueZ.adapter(named: request[BluetoothPlugin.adapter], among: try await bluez.objects().adapters)
+        let adapter = try BlueZ.adapter(named: name, among: try await bluez.objects().adapters)
         let local = try BluetoothConnector.localAddress(of: adapter, request)
         let describing = url.description
         let fd = try BluetoothSocket.listenL2CAP(adapter: local, psm: UInt16(port), receiveMTU: request[BluetoothPlugin.mtu],
-                                                 security: request[BluetoothPlugin.security], backlog: Int32(request[BluetoothPlugin.backlog]),
+                                                 security: security, backlog: Int32(request[BluetoothPlugin.backlog]),
                                                  describing: describing)
         let advertisement: Advertisement?
         do {
@@ -62,8 +77,9 @@ final class LEListener: ListenerBackend {
             throw error
         }
         request.logger.debug("ble listening: PSM \(port) on \(adapter.name)\(advertisement == nil ? "" : ", advertising \(BluetoothUUID.short(service))")")
-        let listener = LEListener(url: url, fd: fd, bluez: bluez, adapter: adapter, service: service, psm: UInt16(port), advertisement: advertisement)
-        return Listener(url: url, backend: listener)
+        let listener = LEListener(url: url, fd: fd, bluez: bluez, adapter: adapter, service: service, psm: UInt16(port), security: security,
+                                  buffering: request.buffering, advertisement: advertisement)
+        return Listener(url: url, backend: listener, exposure: RFCOMMListener.exposure(security, adapter: adapter.name))
     }
 
     func accept() async throws -> Connection? {
@@ -76,7 +92,7 @@ final class LEListener: ListenerBackend {
         let describing = url.description
         while true {
             if state.withLock({ $0.closed }) { return nil }
-            if let accepted = try BluetoothSocket.acceptL2CAP(fd, describing: describing) {
+            if let accepted = try BluetoothSocket.acceptL2CAP(fd, security: security, describing: describing) {
                 return await connection(accepted.channel, peer: accepted.peer, addressType: accepted.addressType)
             }
             // Readable (a connection waits), or the listener closed, whichever comes first.
@@ -94,7 +110,7 @@ final class LEListener: ListenerBackend {
     private func connection(_ channel: BluetoothSocket.Channel, peer: BluetoothAddress, addressType: String) async -> Connection {
         let describing = "ble://\(BluetoothUUID.short(service)):\(psm)/\(peer)"
         let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
-                                          maximumWriteSize: channel.sendMTU) { errno in
+                                          maximumWriteSize: channel.sendMTU, watermarks: buffering.inbound) { errno in
             BluetoothBackend.disconnected(peer, errno: errno, syscall: errno == nil ? nil : "recv")
         }
         let device = (try? await bluez.objects().devices).flatMap { BlueZ.device(peer.description, onAdapter: adapter.path, among: $0) }

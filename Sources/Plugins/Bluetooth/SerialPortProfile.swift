@@ -5,7 +5,12 @@
 //
 // Facts (shared/PLATFORM-NOTES.md, src/profile.c):
 // - RequireAuthentication and RequireAuthorization default to true: a connect is then refused with
-//   "Authentication attempt without agent" unless an agent runs. Both are set false here.
+//   "Authentication attempt without agent" unless an agent runs. RequireAuthentication follows
+//   security= (false for low, the default: any device in range may connect, which the tool says);
+//   RequireAuthorization is false (no agent prompt per connection). BlueZ asks for at most medium
+//   (src/profile.c: RequireAuthentication sets BT_IO_SEC_MEDIUM), and the socket it hands over
+//   reads back its own setting (RFCOMM's BT_SECURITY), not the link's: security=high cannot be
+//   had, or checked, through it, and is refused.
 // - A UUID BlueZ has no defaults for gets an RFCOMM server only when "Channel" is given (0 = the
 //   kernel's first free one, which is not reported back), so the channel is always chosen here.
 // - bluetoothd keeps its own reference to each connection's socket (it watches it for a hang-up),
@@ -59,7 +64,11 @@ final class RFCOMMListener: ListenerBackend {
     /// Watches org.bluez's owner: a bluetoothd that dies without Release still ends accept().
     private let ownerWatch = Mutex<Task<Void, Never>?>(nil)
 
-    private init(url: TransportURL, bluez: BlueZ, channel: UInt8, path: String) {
+    /// How much each accepted connection may buffer (the listen request's).
+    private let buffering: Buffering
+
+    private init(url: TransportURL, bluez: BlueZ, channel: UInt8, path: String, buffering: Buffering) {
+        self.buffering = buffering
         self.url = url
         self.bluez = bluez
         self.channel = channel
@@ -68,24 +77,54 @@ final class RFCOMMListener: ListenerBackend {
 
     /// rfcomm://any[:CHANNEL] or rfcomm://ADAPTER-ADDRESS[:CHANNEL]: publishes `uuid=` (the Serial
     /// Port Profile by default) on `CHANNEL` (default: the lowest free one) and accepts connections.
+    /// The local side a listening URL names, as tcp://0.0.0.0 does: every adapter (`nil`), or
+    /// one by address.
+    static func localHost(_ request: ConnectRequest) throws -> String? {
+        let host = request.host.uppercased()
+        if host == "ANY" || host == "00:00:00:00:00:00" { return nil }
+        guard BluetoothAddress(host) != nil else {
+            throw TransportError(.invalidURL, "\(request.url.shown): to listen, give `any` (every adapter) or an adapter's address "
+                                 + "as the host: rfcomm://any:CHANNEL; '\(TransportError.printable(request.host, limit: 40))' is neither")
+        }
+        return host
+    }
+
+    /// `security=` for a listener: low or medium (see the file's header: high cannot be had through
+    /// bluetoothd's Profile API).
+    static func security(_ request: ConnectRequest) throws -> BluetoothSocket.Security {
+        let security = request[BluetoothPlugin.security]
+        guard security != .high else {
+            throw TransportError(.invalidURL, "\(request.url.shown): an rfcomm:// listener takes security=low or medium: bluetoothd, which accepts "
+                                 + "its connections, asks for medium at most (an encrypted link with a paired device), and the socket it hands "
+                                 + "over cannot show more. Use security=medium. Grammar: \(request.scheme.grammar)")
+        }
+        return security
+    }
+
+    /// Who can reach a Bluetooth listener: any device in range, authenticated when `security`
+    /// asks for pairing.
+    static func exposure(_ security: BluetoothSocket.Security, adapter: String) -> ListenerExposure {
+        ListenerExposure(reach: .radio, authenticated: security != .low,
+                         who: security == .low ? "any Bluetooth device in range of \(adapter), without pairing (security=low)"
+                                               : "Bluetooth devices in range of \(adapter) that pair (security=\(security.rawValue))")
+    }
+
     @Sendable static func listen(_ request: ConnectRequest, bus: DBusConnection.Bus) async throws -> Listener {
         let url = request.url
-        // The host is the local side, as tcp://0.0.0.0 is: every adapter, or one by address.
-        let host = request.host.uppercased()
-        let every = host == "ANY" || host == "00:00:00:00:00:00"
-        guard every || BluetoothAddress(host) != nil else {
-            throw TransportError(.invalidURL, "\(url): to listen, give `any` (every adapter) or an adapter's address as the host: rfcomm://any:CHANNEL; "
-                                 + "'\(request.host)' is neither")
-        }
+        let localHost = try localHost(request)
+        let every = localHost == nil
+        let host = localHost ?? "ANY"
         let service = try BluetoothConnector.serviceUUID(request)
+        let security = try security(request)
+        let option = try BluetoothConnector.adapterName(request)
         let bluez = try BlueZ.shared(bus)
         let adapters = try await bluez.objects().adapters
         let named: String?
         if every {
-            named = request[BluetoothPlugin.adapter]
+            named = option
         } else {
-            if let option = request[BluetoothPlugin.adapter], try BlueZ.adapter(named: option, among: adapters).address.uppercased() != host {
-                throw TransportError(.invalidURL, "\(url): adapter=\(option) is not the adapter with address \(host)")
+            if let option, try BlueZ.adapter(named: option, among: adapters).address.uppercased() != host {
+                throw TransportError(.invalidURL, "\(url.shown): adapter=\(option) is not the adapter with address \(host)")
             }
             named = host
         }
@@ -113,7 +152,7 @@ final class RFCOMMListener: ListenerBackend {
         var bound = url
         bound.port = Int(channel)
         let path = "/org/transportkit/rfcomm\(serial.add(1, ordering: .relaxed).newValue)"
-        let listener = RFCOMMListener(url: bound, bluez: bluez, channel: channel, path: path)
+        let listener = RFCOMMListener(url: bound, bluez: bluez, channel: channel, path: path, buffering: request.buffering)
         let state = listener.state
         let backlog = request[BluetoothPlugin.backlog]
         let exported = try await bluez.bus.export(path: path) { call in
@@ -161,7 +200,7 @@ final class RFCOMMListener: ListenerBackend {
                     "Name": .string(request[BluetoothPlugin.name] ?? "TransportKit serial port"),
                     "Role": .string("server"),
                     "Channel": .uint16(UInt16(channel)),
-                    "RequireAuthentication": .bool(false),
+                    "RequireAuthentication": .bool(security != .low),
                     "RequireAuthorization": .bool(false),
                     "AutoConnect": .bool(false),
                 ]),
@@ -175,6 +214,13 @@ final class RFCOMMListener: ListenerBackend {
         } catch {
             await Self.unpublish(path, on: bluez, about: "\(describing): unpublishing")
             await exported.remove()
+            // RegisterProfile answers NotPermitted for one thing only: the UUID is registered already
+            // (src/profile.c), by another program or another listener of this one.
+            if let refused = error as? TransportError, refused.code == "org.bluez.Error.NotPermitted" {
+                throw TransportError(.busy, "\(describing): service \(BluetoothUUID.short(service)) is already published through bluetoothd, by another "
+                                     + "program or another listener; stop that one, or publish another service with uuid=",
+                                     code: refused.code)
+            }
             throw error
         }
         listener.ownerWatch.withLock {
@@ -196,7 +242,7 @@ final class RFCOMMListener: ListenerBackend {
             }
         }
         request.logger.debug("rfcomm listening: \(BluetoothUUID.short(service)) on channel \(channel)\(only.map { " of \($0)" } ?? " of every adapter")")
-        return Listener(url: bound, backend: listener)
+        return Listener(url: bound, backend: listener, exposure: exposure(security, adapter: every ? "every adapter" : chosen.name))
     }
 
     func accept() async throws -> Connection? {
@@ -209,7 +255,7 @@ final class RFCOMMListener: ListenerBackend {
         switch next {
         case .closed: return nil
         case .released:
-            throw TransportError(.disconnected, "\(url): bluetoothd released the service or left the bus (it stopped, restarted or "
+            throw TransportError(.disconnected, "\(url.shown): bluetoothd released the service or left the bus (it stopped, restarted or "
                                  + "crashed); listen again once it is back")
         case .connection(let incoming):
             return try await connection(incoming)
@@ -220,12 +266,12 @@ final class RFCOMMListener: ListenerBackend {
         guard let address = BluetoothAddress(BlueZ.address(inDevicePath: incoming.device)) else {
             _ = shutdown(incoming.fd.rawValue, Int32(SHUT_RDWR))
             incoming.fd.closeOwned()
-            throw TransportError(.io, "\(url): bluetoothd handed over a connection from '\(incoming.device)', not a device path")
+            throw TransportError(.io, "\(url.shown): bluetoothd handed over a connection from '\(incoming.device)', not a device path")
         }
         var peer = url
         peer.host = address.description
         let describing = "rfcomm://\(address):\(channel)"
-        let channelBackend = try await DescriptorChannel.adoptSocket(incoming.fd, describing: describing)
+        let channelBackend = try await DescriptorChannel.adoptSocket(incoming.fd, describing: describing, buffering: buffering)
         let backend = BluetoothBackend(channel: channelBackend, device: address, sharedWithBlueZ: true)
         state.update { state in
             // Connections closed since are forgotten here, so the table stays as small as what is open.

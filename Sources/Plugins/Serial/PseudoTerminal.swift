@@ -24,15 +24,10 @@ enum PseudoTerminal {
         // which would end the connection the first time a program closed it.
         let peerPath = peerName(peer)
         let device = TTYDevice(path: "pty master of \(peerPath)", fd: master)
-        let link: String?
+        let link: OwnedPath?
         do {
-            var tio = try Termios.get(peer, path: peerPath)
-            Termios.configure(&tio, settings)
-            try Termios.set(peer, tio, path: peerPath)
-            link = try request[SerialPlugin.link].map { path in
-                try makeLink(path, to: peerPath)
-                return path
-            }
+            try Termios.apply(settings, over: try Termios.get(peer, path: peerPath), to: peer, path: peerPath)
+            link = try request[SerialPlugin.link].map { path in try makeLink(path, to: peerPath) }
         } catch {
             device.close()
             peer.closeOwned()
@@ -40,29 +35,37 @@ enum PseudoTerminal {
         }
         let cleanup: @Sendable () -> Void = {
             peer.closeOwned()
-            if let link { unlink(link) }
+            // Only the link made here: a file someone put in its place stays.
+            link?.remove()
         }
         let channel: ChannelBackend
         do {
-            channel = try await DescriptorChannel.adoptDuplicate(of: master, describing: "pty://\(peerPath)")
+            channel = try await DescriptorChannel.adoptDuplicate(of: master, describing: "pty://\(peerPath)", buffering: request.buffering)
         } catch {
             device.close()
             cleanup()
             throw error
         }
         var extra = ["peer": peerPath]
-        if let link { extra["link"] = link }
+        if let link { extra["link"] = link.path }
         return Connection(url: request.url,
                           backend: SerialBackend(device: device, channel: channel, describing: "the pty \(peerPath)", cleanup: cleanup),
                           metadata: ConnectionMetadata(name: "pseudo-terminal", remoteAddress: peerPath, extra: extra))
     }
 
-    /// symlink(2) with an explanation for the ways it fails.
-    static func makeLink(_ path: String, to peerPath: String) throws {
+    /// symlink(2) with an explanation for the ways it fails; the link as made, to be removed
+    /// only while it is still that link.
+    static func makeLink(_ path: String, to peerPath: String) throws -> OwnedPath {
         guard !path.isEmpty else {
             throw TransportError(.invalidURL, "the option 'link' needs a path, such as link=/tmp/ttyFAKE0")
         }
-        guard case .failure(let errno) = Syscall.attempt({ symlink(peerPath, path) }) else { return }
+        guard case .failure(let errno) = Syscall.attempt({ symlink(peerPath, path) }) else {
+            guard let owned = OwnedPath(recording: path) else {
+                throw TransportError(.io, "the link \(TransportError.printable(path)) vanished right after it was made")
+            }
+            return owned
+        }
+        let path = TransportError.printable(path)
         let directory = path.lastIndex(of: "/").map { String(path[..<$0]) }.map { $0.isEmpty ? "/" : $0 } ?? "the current directory"
         let message = switch errno {
         case .fileExists:

@@ -124,12 +124,18 @@ struct USBSelector: Sendable, CustomStringConvertible {
     init(_ request: ConnectRequest) throws {
         let text = request.url.path.split(separator: "/").joined(separator: "/")
         let parts = text.split(separator: ":", omittingEmptySubsequences: false)
-        func hex4(_ part: Substring) -> Bool { part.count == 4 && part.allSatisfy(\.isHexDigit) }
+        func hex4(_ part: Substring) -> Bool { part.count == 4 && part.allSatisfy({ $0.isASCII && $0.isHexDigit }) }
+        let shown = request.url.shown
         guard parts.count == 2, hex4(parts[0]), hex4(parts[1]) else {
-            throw TransportError(.invalidURL, "\(request.url): after tty://usb/ comes VENDOR:PRODUCT as two 4-digit hex IDs, such as tty://usb/0403:6001 (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
+            throw TransportError(.invalidURL, "\(shown): after tty://usb/ comes VENDOR:PRODUCT as two 4-digit hex IDs, such as tty://usb/0403:6001 (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
         }
-        self.init(vendorId: String(parts[0]), productId: String(parts[1]), serialNumber: request[SerialPlugin.serial],
-                  interface: request[SerialPlugin.interface], location: request[SerialPlugin.location])
+        let serial = request[SerialPlugin.serial]
+        let location = request[SerialPlugin.location]
+        for (name, value) in [("serial", serial), ("location", location)] where value?.isEmpty == true {
+            throw TransportError(.invalidURL, "\(shown): \(name)= is empty; give the adapter's \(name == "serial" ? "serial number" : "bus and port path (1-1.4)") or drop the option (`transportkit list` shows both)")
+        }
+        self.init(vendorId: String(parts[0]), productId: String(parts[1]), serialNumber: serial,
+                  interface: request[SerialPlugin.interface], location: location)
     }
 
     func matches(_ device: TTYDeviceInfo) -> Bool {
@@ -141,9 +147,9 @@ struct USBSelector: Sendable, CustomStringConvertible {
 
     var description: String {
         var text = "USB \(vendorId):\(productId)"
-        if let serialNumber { text += " serial \(serialNumber)" }
+        if let serialNumber { text += " serial \(TransportError.printable(serialNumber, limit: 80))" }
         if let interface { text += " interface \(interface)" }
-        if let location { text += " at \(location)" }
+        if let location { text += " at \(TransportError.printable(location, limit: 80))" }
         return text
     }
 }

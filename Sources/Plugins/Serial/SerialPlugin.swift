@@ -12,8 +12,10 @@
 //     a new pseudo-terminal; the connection is its master side and metadata.extra["peer"] names
 //     the node (/dev/pts/N) another program opens as if it were a serial port. The peer side is
 //     held open while the connection lives, so programs can open and close it repeatedly.
-// Options (tty and pty): baud, dataBits, parity, stopBits, flowControl, dtr, rts; tty only:
-//   exclusive, lowLatency, serial, interface, location, wait. See Docs/Schemes.md.
+// Options: tty: baud, dataBits, parity, stopBits, flowControl, dtr, rts, exclusive, lowLatency,
+//   wait, restore, and for tty://usb/… serial, interface, location; pty: baud, stopBits,
+//   flowControl, link (a pty always carries 8 data bits without parity). A driver that keeps other
+//   framing than asked for is an error (Termios.apply). See Docs/Schemes.md.
 
 import NIOCore
 import SystemPackage
@@ -51,6 +53,8 @@ public struct SerialPlugin: TransportPlugin {
     static let link = URLOption.string("link", help: "Also create this symlink to the peer node (removed on close)")
 
     static let lineOptions: [any OptionDeclaration] = [baud, dataBits, parity, stopBits, flowControl]
+    /// What opening any tty takes, by path or by USB identity.
+    static let ttyOptions: [any OptionDeclaration] = lineOptions + [dtr, rts, exclusive, lowLatency, wait, restore]
 
     /// The `tty` and `pty` schemes.
     public var schemes: [Scheme] {
@@ -62,17 +66,20 @@ public struct SerialPlugin: TransportPlugin {
                 examples: ["tty:///dev/ttyUSB0?baud=115200", "tty://adapter:19200/dev/ttyUSB0",
                            "tty://usb/0403:6001?serial=A50285BI", "tty:///dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"],
                 host: .optional, port: .optional, portRange: 1...20_000_000, path: .required,
-                options: Self.lineOptions + [Self.dtr, Self.rts, Self.exclusive, Self.lowLatency, Self.serial, Self.interface,
-                                             Self.location, Self.wait, Self.restore],
+                options: Self.ttyOptions + [Self.serial, Self.interface, Self.location],
+                modes: [SchemeMode("tty:// connection to a USB adapter", form: "tty://usb[:BAUD]/VID:PID", host: "usb",
+                                   options: Self.ttyOptions + [Self.serial, Self.interface, Self.location]),
+                        SchemeMode("tty:// connection to a device node", form: "tty://[LABEL[:BAUD]]/DEVICE-PATH", options: Self.ttyOptions)],
                 exclusive: true
-            ), connect: TTYConnector.connect),
+            ), check: TTYConnector.check, connect: TTYConnector.connect),
             Scheme(SchemeDescriptor(
                 scheme: "pty",
                 summary: "New pseudo-terminal pair: this side plays a serial device for the program that opens the peer",
                 grammar: "pty://[?link=PATH&OPTIONS]",
                 examples: ["pty://", "pty://?link=/tmp/ttyFAKE0"],
                 host: .forbidden, port: .forbidden, path: .forbidden,
-                options: Self.lineOptions + [Self.link]
+                // No dataBits or parity: the kernel's pty driver always carries 8 data bits without parity.
+                options: [Self.baud, Self.stopBits, Self.flowControl, Self.link]
             ), connect: PseudoTerminal.connect),
         ]
     }
@@ -102,7 +109,7 @@ extension ConnectRequest {
     func serialSettings() throws -> SerialSettings {
         let baud = self[SerialPlugin.baud]
         if let baud, let port = url.port, port != baud {
-            throw TransportError(.invalidURL, "\(url) gives two bit rates (port \(port) and baud=\(baud)); use one. Grammar: \(scheme.grammar)")
+            throw TransportError(.invalidURL, "\(url.shown) gives two bit rates (port \(port) and baud=\(baud)); use one. Grammar: \(scheme.grammar)")
         }
         return try SerialSettings(
             baudRate: baud ?? url.port ?? 9600,

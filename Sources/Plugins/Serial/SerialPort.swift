@@ -104,9 +104,7 @@ public struct SerialPort: Sendable {
     public func apply(_ settings: SerialSettings) throws {
         try connection.performControl(ControlOperation("settings", settings.summary)) {
             let fd = try device.descriptor()
-            var tio = try Termios.get(fd, path: path)
-            Termios.configure(&tio, try settings.validated())
-            try Termios.set(fd, tio, path: path)
+            try Termios.apply(try settings.validated(), over: try Termios.get(fd, path: path), to: fd, path: path)
         }
     }
 

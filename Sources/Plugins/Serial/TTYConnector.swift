@@ -25,17 +25,17 @@ enum TTYConnector {
         var notes: [String: String] = ["path": path]
         let channel: ChannelBackend
         do {
-            var tio = original
-            Termios.configure(&tio, settings)
-            try Termios.set(fd, tio, path: path)
+            try Termios.apply(settings, over: original, to: fd, path: path)
             let port = TTYLines(fd: fd, path: path)
             if let dtr = request[SerialPlugin.dtr] { try port.set(.dtr, dtr) }
             if let rts = request[SerialPlugin.rts] { try port.set(.rts, rts) }
             if request[SerialPlugin.lowLatency] {
                 notes["lowLatency"] = LowLatency.enable(fd: fd, path: path)
             }
-            channel = try await DescriptorChannel.adoptDuplicate(of: fd, describing: "tty://\(path)")
+            channel = try await DescriptorChannel.adoptDuplicate(of: fd, describing: "tty://\(path)", buffering: request.buffering)
         } catch {
+            // A connect that failed hands nothing over: the port gets its settings back.
+            device.restoresOnClose.store(true, ordering: .relaxed)
             device.close()
             throw error
         }
@@ -53,6 +53,52 @@ enum TTYConnector {
                           metadata: metadata)
     }
 
+    /// What a server checks before it listens: the line settings, the USB selector, and a device
+    /// path that can never be a serial port (a directory, a regular file, a socket, a FIFO,
+    /// /dev/ptmx). A path that is missing may be plugged in later.
+    @Sendable static func check(_ request: ConnectRequest) async throws {
+        _ = try request.serialSettings()
+        _ = request[SerialPlugin.wait]
+        if request.url.host?.lowercased() == "usb" {
+            _ = try USBSelector(request)
+            return
+        }
+        let path = try devicePath(request)
+        var info = stat()
+        guard stat(path, &info) == 0 else { return }
+        let shown = TransportError.printable(path)
+        switch info.st_mode & S_IFMT {
+        case S_IFCHR: return
+        case S_IFSOCK:
+            throw TransportError(.unsupported, "\(shown) is a unix socket, not a serial port: connect to it with unix://\(shown)")
+        default:
+            throw TransportError(.invalidURL, "\(shown) is \(UserPath.fileKind(info.st_mode)), not a serial port or terminal: give a device node such as /dev/ttyUSB0 (`transportkit list` shows them)")
+        }
+    }
+
+    /// The absolute device path of a tty:// URL of the device-node form; never /dev/ptmx, which
+    /// would open a new pseudo-terminal rather than a device.
+    static func devicePath(_ request: ConnectRequest) throws -> String {
+        let path = request.url.path
+        guard path.hasPrefix("/") else {
+            throw TransportError(.invalidURL, "\(request.url.shown): the device path must be absolute, such as tty:///dev/ttyUSB0. Grammar: \(request.scheme.grammar)")
+        }
+        var info = stat()
+        // The multiplexer (character device 5:2, /dev/ptmx and /dev/pts/ptmx): each open makes a
+        // new pseudo-terminal master, unrelated to anything the user meant.
+        if stat(path, &info) == 0, info.st_mode & S_IFMT == S_IFCHR, info.st_rdev == makeDevice(major: 5, minor: 2) {
+            throw TransportError(.invalidURL, "\(TransportError.printable(path)) is the pseudo-terminal multiplexer: opening it makes a new, unrelated "
+                                 + "pseudo-terminal. To make one that plays a serial device, use pty:// (pty://?link=/tmp/ttyFAKE0); to open an "
+                                 + "existing one, give its /dev/pts/N")
+        }
+        return path
+    }
+
+    /// glibc's makedev(3), a macro Swift does not see: major in bits 8–19 and 32–63, minor in 0–7 and 20–63.
+    static func makeDevice(major: UInt64, minor: UInt64) -> dev_t {
+        dev_t(((major & 0xfff) << 8) | ((major & ~0xfff) << 32) | (minor & 0xff) | ((minor & ~0xff) << 12))
+    }
+
     /// The device node to open, and what discovery knows about it (when it knows it).
     static func resolve(_ request: ConnectRequest) async throws -> (String, DeviceRecord?) {
         let url = request.url
@@ -65,10 +111,7 @@ enum TTYConnector {
             }
             return (node, record)
         }
-        let path = url.path
-        guard path.hasPrefix("/") else {
-            throw TransportError(.invalidURL, "\(url): the device path must be absolute, such as tty:///dev/ttyUSB0. Grammar: \(request.scheme.grammar)")
-        }
+        let path = try devicePath(request)
         if wait, access(path, F_OK) != 0 {
             try await SerialDiscovery.waitForNode(path, deadline: request.deadline, timeout: request.timeout)
         }
@@ -113,17 +156,19 @@ enum LowLatency {
     static let asyncLowLatency: Int32 = 1 << 13
 
     /// Returns what was done, for the connection's metadata. Drivers without these knobs (ptys,
-    /// CDC-ACM) are left as they are: low latency is a request, not a requirement.
+    /// CDC-ACM) are left as they are: low latency is a request, not a requirement. What the
+    /// driver kept is read back: cdc_acm takes TIOCSSERIAL and drops ASYNC_LOW_LATENCY.
     static func enable(fd: FileDescriptor, path: String) -> String {
         var done: [String] = []
         var raw = [UInt8](repeating: 0, count: 128)
-        let got = raw.withUnsafeMutableBytes { bytes in bytes.baseAddress.map { ioctl(fd.rawValue, UInt(TIOCGSERIAL), $0) } ?? -1 }
-        if got == 0 {
-            raw.withUnsafeMutableBytes { bytes in
-                let flags = bytes.load(fromByteOffset: flagsOffset, as: Int32.self) | asyncLowLatency
-                bytes.storeBytes(of: flags, toByteOffset: flagsOffset, as: Int32.self)
-            }
-            if raw.withUnsafeMutableBytes({ bytes in bytes.baseAddress.map { ioctl(fd.rawValue, UInt(TIOCSSERIAL), $0) } ?? -1 }) == 0 {
+        func serial(_ request: Int32) -> Bool {
+            raw.withUnsafeMutableBytes { bytes in bytes.baseAddress.map { ioctl(fd.rawValue, UInt(request), $0) } ?? -1 } == 0
+        }
+        func flags() -> Int32 { raw.withUnsafeBytes { $0.load(fromByteOffset: flagsOffset, as: Int32.self) } }
+        if serial(Int32(TIOCGSERIAL)) {
+            let asked = flags() | asyncLowLatency
+            raw.withUnsafeMutableBytes { $0.storeBytes(of: asked, toByteOffset: flagsOffset, as: Int32.self) }
+            if serial(Int32(TIOCSSERIAL)), serial(Int32(TIOCGSERIAL)), flags() & asyncLowLatency != 0 {
                 done.append("ASYNC_LOW_LATENCY")
             }
         }

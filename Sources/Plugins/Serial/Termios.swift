@@ -138,6 +138,22 @@ enum Termios {
         try Syscall.run("ioctl(TCSETS2)", on: path) { ioctl(fd.rawValue, TCSETS2, &tio) }
     }
 
+    /// Sets `settings` in raw mode on top of `current` and reads the result back: a driver that
+    /// keeps other framing than asked for (a pty forces 8 data bits without parity; an adapter may
+    /// lack mark parity or 5 data bits) is an error that names what it kept, never a setting
+    /// silently not applied. The bit rate is not compared: drivers round it to what they can make.
+    static func apply(_ settings: SerialSettings, over current: KernelTermios2, to fd: FileDescriptor, path: String) throws {
+        var tio = current
+        configure(&tio, settings)
+        try set(fd, tio, path: path)
+        var kept = Self.settings(of: try get(fd, path: path))
+        kept.baudRate = settings.baudRate
+        guard kept == settings else {
+            throw TransportError(.unsupported, "the driver of \(TransportError.printable(path)) does not do \(settings.summary); it kept \(kept.summary). "
+                                 + "Ask for what the device and its driver support (a pseudo-terminal carries 8 data bits without parity)")
+        }
+    }
+
     private static func checkLayout() throws {
         guard KernelTermios2.layoutMatchesKernel else {
             throw TransportError(.unsupported, "internal: struct termios2 layout differs from the kernel's on this architecture")

@@ -34,9 +34,11 @@ final class SocketListener: ListenerBackend {
     }
 
     var boundPort: Int? { server.localAddress?.port }
+    var localAddress: SocketAddress? { server.localAddress }
 
     static func bind(
         backlog: Int,
+        buffering: Buffering,
         configure: @escaping @Sendable (any Channel) throws -> Void,
         describePeer: @escaping @Sendable (any Channel) -> String,
         bind: (ServerBootstrap) async throws -> any Channel,
@@ -54,7 +56,7 @@ final class SocketListener: ListenerBackend {
                     do {
                         try configure(child)
                         let peer = describePeer(child)
-                        let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: true)
+                        let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: true, buffering: buffering)
                         let url = (try? TransportURL(peer)) ?? TransportURL(scheme: "unix")
                         let connection = Connection(url: url, backend: backend,
                                                     metadata: ConnectionMetadata(name: peer, localAddress: child.localAddress?.description,

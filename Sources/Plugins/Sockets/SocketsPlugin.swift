@@ -1,12 +1,18 @@
 // tcp:// and unix:// — stream sockets through SwiftNIO (connect and listen).
 //
 // Grammar:
-//   tcp://HOST:PORT[?noDelay=BOOL&keepAlive=BOOL&keepAliveIdle=SECONDS&backlog=N&timeout=SECONDS]
+//   tcp://HOST:PORT[?noDelay=BOOL&keepAlive=BOOL&keepAliveIdle=SECONDS&timeout=SECONDS]
 //     HOST is a name (resolved through getaddrinfo, IPv4 and IPv6 raced), an IPv4 address or an IPv6
-//     address in brackets. As a listener, HOST is the address to bind and PORT 0 picks a free port.
-//   unix:///PATH[?backlog=N&timeout=SECONDS]
-//     PATH is the socket file. A listener replaces a stale socket file (nobody accepting on it) and
-//     removes its file when closed; it refuses with "busy" when another process is listening.
+//     address in brackets.
+//   tcp://ADDRESS:PORT[?backlog=N&noDelay=BOOL&keepAlive=BOOL&keepAliveIdle=SECONDS] (listening)
+//     ADDRESS is the address to bind and PORT 0 picks a free port; the socket options apply to
+//     every accepted connection.
+//   unix:///PATH[?timeout=SECONDS]
+//   unix:///PATH[?backlog=N&mode=OCTAL] (listening)
+//     PATH is the socket file, created with exactly `mode` (default 0600: only this user may
+//     connect). A listener replaces a stale socket file (nobody accepting on it) and removes its
+//     file when closed, if it is still its own; it refuses with "busy" when another process is
+//     listening.
 //
 // Plugins layered on TCP (TLS, WebSocket) connect through TCPSocket.connect(_:host:port:messages:handlers:),
 // which puts their channel handlers in front of the byte handler.
@@ -34,7 +40,12 @@ public struct SocketsPlugin: TransportPlugin {
     public static let keepAliveIdle = URLOption.duration("keepAliveIdle", seconds: 1...32767,
                                                       help: "Seconds of idleness before the first keep-alive probe (TCP_KEEPIDLE; implies keepAlive)")
     /// The listen backlog.
-    public static let backlog = URLOption.integer("backlog", in: 1...65535, default: 128, help: "Listen mode: pending connections the kernel queues")
+    public static let backlog = URLOption.integer("backlog", in: 1...65535, default: 128, help: "Pending connections the kernel queues before accept")
+    /// A unix listener's socket file mode.
+    public static let mode = URLOption.string("mode", default: "0600",
+                                              help: "The socket file's permission bits, in octal: 0600 lets only this user connect, 0660 its group too")
+
+    static let tcpOptions: [any OptionDeclaration] = [noDelay, keepAlive, keepAliveIdle]
 
     /// The `tcp` and `unix` schemes, both able to listen.
     public var schemes: [Scheme] {
@@ -43,9 +54,12 @@ public struct SocketsPlugin: TransportPlugin {
                 scheme: "tcp",
                 summary: "TCP stream socket (IPv4, IPv6, DNS names)",
                 grammar: "tcp://HOST:PORT[?OPTIONS]",
-                examples: ["tcp://192.168.0.10:35000", "tcp://[::1]:4000?noDelay=false", "tcp://localhost:4000?keepAlive=true"],
+                examples: ["tcp://192.168.0.10:35000", "tcp://[::1]:4000?noDelay=false", "tcp://localhost:4000?keepAlive=true",
+                           "tcp://127.0.0.1:2000?backlog=16 (listening)"],
                 host: .required, port: .required, portRange: 0...65535, path: .forbidden,
-                options: [Self.noDelay, Self.keepAlive, Self.keepAliveIdle, Self.backlog]
+                options: Self.tcpOptions + [Self.backlog],
+                modes: [SchemeMode("tcp:// connection", form: "tcp://HOST:PORT", options: Self.tcpOptions),
+                        SchemeMode("tcp:// listener", role: .listen, form: "tcp://ADDRESS:PORT", options: Self.tcpOptions + [Self.backlog])]
             ), connect: { request in
                 try await TCPSocket.connect(request, host: request.host, port: request.port)
             }, listen: TCPSocket.listen),
@@ -53,10 +67,12 @@ public struct SocketsPlugin: TransportPlugin {
                 scheme: "unix",
                 summary: "Unix domain stream socket",
                 grammar: "unix:///PATH[?OPTIONS]",
-                examples: ["unix:///run/app.sock", "unix:///tmp/device.sock?timeout=2"],
+                examples: ["unix:///run/app.sock", "unix:///tmp/device.sock?timeout=2", "unix:///tmp/device.sock?mode=0660 (listening)"],
                 host: .forbidden, port: .forbidden, path: .required,
-                options: [Self.backlog]
-            ), connect: UnixSocket.connect, listen: UnixSocket.listen),
+                options: [Self.backlog, Self.mode],
+                modes: [SchemeMode("unix:// connection", form: "unix:///PATH", options: []),
+                        SchemeMode("unix:// listener", role: .listen, form: "unix:///PATH", options: [Self.backlog, Self.mode])]
+            ), check: UnixSocket.check, connect: UnixSocket.connect, listen: UnixSocket.listen),
         ]
     }
 }
@@ -69,6 +85,7 @@ enum ClientSocket {
     static func connect(
         describing target: String,
         messages: Bool = false,
+        buffering: Buffering,
         configure: @escaping @Sendable (any Channel) throws -> Void = { _ in },
         mapError: (any Error) -> TransportError,
         _ connect: (ClientBootstrap, _ initializer: @escaping @Sendable (any Channel) -> EventLoopFuture<ChannelBackend>) async throws -> ChannelBackend
@@ -83,7 +100,7 @@ enum ClientSocket {
                     pending.add(channel)
                     return channel.eventLoop.makeCompletedFuture {
                         try configure(channel)
-                        return try ChannelBackend.install(on: channel, describing: target, supportsHalfClose: true, messages: messages)
+                        return try ChannelBackend.install(on: channel, describing: target, supportsHalfClose: true, messages: messages, buffering: buffering)
                     }
                 }
             }

@@ -24,12 +24,12 @@ public enum TCPSocket {
     /// ```
     public static func connect(_ request: ConnectRequest, host: String, port: Int, messages: Bool = false,
                                handlers: @escaping @Sendable (any Channel) throws -> Void = { _ in }) async throws -> Connection {
-        let target = "tcp://\(host.contains(":") ? "[\(host)]" : host):\(port)"
-        let options = request.options
+        let target = "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
+        let settings = Settings(request.options)
         let backend = try await ClientSocket.connect(
-            describing: target, messages: messages,
+            describing: target, messages: messages, buffering: request.buffering,
             configure: { channel in
-                try applySocketOptions(options, to: channel)
+                try settings.apply(to: channel)
                 try handlers(channel)
             },
             mapError: { mapConnectError($0, host: host, port: port, target: target) }
@@ -39,17 +39,34 @@ public enum TCPSocket {
         return Connection(url: request.url, backend: backend, metadata: metadata(of: backend.channel, name: target))
     }
 
-    static func applySocketOptions(_ options: OptionValues, to channel: any Channel) throws {
-        let sync = channel.syncOptions
-        try sync?.setOption(.socketOption(.tcp_nodelay), value: options[SocketsPlugin.noDelay] ? 1 : 0)
-        let idle = options[SocketsPlugin.keepAliveIdle]
-        if options[SocketsPlugin.keepAlive] || idle != nil {
-            try sync?.setOption(.socketOption(.so_keepalive), value: 1)
+    /// The socket options of a tcp:// URL, read once (a listener applies them to every connection
+    /// it accepts, long after its URL was read).
+    struct Settings: Sendable {
+        var noDelay: Bool
+        var keepAlive: Bool
+        var keepAliveIdle: Duration?
+
+        init(_ options: OptionValues) {
+            noDelay = options[SocketsPlugin.noDelay]
+            keepAlive = options[SocketsPlugin.keepAlive]
+            keepAliveIdle = options[SocketsPlugin.keepAliveIdle]
         }
-        if let idle {
-            // The option's range (1…32767 s, the kernel's) keeps the conversion exact.
-            let option = ChannelOptions.Types.SocketOption(level: .tcp, name: NIOBSDSocket.Option(rawValue: TCP_KEEPIDLE))
-            try sync?.setOption(option, value: SocketOptionValue(idle.components.seconds))
+
+        /// setsockopt(2): TCP_NODELAY, SO_KEEPALIVE, TCP_KEEPIDLE. On the channel's event loop.
+        func apply(to channel: any Channel) throws {
+            guard let sync = channel.syncOptions else {
+                throw TransportError(.unsupported, "cannot set the socket options of \(channel): it offers no synchronous options")
+            }
+            // .tcpOption, not .socketOption: the latter would set option 1 at SOL_SOCKET (SO_DEBUG).
+            try sync.setOption(.tcpOption(.tcp_nodelay), value: noDelay ? 1 : 0)
+            if keepAlive || keepAliveIdle != nil {
+                try sync.setOption(.socketOption(.so_keepalive), value: 1)
+            }
+            if let keepAliveIdle {
+                // The option's range (1…32767 s, the kernel's) keeps the conversion exact.
+                let option = ChannelOptions.Types.SocketOption(level: .tcp, name: NIOBSDSocket.Option(rawValue: TCP_KEEPIDLE))
+                try sync.setOption(option, value: SocketOptionValue(keepAliveIdle.components.seconds))
+            }
         }
     }
 
@@ -61,7 +78,7 @@ public enum TCPSocket {
     static func mapConnectError(_ error: any Error, host: String, port: Int, target: String) -> TransportError {
         if let error = error as? NIOConnectionError {
             if error.connectionErrors.isEmpty, error.dnsAError != nil || error.dnsAAAAError != nil {
-                return TransportError(.notFound, "cannot resolve the host '\(host)': check the name, or use an IP address")
+                return TransportError(.notFound, "cannot resolve the host '\(TransportError.printable(host))': check the name, or use an IP address")
             }
             let failures = error.connectionErrors.map { TransportError.from($0.error, context: "connecting to \($0.target)", syscall: "connect") }
             if let refused = failures.first(where: { $0.kind == .refused }) {
@@ -76,10 +93,11 @@ public enum TCPSocket {
     @Sendable static func listen(_ request: ConnectRequest) async throws -> Listener {
         let host = request.host
         let port = request.port
-        let options = request.options
+        let settings = Settings(request.options)
         let listener = try await SocketListener.bind(
-            backlog: options[SocketsPlugin.backlog],
-            configure: { channel in try applySocketOptions(options, to: channel) },
+            backlog: request[SocketsPlugin.backlog],
+            buffering: request.buffering,
+            configure: { channel in try settings.apply(to: channel) },
             describePeer: { channel in "tcp://\(channel.remoteAddress.map(hostPort) ?? "?")" },
             bind: { bootstrap in
                 do {
@@ -87,7 +105,7 @@ public enum TCPSocket {
                 } catch let error where error is SocketAddressError || error is SocketAddressError.UnknownHost {
                     // NIO resolves the host with getaddrinfo(3) and reports a name it cannot
                     // resolve (or a literal it cannot parse) this way.
-                    throw TransportError(.notFound, "cannot listen on '\(host)': it is not an address of this machine or a name that resolves to one. Use an IP address such as 0.0.0.0 (every interface) or 127.0.0.1 (this machine only)",
+                    throw TransportError(.notFound, "cannot listen on '\(TransportError.printable(host))': it is not an address of this machine or a name that resolves to one. Use an IP address such as 0.0.0.0 (every interface) or 127.0.0.1 (this machine only)",
                                          syscall: "getaddrinfo")
                 } catch {
                     let mapped = TransportError.from(error, context: "listening on \(host):\(port)", syscall: "bind")
@@ -109,7 +127,17 @@ public enum TCPSocket {
         )
         var url = request.url
         url.port = listener.boundPort ?? port
-        return Listener(url: url, backend: listener)
+        return Listener(url: url, backend: listener, exposure: exposure(of: listener.localAddress, host: host, port: url.port ?? port))
+    }
+
+    /// A loopback address reaches this machine only; any other, the network. No tcp:// listener
+    /// asks a peer who it is.
+    static func exposure(of address: SocketAddress?, host: String, port: Int) -> ListenerExposure {
+        let ip = address?.ipAddress ?? host
+        let loopback = ip.hasPrefix("127.") || ip == "::1" || ip.hasPrefix("::ffff:127.")
+        return loopback
+            ? ListenerExposure(reach: .thisMachine, authenticated: false, who: "every program of this machine (loopback, port \(port))")
+            : ListenerExposure(reach: .network, authenticated: false, who: "any machine that can reach \(host) port \(port)")
     }
 
     /// Who listens on a tcp port: the socket inode from /proc/net/tcp and tcp6 (proc(5); state 0A

@@ -1,5 +1,8 @@
-// Unix domain stream sockets: unix(7). A listener owns its socket file: it replaces a stale one
-// and unlink(2)s it when closed; /proc/net/unix says whether a socket file has a listener.
+// Unix domain stream sockets: unix(7). A listener owns its socket file: it replaces a stale one,
+// creates it with exactly the mode asked for (fchmod(2) before bind(2), which Linux applies to the
+// file less the umask, and chmod(2) through /proc/self/fd for the bits the umask took, all before
+// listen(2) lets anyone connect), and unlink(2)s it when closed if it is still its own;
+// /proc/net/unix says whether a socket file has a listener.
 
 import Glibc
 import NIOCore
@@ -13,7 +16,7 @@ enum UnixSocket {
         let path = request.url.path
         let target = "unix://\(path)"
         let backend = try await ClientSocket.connect(
-            describing: target,
+            describing: target, buffering: request.buffering,
             mapError: { mapError($0, path: path, doing: "connecting to") }
         ) { bootstrap, initializer in
             try await bootstrap.connect(unixDomainSocketPath: path, channelInitializer: initializer)
@@ -21,9 +24,20 @@ enum UnixSocket {
         return Connection(url: request.url, backend: backend, metadata: ConnectionMetadata(name: target, remoteAddress: path))
     }
 
+    /// What a bridge checks before it listens: a path that is there and is no socket can never be
+    /// connected to. (A missing one may appear once its server starts.)
+    @Sendable static func check(_ request: ConnectRequest) async throws {
+        guard request.mode?.role == .connect else { return }
+        let path = request.url.path
+        var info = stat()
+        if lstat(path, &info) == 0, info.st_mode & S_IFMT != S_IFSOCK, info.st_mode & S_IFMT != S_IFLNK {
+            throw TransportError(.invalidURL, "\(TransportError.printable(path)) is \(UserPath.fileKind(info.st_mode)), not a socket: give the path of a unix socket that a server listens on")
+        }
+    }
+
     static func mapError(_ error: any Error, path: String, doing: String) -> TransportError {
         if error is SocketAddressError {
-            return TransportError(.invalidURL, "the socket path '\(path)' is too long: Linux allows 107 bytes")
+            return TransportError(.invalidURL, "the socket path '\(TransportError.printable(path))' is too long: Linux allows 107 bytes")
         }
         let mapped = TransportError.from(error, context: "\(doing) unix://\(path)", syscall: doing == "connecting to" ? "connect" : "bind")
         let listening = doing != "connecting to"
@@ -41,7 +55,7 @@ enum UnixSocket {
             // connect(2) refuses anything that is not a listening socket: say what is there.
             var info = stat()
             if stat(path, &info) == 0, info.st_mode & S_IFMT != S_IFSOCK {
-                return TransportError(.refused, "\(path) is \(fileKind(info.st_mode)), not a socket: give the path of a unix socket that a server listens on",
+                return TransportError(.refused, "\(path) is \(UserPath.fileKind(info.st_mode)), not a socket: give the path of a unix socket that a server listens on",
                                       errno: mapped.errno, syscall: mapped.syscall)
             }
             return TransportError(.refused, "nobody accepts connections on \(path): the server is not running, and this socket file was left behind when it stopped",
@@ -56,21 +70,107 @@ enum UnixSocket {
 
     @Sendable static func listen(_ request: ConnectRequest) async throws -> Listener {
         let path = request.url.path
+        let mode = try fileMode(request)
+        let backlog = request[SocketsPlugin.backlog]
         try await removeStaleSocket(at: path)
-        let listener = try await SocketListener.bind(
-            backlog: request[SocketsPlugin.backlog],
-            configure: { _ in },
-            describePeer: { _ in "unix://\(path)" },
-            bind: { bootstrap in
-                do {
-                    return try await bootstrap.bind(unixDomainSocketPath: path).get()
-                } catch {
-                    throw mapError(error, path: path, doing: "listening on")
+        let (fd, owned) = try bindSocketFile(path, mode: mode)
+        let listener: SocketListener
+        do {
+            listener = try await SocketListener.bind(
+                backlog: backlog,
+                buffering: request.buffering,
+                configure: { _ in },
+                describePeer: { _ in "unix://\(path)" },
+                bind: { bootstrap in
+                    do {
+                        let channel = try await bootstrap.withBoundSocket(fd).get()
+                        // NIO listens with its own backlog when it adopts a bound socket; listen(2)
+                        // again sets the one asked for.
+                        try Syscall.run("listen", on: path) { Glibc.listen(fd, Int32(backlog)) }
+                        return channel
+                    } catch {
+                        throw mapError(error, path: path, doing: "listening on")
+                    }
+                },
+                onClose: { owned.remove() }
+            )
+        } catch {
+            owned.remove()
+            throw error
+        }
+        let exposure = mode & 0o077 == 0
+            ? ListenerExposure(reach: .thisUser, authenticated: false, who: "this user's programs (socket file mode \(octal(mode)))")
+            : ListenerExposure(reach: .thisMachine, authenticated: false, who: "this machine's users that mode \(octal(mode)) lets open \(path)")
+        return Listener(url: request.url, backend: listener, exposure: exposure)
+    }
+
+    /// The `mode=` of a listener: permission bits in octal, no more than 0777.
+    static func fileMode(_ request: ConnectRequest) throws -> mode_t {
+        let text = request[SocketsPlugin.mode]
+        guard (3...4).contains(text.utf8.count), text.utf8.allSatisfy({ $0 >= UInt8(ascii: "0") && $0 <= UInt8(ascii: "7") }),
+              let mode = mode_t(text, radix: 8), mode <= 0o777 else {
+            throw TransportError(.invalidURL, "\(request.url.shown): mode=\(TransportError.printable(text, limit: 40)) is not "
+                                 + "a file mode: give permission bits in octal, such as 0600 (this user only) or 0660 (its group too). Grammar: \(request.scheme.grammar)")
+        }
+        return mode
+    }
+
+    static func octal(_ mode: mode_t) -> String {
+        let digits = String(mode, radix: 8)
+        return String(repeating: "0", count: max(0, 4 - digits.count)) + digits
+    }
+
+    /// socket(2), fchmod(2) and bind(2): a unix socket file at `path` with exactly `mode`, not yet
+    /// listening, and the record of the file that lets close remove only it.
+    static func bindSocketFile(_ path: String, mode: mode_t) throws -> (Int32, OwnedPath) {
+        var address = sockaddr_un()
+        address.sun_family = sa_family_t(AF_UNIX)
+        let bytes = Array(path.utf8)
+        guard bytes.count < MemoryLayout.size(ofValue: address.sun_path) else {
+            throw TransportError(.invalidURL, "the socket path '\(TransportError.printable(path))' is too long: Linux allows 107 bytes")
+        }
+        withUnsafeMutableBytes(of: &address.sun_path) { $0.copyBytes(from: bytes) }
+        let fd = try Syscall.run("socket(AF_UNIX)", on: path) {
+            socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue) | Int32(SOCK_NONBLOCK.rawValue), 0)
+        }
+        do {
+            // Linux gives the socket file these bits less the umask at bind(2) (af_unix.c).
+            try Syscall.run("fchmod", on: path) { fchmod(fd, mode) }
+            let length = socklen_t(MemoryLayout<sockaddr_un>.size)
+            do {
+                try Syscall.run("bind", on: path) {
+                    withUnsafePointer(to: &address) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.bind(fd, $0, length) } }
                 }
-            },
-            onClose: { unlink(path) }
-        )
-        return Listener(url: request.url, backend: listener)
+            } catch {
+                throw mapError(error, path: path, doing: "listening on")
+            }
+            guard let owned = OwnedPath(recording: path) else {
+                throw TransportError(.io, "the socket file \(TransportError.printable(path)) vanished right after bind(2)")
+            }
+            do {
+                try setExactMode(path, mode)
+            } catch {
+                owned.remove()
+                throw error
+            }
+            return (fd, owned)
+        } catch {
+            _ = Glibc.close(fd)
+            throw error
+        }
+    }
+
+    /// Gives the socket file at `path` exactly `mode` when the umask took bits from it: chmod(2)
+    /// through /proc/self/fd of an O_PATH descriptor, so a link put in its place is not followed.
+    private static func setExactMode(_ path: String, _ mode: mode_t) throws {
+        var info = stat()
+        guard lstat(path, &info) == 0, info.st_mode & 0o777 != mode else { return }
+        let located = try Syscall.run("open", on: path) { open(path, Syscall.openPath | O_NOFOLLOW | O_CLOEXEC) }
+        defer { _ = Glibc.close(located) }
+        guard fstat(located, &info) == 0, info.st_mode & S_IFMT == S_IFSOCK, info.st_uid == geteuid() else {
+            throw TransportError(.busy, "the socket file \(TransportError.printable(path)) was replaced right after it was made; try again")
+        }
+        try Syscall.run("chmod", on: path, hint: "the socket file's mode could not be set to \(octal(mode))") { chmod("/proc/self/fd/\(located)", mode) }
     }
 
     /// A socket file nobody listens on is left over from a process that died: replace it. One that
@@ -84,7 +184,7 @@ enum UnixSocket {
         var info = stat()
         guard lstat(path, &info) == 0 else { return }
         guard info.st_mode & S_IFMT == S_IFSOCK else {
-            throw TransportError(.busy, "\(path) exists and is \(fileKind(info.st_mode)), not a socket; choose another path, or remove it if it is yours",
+            throw TransportError(.busy, "\(path) exists and is \(UserPath.fileKind(info.st_mode)), not a socket; choose another path, or remove it if it is yours",
                                  errno: .addressInUse, syscall: "bind")
         }
         var listening = DeviceNode.readText("/proc/net/unix", limit: 64 << 20).map { listeningState(of: path, in: $0) } ?? .none
@@ -145,19 +245,6 @@ enum UnixSocket {
             return true
         } catch {
             return false
-        }
-    }
-
-    /// "a directory", "a regular file", … for messages about a path that is not a socket.
-    static func fileKind(_ mode: mode_t) -> String {
-        switch mode & S_IFMT {
-        case S_IFDIR: "a directory"
-        case S_IFREG: "a regular file"
-        case S_IFIFO: "a FIFO (named pipe)"
-        case S_IFCHR: "a character device"
-        case S_IFBLK: "a block device"
-        case S_IFLNK: "a symbolic link"
-        default: "not a socket"
         }
     }
 }

@@ -2,13 +2,14 @@
 // every serial control call (line settings, modem lines, break, flush, drain) with a timestamp,
 // like pyserial's spy://. The wrapped URL keeps its own options; spy's carry the "spy." prefix.
 //
-// Grammar:  spy+URL[?spy.format=hex|raw&spy.direction=both|rx|tx&spy.file=PATH]
+// Grammar:  spy+URL[?spy.format=hex|raw&spy.direction=both|rx|tx&spy.file=PATH&spy.label=TEXT]
 //   spy+tcp://127.0.0.1:4000
 //   spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/tmp/trace.txt
 //   spy+spy+… is allowed but pointless.
-// Output (standard error unless spy.file is given; the file is created or truncated):
+// Output (standard error unless spy.file is given):
 //   hex  one line per event, seconds since open, a label, the detail; data as a hex + ASCII dump,
-//        16 bytes a line:
+//        16 bytes a line (with spy.label=TEXT, every line starts with TEXT):
+//            0.000000 OPEN  tcp://127.0.0.1:4000 at 2026-11-26 07:12:03 UTC
 //            0.000412 TX    0000  68 65 6c 6c 6f 0a                                 |hello.|
 //            0.001733 RX    0000  68 65 6c 6c 6f 0a                                 |hello.|
 //            0.002010 CTRL  DTR on
@@ -16,13 +17,22 @@
 //            0.003100 EOF
 //   raw  the data bytes only, as they pass (both directions, or one with spy.direction), to
 //        capture a stream into a file.
+// spy.file (UserPath.openForAppending): never follows a symbolic link at its last component,
+// never truncates (a trace is appended to; several connections can share one file, each record
+// whole), creates a new file owner-only (0600), and refuses what is not a regular file of this
+// user or a character device (/dev/null). The records are written by a queue of their own, so a
+// slow disk never holds the connection; a trace that cannot be written is reported once on
+// standard error and the connection goes on.
 // The wrapped connection stays reachable: metadata, preferredExecutor and connection.serialPort
 // work through spy, and `transportkit connect spy+…` keeps standard output byte-exact.
 
+import Dispatch
+import Glibc
 import NIOCore
 import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
+import TransportKitLinux
 
 /// The `spy+URL` wrapper.
 ///
@@ -55,32 +65,60 @@ public struct SpyPlugin: TransportPlugin {
 
     static let format = URLOption.choice("format", default: Format.hex, help: "hex: timestamped hex + ASCII dump of every event; raw: the data bytes only")
     static let direction = URLOption.choice("direction", default: Direction.both, help: "Trace data in both directions, or only received (rx) or sent (tx)")
-    static let file = URLOption.string("file", help: "Write the trace to this file (created or truncated) instead of standard error")
+    static let file = URLOption.string("file", help: "Append the trace to this file instead of standard error (created owner-only; a symbolic link is refused)")
+    static let label = URLOption.string("label", help: "hex format: begin every line with this text, to tell connections apart in a shared trace")
 
     /// The `spy` wrapper scheme.
     public var schemes: [Scheme] {
         [Scheme.wrapper(SchemeDescriptor(
             scheme: "spy",
             summary: "Wraps any URL and traces reads, writes, closes and serial control calls (hex dump or raw)",
-            grammar: "spy+URL[?spy.format=hex|raw&spy.direction=both|rx|tx&spy.file=PATH]",
+            grammar: "spy+URL[?spy.format=hex|raw&spy.direction=both|rx|tx&spy.file=PATH&spy.label=TEXT]",
             examples: ["spy+tcp://127.0.0.1:4000", "spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/tmp/trace.txt",
                        "spy+loop://?spy.format=raw&spy.direction=rx"],
             host: .forbidden, port: .forbidden, path: .forbidden,
-            options: [Self.format, Self.direction, Self.file]
-        )) { request in
+            options: [Self.format, Self.direction, Self.file, Self.label]
+        ), check: { request in
+            // What a server checks before it listens: the options fit, and the trace file can be written.
+            let settings = try Settings(request)
+            if let file = settings.file { try await TraceSink.open(file).close() }
+        }, connect: { request in
+            let settings = try Settings(request)
             // The trace file first: a path that cannot be written fails before any I/O.
-            let sink = try TraceSink(file: request[Self.file])
+            let sink = if let file = settings.file { try await TraceSink.open(file) } else { TraceSink.standardError }
             let inner: Connection
             do {
                 inner = try await request.connectInner()
             } catch {
-                sink.close()
+                await sink.close()
                 throw error
             }
-            let tracer = Tracer(sink: sink, format: request[Self.format], direction: request[Self.direction])
-            tracer.event("OPEN", "\(inner.url)")
+            let tracer = Tracer(sink: sink, format: settings.format, direction: settings.direction, label: settings.label)
+            tracer.event("OPEN", "\(inner.url) at \(Tracer.wallClock())")
             return Connection(url: request.url, backend: SpyBackend(wrapping: inner, tracer: tracer))
-        }]
+        })]
+    }
+
+    /// A spy layer's options, read and checked together.
+    struct Settings {
+        var format: Format
+        var direction: Direction
+        var file: String?
+        var label: String?
+
+        init(_ request: ConnectRequest) throws {
+            format = request[SpyPlugin.format]
+            direction = request[SpyPlugin.direction]
+            file = request[SpyPlugin.file]
+            label = request[SpyPlugin.label]
+            if file?.isEmpty == true {
+                throw TransportError(.invalidURL, "\(request.url.shown): spy.file= needs a path, such as spy.file=/tmp/trace.txt")
+            }
+            if label != nil, format == .raw {
+                throw TransportError(.invalidURL, "\(request.url.shown): spy.label= begins the lines of the hex format; "
+                                     + "spy.format=raw writes the bytes alone, with no lines to label. Drop one of them")
+            }
+        }
     }
 }
 
@@ -134,13 +172,18 @@ final class SpyBackend: WrappingBackend {
 
     func close() async throws {
         tracer.event("CLOSE", "")
-        defer { tracer.close() }
-        try await wrapped.close()
+        do {
+            try await wrapped.close()
+        } catch {
+            await tracer.close()
+            throw error
+        }
+        await tracer.close()
     }
 
     func connectionDropped() {
         tracer.event("DROP", "released without close()")
-        tracer.close()
+        tracer.closeLater()
     }
 
     func willPerform(_ operation: ControlOperation) {
@@ -162,12 +205,25 @@ final class Tracer: Sendable {
     private let sink: TraceSink
     private let format: SpyPlugin.Format
     private let direction: SpyPlugin.Direction
+    /// Put in front of every line ("#3 "), or empty.
+    private let prefix: String
     private let start = ContinuousClock.now
 
-    init(sink: TraceSink, format: SpyPlugin.Format, direction: SpyPlugin.Direction) {
+    init(sink: TraceSink, format: SpyPlugin.Format, direction: SpyPlugin.Direction, label: String? = nil) {
         self.sink = sink
         self.format = format
         self.direction = direction
+        self.prefix = label.map { $0 + " " } ?? ""
+    }
+
+    /// "2026-11-26 07:12:03 UTC": when the trace of a connection began, so that traces appended
+    /// to one file can be placed in time.
+    static func wallClock() -> String {
+        var now = time(nil)
+        var parts = tm()
+        guard gmtime_r(&now, &parts) != nil else { return "?" }
+        func two(_ value: Int32) -> String { value < 10 ? "0\(value)" : "\(value)" }
+        return "\(parts.tm_year + 1900)-\(two(parts.tm_mon + 1))-\(two(parts.tm_mday)) \(two(parts.tm_hour)):\(two(parts.tm_min)):\(two(parts.tm_sec)) UTC"
     }
 
     /// A non-data event: hex format only.
@@ -196,8 +252,14 @@ final class Tracer: Sendable {
         }
     }
 
-    func close() {
-        sink.close()
+    /// Writes what is queued, then closes the sink.
+    func close() async {
+        await sink.close()
+    }
+
+    /// Closes the sink once what is queued is written, without waiting.
+    func closeLater() {
+        sink.closeLater()
     }
 
     /// "   0.001733 RX    detail\n": seconds since open, right-aligned, six decimals.
@@ -208,7 +270,7 @@ final class Tracer: Sendable {
         let stamp = "\(micros / 1_000_000)." + String(repeating: "0", count: 6 - fraction.count) + fraction
         let padded = String(repeating: " ", count: max(0, 11 - stamp.count)) + stamp
         let labelText = label + String(repeating: " ", count: max(1, 6 - label.count))
-        return detail.isEmpty ? "\(padded) \(label)\n" : "\(padded) \(labelText)\(detail)\n"
+        return detail.isEmpty ? "\(prefix)\(padded) \(label)\n" : "\(prefix)\(padded) \(labelText)\(detail)\n"
     }
 
     /// "0010  68 65 6c 6c 6f 0a …  |hello.|": offset, 16 hex columns (a gap after 8), printable ASCII.
@@ -227,40 +289,114 @@ final class Tracer: Sendable {
     }
 }
 
-/// Where a trace goes: standard error, or a file this sink owns. Writes are whole and in order.
+/// Where a trace goes: standard error, or a file this sink owns. Records are written in order by
+/// a serial queue of the sink's own (Dispatch, not the cooperative pool), so a slow disk never
+/// holds a connection; at most ``pendingLimit`` bytes wait, and records beyond are dropped and
+/// counted. The first failure to write (a full disk, /dev/full) is reported once on standard error.
 final class TraceSink: Sendable {
-    /// The descriptor, or nil once closed; the lock also keeps writes of different lines apart.
-    private let output: Mutex<SystemPackage.FileDescriptor?>
+    /// Records wait for the queue up to this many bytes; more are dropped (and reported).
+    static let pendingLimit = 4 << 20
+
+    private struct State {
+        /// The descriptor, or nil once closed.
+        var output: SystemPackage.FileDescriptor?
+        var pending = 0
+        var dropped = 0
+        var failed = false
+        var closing = false
+    }
+
     private let ownsDescriptor: Bool
+    private let describing: String
+    private let queue: DispatchQueue
+    /// Guards the descriptor and the counts; the queue does the writing.
+    private let state: Mutex<State>
 
-    init(file: String?) throws {
-        guard let file else {
-            output = Mutex(SystemPackage.FileDescriptor.standardError)
-            ownsDescriptor = false
-            return
-        }
-        do {
-            output = Mutex(try SystemPackage.FileDescriptor.open(file, .writeOnly, options: [.create, .truncate, .closeOnExec],
-                                                   permissions: [.ownerReadWrite, .groupRead, .otherRead]))
-        } catch let errno as Errno {
-            throw TransportError.posix("open", errno: errno, what: file, hint: "spy.file= must name a file this process can create or overwrite")
-        }
-        ownsDescriptor = true
+    private init(_ output: SystemPackage.FileDescriptor, owned: Bool, describing: String) {
+        ownsDescriptor = owned
+        self.describing = describing
+        state = Mutex(State(output: output))
+        queue = DispatchQueue(label: "spy trace \(describing)")
     }
 
+    /// The trace on standard error (not owned: never closed).
+    static var standardError: TraceSink { TraceSink(.standardError, owned: false, describing: "standard error") }
+
+    /// A trace appended to `path`; see `UserPath.openForAppending`.
+    static func open(_ path: String) async throws -> TraceSink {
+        let fd = try await UserPath.openForAppending(path, purpose: "the trace file (spy.file=)")
+        return TraceSink(fd, owned: true, describing: TransportError.printable(path))
+    }
+
+    /// Queues `bytes` (one whole record) for writing.
     func write(_ bytes: [UInt8]) {
-        output.withLock { output in
-            // A trace that cannot be written (a closed pipe, a full disk) must not break the
-            // connection it watches: the bytes are dropped.
-            _ = try? output?.writeAll(bytes)
+        let taken = state.withLock { state -> Bool in
+            guard state.output != nil, !state.closing else { return false }
+            guard state.pending + bytes.count <= Self.pendingLimit else {
+                state.dropped += 1
+                return false
+            }
+            state.pending += bytes.count
+            return true
+        }
+        guard taken else { return }
+        queue.async { [self] in
+            let output = state.withLock { $0.output }
+            // A trace that cannot be written (a full disk, a closed pipe, a device that cannot
+            // take it now) must not break the connection it watches: the record is dropped.
+            var failure: Errno?
+            if let output { failure = Self.writeAll(bytes, to: output) }
+            let report = state.withLock { state -> Bool in
+                state.pending -= bytes.count
+                guard failure != nil, !state.failed else { return false }
+                state.failed = true
+                return true
+            }
+            if report, let failure, ownsDescriptor {
+                let line = "spy: writing the trace to \(describing) failed: \(failure.symbolicDescription); records are lost until it can be written again\n"
+                _ = Self.writeAll(Array(line.utf8), to: .standardError)
+            }
         }
     }
 
-    func close() {
-        let owned = output.withLock { output in
-            defer { output = nil }
-            return ownsDescriptor ? output : nil
+    /// write(2) until done; a descriptor that is not ready now (a device, non-blocking) counts as a failure.
+    private static func writeAll(_ bytes: [UInt8], to output: SystemPackage.FileDescriptor) -> Errno? {
+        var rest = bytes[...]
+        while !rest.isEmpty {
+            switch Syscall.attempt({ rest.withUnsafeBytes { Glibc.write(output.rawValue, $0.baseAddress, $0.count) } }) {
+            case .success(let written) where written > 0: rest = rest.dropFirst(written)
+            case .success: return .ioError
+            case .failure(let errno): return errno
+            }
         }
-        try? owned?.close()
+        return nil
+    }
+
+    /// Writes what is queued, then closes the file (standard error stays open).
+    func close() async {
+        await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
+            closeLater { continuation.resume() }
+        }
+    }
+
+    /// ``close()`` without waiting for it.
+    func closeLater(then done: @escaping @Sendable () -> Void = {}) {
+        let first = state.withLock { state -> Bool in
+            defer { state.closing = true }
+            return !state.closing
+        }
+        guard first else { return done() }
+        queue.async { [self] in
+            let (output, dropped) = state.withLock { state in
+                defer { state.output = nil }
+                return (state.output, state.dropped)
+            }
+            if dropped > 0, let output {
+                let note = "spy: \(dropped) records were dropped: the trace could not be written as fast as the connection ran\n"
+                _ = Self.writeAll(Array(note.utf8), to: output)
+            }
+            if ownsDescriptor { output?.closeOwned() }
+            done()
+        }
     }
 }

@@ -237,15 +237,23 @@ func chooseEndpoints(_ alternates: [USBAlternate], interface: Int?, alternate: I
 func parseEndpoint(_ text: String?, option: String, describing: String) throws -> UInt8? {
     guard let text else { return nil }
     let value: UInt8?
+    // Digits only: UInt8(_:radix:) alone would also take "+1".
+    let isHex = { (digits: Substring) in !digits.isEmpty && digits.allSatisfy { $0.isASCII && $0.isHexDigit } }
     if text.lowercased().hasPrefix("0x") {
-        value = UInt8(text.dropFirst(2), radix: 16)
+        value = isHex(text.dropFirst(2)) ? UInt8(text.dropFirst(2), radix: 16) : nil
     } else if text.count == 2 {
-        value = UInt8(text, radix: 16)
+        value = isHex(Substring(text)) ? UInt8(text, radix: 16) : nil
     } else {
-        value = UInt8(text)
+        value = text.allSatisfy({ $0.isASCII && $0.isNumber }) ? UInt8(text) : nil
     }
+    let shown = TransportError.printable(text, limit: 40)
     guard let value, value & 0x70 == 0, value & 0x0f != 0 else {
-        throw TransportError(.invalidURL, "\(describing): \(option)=\(text) is not an endpoint address: give one such as 0x81 (IN 1) or 0x02 (OUT 2)")
+        throw TransportError(.invalidURL, "\(TransportError.printable(describing)): \(option)=\(shown) is not an endpoint address: give one such as 0x81 (IN 1) or 0x02 (OUT 2)")
+    }
+    let isIn = value & 0x80 != 0
+    guard isIn == (option == "in") else {
+        throw TransportError(.invalidURL, "\(TransportError.printable(describing)): \(option)=\(shown) is an \(isIn ? "IN" : "OUT") endpoint (bit 7 \(isIn ? "set" : "clear")); "
+                             + "\(option)= takes an \(option == "in" ? "IN endpoint, 0x81 to 0x8F" : "OUT endpoint, 0x01 to 0x0F")")
     }
     return value
 }

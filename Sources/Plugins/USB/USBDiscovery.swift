@@ -20,15 +20,32 @@ struct USBDeviceSelector: Sendable, CustomStringConvertible {
         self.location = location
     }
 
-    /// From `usb://VID:PID[/SERIAL]?location=…`: the path after the first "/" is the serial number
-    /// (already percent-decoded by the URL parser; it may contain "/").
+    /// From `usb://VID:PID[/SERIAL]?location=…`: the one path segment after the "/" is the serial
+    /// number, percent-decoded (a serial with a "/" in it is written %2F, as `transportkit list`
+    /// writes it). An empty serial, or a second segment (`/A/B`), is refused.
     init(_ request: ConnectRequest) throws {
+        let shown = request.url.shown
         guard let id = request.url.usbDeviceID else {
-            throw TransportError(.invalidURL, "\(request.url): expected usb://VID:PID with two 4-digit hex IDs (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
+            throw TransportError(.invalidURL, "\(shown): expected usb://VID:PID with two 4-digit hex IDs (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
         }
-        let serial = request.url.path.hasPrefix("/") ? String(request.url.path.dropFirst()) : request.url.path
-        self.init(vendorId: hex4(id.vendor), productId: hex4(id.product), serialNumber: serial.isEmpty ? nil : serial,
-                  location: request[USBPlugin.location])
+        var serial: String?
+        let segments = request.url.pathSegments.dropFirst()
+        if let text = segments.first {
+            guard !text.isEmpty || segments.count > 1 else {
+                throw TransportError(.invalidURL, "\(shown): the serial number after '/' is empty; give it (usb://\(hex4(id.vendor)):\(hex4(id.product))/SERIAL) or drop the '/'. Grammar: \(request.scheme.grammar)")
+            }
+            guard segments.count == 1 else {
+                let written = TransportError.printable(segments.joined(separator: "/"), limit: 40)
+                throw TransportError(.invalidURL, "\(shown): '\(written)' is not one serial number: the serial is the one path segment after VID:PID "
+                                     + "(a '/' inside it is written %2F). To tell devices apart by where they are plugged in, use ?location=BUS-PORT. Grammar: \(request.scheme.grammar)")
+            }
+            serial = text
+        }
+        let location = request[USBPlugin.location]
+        if location?.isEmpty == true {
+            throw TransportError(.invalidURL, "\(shown): location= needs a bus and port path, such as location=1-1.4 (`transportkit list` shows it)")
+        }
+        self.init(vendorId: hex4(id.vendor), productId: hex4(id.product), serialNumber: serial, location: location)
     }
 
     func matches(_ device: USBDeviceInfo) -> Bool {
@@ -39,8 +56,8 @@ struct USBDeviceSelector: Sendable, CustomStringConvertible {
 
     var description: String {
         var text = "USB \(vendorId):\(productId)"
-        if let serialNumber { text += " serial \(serialNumber)" }
-        if let location { text += " at \(location)" }
+        if let serialNumber { text += " serial \(TransportError.printable(serialNumber, limit: 80))" }
+        if let location { text += " at \(TransportError.printable(location, limit: 80))" }
         return text
     }
 }

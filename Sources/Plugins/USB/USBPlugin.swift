@@ -48,7 +48,14 @@ public struct USBPlugin: TransportPlugin {
             options: [Self.interface, Self.alt, Self.inEndpoint, Self.outEndpoint, Self.location, Self.detach, Self.transfers,
                       Self.transferSize, Self.zlp, Self.wait],
             exclusive: true
-        ), connect: Self.connect)]
+        ), check: Self.check, connect: Self.connect)]
+    }
+
+    /// What a server checks before it listens: the device's identity and the endpoint addresses.
+    @Sendable static func check(_ request: ConnectRequest) async throws {
+        _ = try USBDeviceSelector(request)
+        _ = try parseEndpoint(request[inEndpoint], option: "in", describing: request.url.description)
+        _ = try parseEndpoint(request[outEndpoint], option: "out", describing: request.url.description)
     }
 
     static func connect(_ request: ConnectRequest) async throws -> Connection {

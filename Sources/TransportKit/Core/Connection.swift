@@ -158,9 +158,9 @@ public final class Connection: Sendable {
     private func readChunk(maxBytes: Int?, timeout: Duration?) async throws -> ByteBuffer? {
         // One lock: check the state, mark this task as the reader and take bytes put back earlier.
         let leftover = try state.withLock { state -> ByteBuffer? in
-            if state.closed { throw TransportError.misuse("read on a connection to \(url) after close()") }
+            if state.closed { throw TransportError.misuse("read on a connection to \(url.shown) after close()") }
             if state.reading {
-                throw TransportError.misuse("two tasks read \(url) at once; read from one task, and hand the bytes to others")
+                throw TransportError.misuse("two tasks read \(url.shown) at once; read from one task, and hand the bytes to others")
             }
             state.reading = true
             defer { state.leftover = nil }
@@ -235,7 +235,7 @@ public final class Connection: Sendable {
             if let chunk { return chunk }
             if let failure { throw failure }
             if timerFired && !Task.isCancelled {
-                throw TransportError(.timedOut, "no data from \(url) within \(timeout.secondsText)")
+                throw TransportError(.timedOut, "no data from \(url.shown) within \(timeout.secondsText)")
             }
             throw CancellationError()
         }
@@ -329,7 +329,7 @@ public final class Connection: Sendable {
         try checkWritable()
         try await inTurn {
             if let limit = backend.maximumWriteSize, message.readableBytes > limit {
-                throw TransportError.misuse("a \(message.readableBytes)-byte message does not fit the \(limit)-byte MTU of \(url); keep messages within metadata.mtu")
+                throw TransportError.misuse("a \(message.readableBytes)-byte message does not fit the \(limit)-byte MTU of \(url.shown); keep messages within metadata.mtu")
             }
             try await backend.write(message)
             counters.written.add(message.readableBytes, ordering: .relaxed)
@@ -338,8 +338,8 @@ public final class Connection: Sendable {
 
     private func checkWritable() throws {
         try state.withLock { state in
-            if state.closed { throw TransportError.misuse("write on a connection to \(url) after close()") }
-            if state.writeClosed { throw TransportError.misuse("write on a connection to \(url) after closeWrite()") }
+            if state.closed { throw TransportError.misuse("write on a connection to \(url.shown) after close()") }
+            if state.writeClosed { throw TransportError.misuse("write on a connection to \(url.shown) after closeWrite()") }
         }
     }
 

@@ -99,10 +99,10 @@ extension Connection {
             let length = prefix.decode(field)
             guard length <= maxLength else {
                 unread(ByteBuffer(bytes: field))
-                throw TransportError(.io, "a length-prefixed frame from \(url) announces \(length) bytes, more than maxLength \(maxLength)")
+                throw TransportError(.io, "a length-prefixed frame from \(url.shown) announces \(length) bytes, more than maxLength \(maxLength)")
             }
             guard let payload = try await readExactly(length, deadline: deadline) else {
-                throw TransportError(.disconnected, "\(url) ended after a length field, before its \(length)-byte frame")
+                throw TransportError(.disconnected, "\(url.shown) ended after a length field, before its \(length)-byte frame")
             }
             return payload
         case .interByteTimeout(let gap):
@@ -166,7 +166,7 @@ extension Connection {
         guard let deadline else { return nil }
         let left = deadline - .now()
         guard left > .zero else {
-            throw TransportError(.timedOut, "no complete frame from \(url) before the deadline")
+            throw TransportError(.timedOut, "no complete frame from \(url.shown) before the deadline")
         }
         return Duration(left)
     }
@@ -179,7 +179,7 @@ extension Connection {
             unread(gathered)
             gathered.clear()
             if let error = error as? TransportError, error.kind == .timedOut {
-                throw TransportError(.timedOut, "no complete frame from \(url) within the timeout; the partial frame stays unread")
+                throw TransportError(.timedOut, "no complete frame from \(url.shown) within the timeout; the partial frame stays unread")
             }
             throw error
         }
@@ -213,7 +213,7 @@ extension Connection {
     /// Puts `gathered` back and returns the error for a delimited frame longer than `maxLength`.
     private func tooLong(_ gathered: ByteBuffer, _ maxLength: Int) -> TransportError {
         unread(gathered)
-        return TransportError(.io, "no delimiter within \(maxLength) bytes from \(url); the bytes stay unread")
+        return TransportError(.io, "no delimiter within \(maxLength) bytes from \(url.shown); the bytes stay unread")
     }
 
     private func readExactly(_ length: Int, deadline: NIODeadline?, lengthField: Bool = false) async throws -> [UInt8]? {
@@ -222,7 +222,7 @@ extension Connection {
             guard var chunk = try await nextChunk(&gathered, deadline: deadline) else {
                 if gathered.readableBytes == 0 { return nil }
                 let what = lengthField ? "a length field" : "a \(length)-byte frame"
-                throw TransportError(.disconnected, "\(url) ended after \(gathered.readableBytes) bytes of \(what)")
+                throw TransportError(.disconnected, "\(url.shown) ended after \(gathered.readableBytes) bytes of \(what)")
             }
             // The whole frame in one chunk (the usual case): no copy into `gathered`.
             if gathered.readableBytes == 0, let frame = chunk.readBytes(length: length) {
@@ -354,7 +354,7 @@ public struct CommandSession: Sendable {
                 let remaining = clock.now.duration(to: deadline)
                 guard remaining > .zero else { throw TransportError(.timedOut, "skipping stale answers took the whole timeout") }
                 guard let response = try await connection.readFrame(.delimiter(terminator), timeout: remaining) else {
-                    throw TransportError(.disconnected, "\(connection.url) closed before answering")
+                    throw TransportError(.disconnected, "\(connection.url.shown) closed before answering")
                 }
                 guard stripsEcho, !echo.isEmpty else { return response }
                 // The echo is the whole first line: "01" does not echo "010C".
@@ -370,7 +370,7 @@ public struct CommandSession: Sendable {
             }
         } catch let error as TransportError where error.kind == .timedOut {
             pending.add()
-            throw TransportError(.timedOut, "\(connection.url) did not answer with '\(String(decoding: terminator, as: UTF8.self))' within \(timeout.secondsText); is the device on and at the right bit rate?")
+            throw TransportError(.timedOut, "\(connection.url.shown) did not answer with '\(String(decoding: terminator, as: UTF8.self))' within \(timeout.secondsText); is the device on and at the right bit rate?")
         }
     }
 
@@ -381,7 +381,7 @@ public struct CommandSession: Sendable {
         while pending.count > 0 {
             do {
                 guard try await connection.readFrame(.delimiter(terminator), timeout: wait) != nil else {
-                    throw TransportError(.disconnected, "\(connection.url) closed before answering")
+                    throw TransportError(.disconnected, "\(connection.url.shown) closed before answering")
                 }
                 pending.settle(1)
             } catch let error as TransportError where error.kind == .timedOut {

@@ -323,12 +323,23 @@ public enum OptionValue: Sendable, Equatable {
 public struct OptionValues: Sendable, Equatable {
     /// Values by lower-cased option name.
     let raw: [String: OptionValue]
+    /// Records which options were read (shared by the copies of one request's values).
+    let use: OptionUse
 
-    init(_ raw: [String: OptionValue] = [:]) { self.raw = raw }
+    init(_ raw: [String: OptionValue] = [:], use: OptionUse = OptionUse()) {
+        self.raw = raw
+        self.use = use
+    }
 
     /// The value of `option`: the URL's, else its default (or `nil` for an option without one).
     public subscript<Value>(_ option: URLOption<Value>) -> Value {
-        option.value(in: self)
+        use.record(option.spec.key)
+        return option.value(in: self)
+    }
+
+    /// Two sets of values are equal when they hold the same values (what was read is not compared).
+    public static func == (lhs: OptionValues, rhs: OptionValues) -> Bool {
+        lhs.raw == rhs.raw
     }
 }
 

@@ -58,12 +58,17 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// (a serial port): a server that fronts it serves one client at a time, where a target that
     /// can be opened many times (tcp, unix) gets a connection per client.
     public var exclusive: Bool = false
+    /// The ways the scheme's URLs are used and the options each uses (see ``SchemeMode``). Empty:
+    /// one connect mode, and a listen mode when the scheme can listen, each using every option.
+    public var modes: [SchemeMode] = []
 
-    /// A descriptor. `options` are the ``URLOption`` constants the plugin reads values with.
+    /// A descriptor. `options` are the ``URLOption`` constants the plugin reads values with;
+    /// `modes` say which of them each way of using the scheme reads (empty: all of them).
     public init(scheme: String, summary: String, grammar: String, examples: [String] = [], authority: AuthorityForm = .hostPort,
                 host: Presence, port: Presence, portRange: ClosedRange<Int>? = nil, path: Presence,
-                options: [any OptionDeclaration] = [], exclusive: Bool = false) {
+                options: [any OptionDeclaration] = [], modes: [SchemeMode] = [], exclusive: Bool = false) {
         self.exclusive = exclusive
+        self.modes = modes
         self.scheme = scheme.lowercased()
         self.summary = summary
         self.grammar = grammar
@@ -79,11 +84,42 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// The scheme's own options followed by the common ones (wrappers have no common option).
     public var allOptions: [OptionSpec] { wraps ? options : options + OptionSpec.common }
 
+    /// ``modes``, or when none are declared the implicit ones: connect with every option, and
+    /// listen with every option when the scheme can listen.
+    public var effectiveModes: [SchemeMode] {
+        guard modes.isEmpty else { return modes }
+        var implicit = [SchemeMode("\(scheme):// connection", form: grammar, options: options)]
+        if canListen { implicit.append(SchemeMode("\(scheme):// listener", role: .listen, form: grammar, options: options)) }
+        return implicit
+    }
+
+    /// The mode that serves `url` in `role`: the first whose selectors fit; `nil` when none does
+    /// (the plugin's handler then refuses the URL with its own words).
+    public func mode(for url: TransportURL, role: SchemeMode.Role) -> SchemeMode? {
+        effectiveModes.first { $0.serves(url, as: role) }
+    }
+
+    /// The options `mode` takes: its own, and the common ones for a connect mode.
+    ///
+    /// ```swift
+    /// let names = descriptor.options(of: descriptor.effectiveModes[0]).map(\.name)
+    /// ```
+    public func options(of mode: SchemeMode) -> [OptionSpec] {
+        let own = options.filter { spec in mode.options.contains { URLParser.sameName($0, spec.name) } }
+        return own + (mode.role == .connect && !wraps ? OptionSpec.common : [])
+    }
+
     /// A multi-line help text: grammar, options with type and default, examples.
     public var helpText: String {
         var lines = ["\(grammar)  \(summary)"]
         for option in allOptions {
             lines.append("  \(wraps ? scheme + "." : "")\(option.name) (\(option.kind.label)\(option.defaultValue.map { ", default \($0)" } ?? "")): \(option.help)")
+        }
+        if !modes.isEmpty {
+            for mode in modes {
+                let names = options(of: mode).map { (wraps ? scheme + "." : "") + $0.name }
+                lines.append("  \(mode.role == .listen ? "listening" : "connecting"), \(mode.form): \(names.isEmpty ? "no options" : names.joined(separator: ", "))")
+            }
         }
         if !examples.isEmpty { lines.append("  e.g. " + examples.joined(separator: ", ")) }
         return lines.joined(separator: "\n")
@@ -109,15 +145,29 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
                 problems.append("the option '\(option.name)' is declared twice (names are case-insensitive; 'timeout' is common to every scheme)")
             }
         }
+        for mode in modes {
+            for name in mode.options where !options.contains(where: { URLParser.sameName($0.name, name) }) {
+                problems.append("the mode '\(mode.name)' uses the option '\(name)', which the scheme does not declare")
+            }
+            if modes.contains(where: { $0 != mode && $0.name == mode.name && $0.role == mode.role }) {
+                problems.append("the mode '\(mode.name)' is declared twice")
+            }
+        }
+        if !modes.isEmpty {
+            for option in options where !modes.contains(where: { $0.options.contains { URLParser.sameName($0, option.name) } }) {
+                problems.append("the option '\(option.name)' is used by none of the modes: declare it in the modes that read it, or drop it")
+            }
+        }
         return problems.map { "\(scheme)://: \($0)" }
     }
 
-    /// Checks `url` against this descriptor and returns its typed option values.
+    /// Checks `url` against this descriptor for `role` and returns its typed option values. An
+    /// option the URL's mode does not use is refused with the mode's name.
     ///
     /// ```swift
     /// let values = try descriptor.validate(TransportURL("echo://?delay=0.5"))
     /// ```
-    public func validate(_ url: TransportURL) throws -> OptionValues {
+    public func validate(_ url: TransportURL, role: SchemeMode.Role = .connect) throws -> OptionValues {
         func reject(_ reason: String) -> TransportError {
             TransportError(.invalidURL, "invalid \(scheme) URL '\(URLParser.printable(url.description))': \(reason). Grammar: \(grammar)")
         }
@@ -133,7 +183,14 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
             try check(url.host != nil, host, "a host", reject)
             try check(url.portText != nil, port, "a port", reject)
             if let portText = url.portText {
-                guard let portValue = url.port else { throw reject("the port '\(portText)' must be a decimal number") }
+                let digits = !portText.isEmpty && portText.utf8.allSatisfy { $0 >= 0x30 && $0 <= 0x39 }
+                guard let portValue = url.port else {
+                    if digits, let portRange {
+                        // Too many digits to be read as a number at all: out of range, not malformed.
+                        throw reject("the port \(URLParser.printable(portText, limit: 40)) is outside \(portRange.lowerBound)…\(portRange.upperBound)")
+                    }
+                    throw reject("the port '\(URLParser.printable(portText, limit: 40))' must be a decimal number")
+                }
                 if let portRange, !portRange.contains(portValue) {
                     throw reject("the port \(portValue) is outside \(portRange.lowerBound)…\(portRange.upperBound)")
                 }
@@ -145,10 +202,17 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         }
         try check(!url.path.isEmpty && url.path != "/", path, "a path", reject)
         var values: [String: OptionValue] = [:]
+        let mode = mode(for: url, role: role)
+        let prefix = wraps ? scheme + "." : ""
         for item in url.query {
             guard let spec = allOptions.first(where: { URLParser.sameName($0.name, item.name) }) else {
-                let names = allOptions.map { (wraps ? scheme + "." : "") + $0.name }.joined(separator: ", ")
-                throw reject("unknown option '\(wraps ? scheme + "." : "")\(URLParser.printable(item.name, limit: 40))' (\(scheme) accepts: \(names.isEmpty ? "none" : names))")
+                let names = allOptions.map { prefix + $0.name }.joined(separator: ", ")
+                throw reject("unknown option '\(prefix)\(URLParser.printable(item.name, limit: 40))' (\(scheme) accepts: \(names.isEmpty ? "none" : names))")
+            }
+            if let mode, !options(of: mode).contains(where: { $0.key == spec.key }) {
+                let users = effectiveModes.filter { options(of: $0).contains { $0.key == spec.key } }.map(\.phrase)
+                throw reject("option '\(prefix)\(spec.name)' is not used by this mode, \(mode.phrase), so it is refused rather than ignored"
+                             + (users.isEmpty ? "" : "; it applies to: \(users.joined(separator: "; "))"))
             }
             do {
                 values[spec.key] = try spec.kind.parse(item.value)

@@ -51,13 +51,18 @@ public struct TransportError: Error, Sendable, Equatable, CustomStringConvertibl
     public var errno: Errno?
     /// The system call (or C library function) that failed, such as `"connect"`.
     public var syscall: String?
+    /// The service's or protocol's own name for the error, when one answered with it: a D-Bus
+    /// error name (`org.bluez.Error.NotPermitted`), and later a TLS alert or a WebSocket close
+    /// code. Tell errors apart by it, never by their message's words.
+    public var code: String?
 
     /// An error of `kind` with a message for a person.
     ///
     /// ```swift
     /// throw TransportError(.notFound, "no device at \(path): is it plugged in?", errno: .noSuchFileOrDirectory, syscall: "open")
     /// ```
-    public init(_ kind: Kind, _ message: String, errno: Errno? = nil, syscall: String? = nil) {
+    public init(_ kind: Kind, _ message: String, errno: Errno? = nil, syscall: String? = nil, code: String? = nil) {
+        self.code = code
         self.kind = kind
         self.message = message
         self.errno = errno
@@ -85,6 +90,17 @@ public struct TransportError: Error, Sendable, Equatable, CustomStringConvertibl
         return TransportError(Kind(errno: errno), message, errno: errno, syscall: syscall)
     }
 
+    /// `text` (a value from a URL, a path) as a message may show it: control characters escaped,
+    /// and anything longer than `limit` characters cut in the middle with its full length given,
+    /// so a 100 KB value does not fill a terminal.
+    ///
+    /// ```swift
+    /// throw TransportError(.notFound, "no device at \(TransportError.printable(path))")
+    /// ```
+    public static func printable(_ text: String, limit: Int = 160) -> String {
+        URLParser.printable(text, limit: limit)
+    }
+
     /// A ``Kind/misuse`` error: the calling code broke a rule of the API.
     ///
     /// ```swift
@@ -96,6 +112,28 @@ public struct TransportError: Error, Sendable, Equatable, CustomStringConvertibl
 }
 
 extension TransportError.Kind {
+    /// A few words for the kind, for a peer that may learn what went wrong but not where:
+    /// "not found", "busy", "permission denied".
+    ///
+    /// ```swift
+    /// TransportError.Kind.permissionDenied.phrase   // "permission denied"
+    /// ```
+    public var phrase: String {
+        switch self {
+        case .invalidURL: "an invalid URL"
+        case .unsupportedScheme: "an unsupported scheme"
+        case .notFound: "not found"
+        case .permissionDenied: "permission denied"
+        case .busy: "busy"
+        case .refused: "refused"
+        case .disconnected: "disconnected"
+        case .timedOut: "timed out"
+        case .unsupported: "not supported"
+        case .misuse: "misused"
+        case .io: "an I/O error"
+        }
+    }
+
     /// The portable kind for an `errno` value. Mappings that are not obvious:
     /// EIO and ENXIO/ENODEV mean a device went away (a pty whose other side closed reports EIO);
     /// EADDRINUSE is "busy" because another socket holds the address.
@@ -143,5 +181,9 @@ extension Errno {
         .connectionAbort: "ECONNABORTED", .connectionReset: "ECONNRESET", .noBufferSpace: "ENOBUFS",
         .socketNotConnected: "ENOTCONN", .socketShutdown: "ESHUTDOWN", .timedOut: "ETIMEDOUT",
         .connectionRefused: "ECONNREFUSED", .noRouteToHost: "EHOSTUNREACH", .protocolNotAvailable: "ENOPROTOOPT", .readOnlyFileSystem: "EROFS",
+        .noSpace: "ENOSPC", .tooManySymbolicLinkLevels: "ELOOP", .fileNameTooLong: "ENAMETOOLONG", .tooManyOpenFiles: "EMFILE",
+        .tooManyOpenFilesInSystem: "ENFILE", .fileTooLarge: "EFBIG", .diskQuotaExceeded: "EDQUOT", .textFileBusy: "ETXTBSY",
+        .improperLink: "EXDEV", .directoryNotEmpty: "ENOTEMPTY", .badAddress: "EFAULT", .argListTooLong: "E2BIG", .noSuchProcess: "ESRCH",
+        .hostIsDown: "EHOSTDOWN", .alreadyInProcess: "EALREADY", .nowInProgress: "EINPROGRESS",
     ]
 }

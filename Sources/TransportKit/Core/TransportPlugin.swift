@@ -55,31 +55,39 @@ public struct Scheme: Sendable {
     public typealias ConnectHandler = @Sendable (ConnectRequest) async throws -> Connection
     /// Starts accepting connections for a validated request.
     public typealias ListenHandler = @Sendable (ConnectRequest) async throws -> Listener
+    /// Checks a validated request without connecting: what a server can know before it listens
+    /// (an address that cannot be one, a trace file that cannot be written). No connection, no
+    /// waiting on a device; cheap local checks only.
+    public typealias CheckHandler = @Sendable (ConnectRequest) async throws -> Void
 
     /// The grammar and options (``SchemeDescriptor/canListen`` and ``SchemeDescriptor/wraps``
     /// follow from how the scheme was made).
     public private(set) var descriptor: SchemeDescriptor
     let connect: ConnectHandler
     let listen: ListenHandler?
+    let check: CheckHandler?
 
-    /// A scheme that connects, and listens when `listen` is given.
-    public init(_ descriptor: SchemeDescriptor, connect: @escaping ConnectHandler, listen: ListenHandler? = nil) {
+    /// A scheme that connects, and listens when `listen` is given. `check` runs at
+    /// ``TransportRegistry/check(_:role:)``, after the URL was validated, for what can be known
+    /// without connecting; the connect handler must still check the same things itself.
+    public init(_ descriptor: SchemeDescriptor, check: CheckHandler? = nil, connect: @escaping ConnectHandler, listen: ListenHandler? = nil) {
         self.descriptor = descriptor
         self.descriptor.canListen = listen != nil
         self.connect = connect
         self.listen = listen
+        self.check = check
     }
 
     /// A wrapper layer: its URLs are `SCHEME+URL` (`spy+tcp://…`); `connect` opens the wrapped URL
     /// with ``ConnectRequest/connectInner()`` and puts a ``WrappingBackend`` around it. The
     /// descriptor's host, port and path are forbidden and its options are written `SCHEME.NAME`.
-    public static func wrapper(_ descriptor: SchemeDescriptor, connect: @escaping ConnectHandler) -> Scheme {
+    public static func wrapper(_ descriptor: SchemeDescriptor, check: CheckHandler? = nil, connect: @escaping ConnectHandler) -> Scheme {
         var descriptor = descriptor
         descriptor.host = .forbidden
         descriptor.port = .forbidden
         descriptor.path = .forbidden
         descriptor.wraps = true
-        return Scheme(descriptor, connect: connect)
+        return Scheme(descriptor, check: check, connect: connect)
     }
 }
 
@@ -90,6 +98,9 @@ public struct ConnectRequest: Sendable {
     public let url: TransportURL
     /// The descriptor the URL was validated against.
     public let scheme: SchemeDescriptor
+    /// The mode the URL was validated in (``SchemeDescriptor/mode(for:role:)``); `nil` when none
+    /// of the scheme's modes serves it, which the handler refuses in its own words.
+    public let mode: SchemeMode?
     /// The URL's options, typed and completed with defaults; read them with the ``URLOption``
     /// constants the descriptor lists.
     public let options: OptionValues
@@ -101,12 +112,17 @@ public struct ConnectRequest: Sendable {
     public let timeout: Duration?
     /// The registry's logger, with the URL and scheme as metadata.
     public let logger: Logger
+    /// How much of the connection's data may be held in memory (a listener: of each connection it
+    /// accepts); plugins whose backends buffer pass it on (``ChannelBackend``, ``InboundQueue``).
+    public let buffering: Buffering
     let registry: TransportRegistry
 
-    init(url: TransportURL, scheme: SchemeDescriptor, options: OptionValues, timeout: Duration?, deadline: ContinuousClock.Instant?,
-         logger: Logger, registry: TransportRegistry) {
+    init(url: TransportURL, scheme: SchemeDescriptor, mode: SchemeMode?, options: OptionValues, timeout: Duration?, deadline: ContinuousClock.Instant?,
+         logger: Logger, buffering: Buffering, registry: TransportRegistry) {
+        self.buffering = buffering
         self.url = url
         self.scheme = scheme
+        self.mode = mode
         self.options = options
         self.timeout = timeout
         self.deadline = deadline
@@ -144,13 +160,13 @@ public struct ConnectRequest: Sendable {
     /// let carrier = try await request.connect(to: TransportURL("loop://?buffer=65536"))
     /// ```
     public func connect(to url: TransportURL) async throws -> Connection {
-        try await registry.connectWithin(url, deadline: deadline)
+        try await registry.connectWithin(url, deadline: deadline, buffering: buffering)
     }
 
     /// Opens the URL this wrapper layer wraps (``TransportURL/inner``), with its own options.
     public func connectInner() async throws -> Connection {
         guard let inner = url.inner else {
-            throw TransportError.misuse("\(url) wraps no URL; only a wrapper scheme's handler may call connectInner()")
+            throw TransportError.misuse("\(url.shown) wraps no URL; only a wrapper scheme's handler may call connectInner()")
         }
         return try await connect(to: inner)
     }
@@ -176,6 +192,9 @@ public protocol ListenerBackend: AnyObject, Sendable {
 public final class Listener: Sendable {
     /// The address actually bound (port 0 replaced by the port the kernel chose).
     public let url: TransportURL
+    /// Who can reach this listener, and whether they must prove who they are; `nil` when the
+    /// plugin does not say. A server tells its operator when strangers can connect.
+    public let exposure: ListenerExposure?
     private let backend: any ListenerBackend
     /// The registry's logger, set when the registry hands the listener out; accepted connections
     /// log through it.
@@ -186,9 +205,10 @@ public final class Listener: Sendable {
     /// ```swift
     /// return Listener(url: boundURL, backend: socketListener)
     /// ```
-    public init(url: TransportURL, backend: any ListenerBackend) {
+    public init(url: TransportURL, backend: any ListenerBackend, exposure: ListenerExposure? = nil) {
         self.url = url
         self.backend = backend
+        self.exposure = exposure
     }
 
     /// Waits for the next connection; `nil` after ``close()``.
@@ -231,6 +251,45 @@ public final class Listener: Sendable {
         /// An iterator that accepts connections.
         public func makeAsyncIterator() -> AsyncIterator { AsyncIterator(listener: listener) }
     }
+}
+
+/// Who can reach a listener, and whether a peer must prove who it is before it is accepted:
+/// what a server built on the listener says to its operator.
+///
+/// ```swift
+/// let exposure = ListenerExposure(reach: .network, authenticated: false,
+///                                 who: "any machine that can reach 0.0.0.0 port 2000")
+/// return Listener(url: bound, backend: backend, exposure: exposure)
+/// ```
+public struct ListenerExposure: Sendable, Equatable {
+    /// How far the listener reaches.
+    public enum Reach: String, Sendable, Codable {
+        /// Only this user (a unix socket of mode 0600).
+        case thisUser
+        /// Processes of this machine (a loopback address, a unix socket other users may open).
+        case thisMachine
+        /// Other machines (an address other than loopback).
+        case network
+        /// Devices in radio range (Bluetooth).
+        case radio
+    }
+
+    /// How far the listener reaches.
+    public var reach: Reach
+    /// `true` when a peer must prove who it is (Bluetooth pairing, a TLS client certificate).
+    public var authenticated: Bool
+    /// Who can connect, in words: "any machine that can reach 0.0.0.0 port 2000".
+    public var who: String
+
+    /// An exposure; see the properties.
+    public init(reach: Reach, authenticated: Bool, who: String) {
+        self.reach = reach
+        self.authenticated = authenticated
+        self.who = who
+    }
+
+    /// `true` when strangers can connect: beyond this machine, with no proof of who they are.
+    public var admitsStrangers: Bool { (reach == .network || reach == .radio) && !authenticated }
 }
 
 /// A device a plugin can reach, with a URL that connects to it.

@@ -107,6 +107,16 @@ public final class TransportRegistry: Sendable {
         try resolveEntry(url, deadline: nil).request
     }
 
+    /// Validates `url` for `role` (every layer; the layers under a wrapper for connecting) without
+    /// any I/O: a listen URL with an option only connects use is refused.
+    ///
+    /// ```swift
+    /// let request = try registry.resolve("tcp://0.0.0.0:2000?backlog=16", role: .listen)
+    /// ```
+    public func resolve(_ url: String, role: SchemeMode.Role) throws -> ConnectRequest {
+        try resolveEntry(TransportURL(url), role: role, deadline: nil).request
+    }
+
     private func entry(for url: TransportURL) throws -> Entry {
         guard let entry = table.withLock({ $0.schemes[url.scheme] }) else {
             let known = schemes.map { $0.scheme + "://" }.joined(separator: ", ")
@@ -116,24 +126,65 @@ public final class TransportRegistry: Sendable {
     }
 
     /// Validates every layer and returns this layer's request; `deadline` nil means "from the
-    /// bottom URL's timeout, starting now".
-    private func resolveEntry(_ url: TransportURL, deadline: ContinuousClock.Instant?, fromNow: Bool = false)
-        throws -> (request: ConnectRequest, entry: Entry) {
+    /// bottom URL's timeout, starting now". The layers a wrapper wraps are always connected to.
+    private func resolveEntry(_ url: TransportURL, role: SchemeMode.Role = .connect, deadline: ContinuousClock.Instant?, fromNow: Bool = false,
+                              buffering: Buffering = .standard) throws -> (request: ConnectRequest, entry: Entry) {
         let entry = try entry(for: url)
-        let options = try entry.scheme.descriptor.validate(url)
+        if role == .listen, entry.scheme.listen == nil {
+            let able = schemes.filter(\.canListen).map { $0.scheme + "://" }.joined(separator: ", ")
+            throw TransportError(.unsupported, "\(url.scheme):// cannot listen for connections; schemes that can: \(able)")
+        }
+        let options = try entry.scheme.descriptor.validate(url, role: role)
         let timeout: Duration?
         if let inner = url.inner {
             timeout = try resolveEntry(inner, deadline: nil).request.timeout
-        } else {
+        } else if role == .connect {
             timeout = options[OptionSpec.timeout]
+        } else {
+            timeout = nil
         }
         var logger = self.logger
         logger[metadataKey: "url"] = "\(url)"
         logger[metadataKey: "scheme"] = "\(url.scheme)"
         let deadline = deadline ?? (fromNow ? timeout.map { ContinuousClock.now + $0 } : nil)
-        let request = ConnectRequest(url: url, scheme: entry.scheme.descriptor, options: options, timeout: timeout,
-                                     deadline: deadline, logger: logger, registry: self)
+        let request = ConnectRequest(url: url, scheme: entry.scheme.descriptor, mode: entry.scheme.descriptor.mode(for: url, role: role),
+                                     options: options, timeout: timeout, deadline: deadline, logger: logger, buffering: buffering, registry: self)
         return (request, entry)
+    }
+
+    /// The options `request`'s URL gave that its plugin never read: a plugin that declares an
+    /// option for a mode and then ignores it. The registry refuses such a connect or listen
+    /// rather than let the option be silently ignored (a `security=` that asks for nothing).
+    private static func unread(by request: ConnectRequest) -> TransportError? {
+        let read = request.options.use.keys
+        let unread = request.url.query.map(\.name).filter { !read.contains($0.lowercased()) }
+        guard !unread.isEmpty else { return nil }
+        let prefix = request.scheme.wraps ? request.scheme.scheme + "." : ""
+        let names = unread.map { "'\(prefix)\(URLParser.printable($0, limit: 40))'" }.joined(separator: ", ")
+        return TransportError.misuse("\(URLParser.printable(request.url.description)): the \(request.scheme.scheme):// plugin accepted \(names) but never used "
+                                     + "\(unread.count == 1 ? "it" : "them"), so the connection was closed rather than run without "
+                                     + "\(unread.count == 1 ? "it" : "them"). This is a bug in the plugin: its descriptor declares the option for this mode")
+    }
+
+    /// Checks everything about `url` that can be known without connecting or listening: every
+    /// layer's grammar and options for `role` (the layers a wrapper wraps for connecting), then
+    /// each layer's plugin check (``Scheme/CheckHandler``), such as a trace file that cannot be
+    /// written or a device address that cannot be one. A server calls it for its target before it
+    /// listens, so a target that can never work fails at start rather than at every client.
+    ///
+    /// ```swift
+    /// try await registry.check("spy+tcp://127.0.0.1:4000?spy.file=/tmp/trace.txt")
+    /// let listener = try await registry.listen(on: "tcp://127.0.0.1:2000")
+    /// ```
+    public func check(_ url: String, role: SchemeMode.Role = .connect) async throws {
+        var layer: TransportURL? = try TransportURL(url)
+        var layerRole = role
+        while let current = layer {
+            let (request, entry) = try resolveEntry(current, role: layerRole, deadline: nil)
+            try await entry.scheme.check?(request)
+            layer = current.inner
+            layerRole = .connect
+        }
     }
 
     // MARK: Connecting
@@ -147,23 +198,24 @@ public final class TransportRegistry: Sendable {
     /// ```swift
     /// let connection = try await registry.connect(to: "tcp://127.0.0.1:4000?timeout=2")
     /// ```
-    public func connect(to url: String) async throws -> Connection {
-        try await connect(to: TransportURL(url))
+    public func connect(to url: String, buffering: Buffering = .standard) async throws -> Connection {
+        try await connect(to: TransportURL(url), buffering: buffering)
     }
 
-    /// Connects to a parsed URL.
-    public func connect(to url: TransportURL) async throws -> Connection {
-        let (request, entry) = try resolveEntry(url, deadline: nil, fromNow: true)
+    /// Connects to a parsed URL. `buffering` says how much of the connection's data may wait in
+    /// memory (``Buffering/compact`` for a server with many connections).
+    public func connect(to url: TransportURL, buffering: Buffering = .standard) async throws -> Connection {
+        let (request, entry) = try resolveEntry(url, deadline: nil, fromNow: true, buffering: buffering)
         let logger = request.logger
         logger.debug("connecting")
         let timeoutText = request.timeout?.secondsText ?? "the limit"
         do {
             let connection = try await Deadline.run(
                 until: request.deadline,
-                timeoutError: TransportError(.timedOut, "connecting to \(url) took longer than \(timeoutText); check that the device or peer is there, or raise ?timeout="),
+                timeoutError: TransportError(.timedOut, "connecting to \(url.shown) took longer than \(timeoutText); check that the device or peer is there, or raise ?timeout="),
                 discard: { connection in try? await connection.close() }
             ) {
-                try await entry.scheme.connect(request)
+                try await Self.connect(request, with: entry)
             }
             connection.setLogger(logger)
             logger.debug("connected")
@@ -189,10 +241,20 @@ public final class TransportRegistry: Sendable {
 
     /// Connects `url` for a plugin's request: same deadline, in the calling task, no timer of its
     /// own (the outer connect's timer cancels this task, and reports the one timeout).
-    func connectWithin(_ url: TransportURL, deadline: ContinuousClock.Instant?) async throws -> Connection {
-        let (request, entry) = try resolveEntry(url, deadline: deadline)
-        let connection = try await entry.scheme.connect(request)
+    func connectWithin(_ url: TransportURL, deadline: ContinuousClock.Instant?, buffering: Buffering) async throws -> Connection {
+        let (request, entry) = try resolveEntry(url, deadline: deadline, buffering: buffering)
+        let connection = try await Self.connect(request, with: entry)
         connection.setLogger(request.logger)
+        return connection
+    }
+
+    /// Runs the scheme's connect handler and holds it to the options it was given.
+    private static func connect(_ request: ConnectRequest, with entry: Entry) async throws -> Connection {
+        let connection = try await entry.scheme.connect(request)
+        if let unread = unread(by: request) {
+            try? await connection.close()
+            throw unread
+        }
         return connection
     }
 
@@ -232,18 +294,21 @@ public final class TransportRegistry: Sendable {
     /// ```swift
     /// let listener = try await registry.listen(on: "tcp://127.0.0.1:0")
     /// ```
-    public func listen(on url: String) async throws -> Listener {
-        try await listen(on: TransportURL(url))
+    public func listen(on url: String, buffering: Buffering = .standard) async throws -> Listener {
+        try await listen(on: TransportURL(url), buffering: buffering)
     }
 
-    /// Starts listening on a parsed URL.
-    public func listen(on url: TransportURL) async throws -> Listener {
-        let (request, entry) = try resolveEntry(url, deadline: nil)
+    /// Starts listening on a parsed URL. `buffering` applies to every connection it accepts.
+    public func listen(on url: TransportURL, buffering: Buffering = .standard) async throws -> Listener {
+        let (request, entry) = try resolveEntry(url, role: .listen, deadline: nil, buffering: buffering)
         guard let listen = entry.scheme.listen else {
-            let able = schemes.filter(\.canListen).map { $0.scheme + "://" }.joined(separator: ", ")
-            throw TransportError(.unsupported, "\(url.scheme):// cannot listen for connections; schemes that can: \(able)")
+            throw TransportError.misuse("\(url.scheme):// has no listen handler")   // resolveEntry refused it already
         }
         let listener = try await listen(request)
+        if let unread = Self.unread(by: request) {
+            try? await listener.close()
+            throw unread
+        }
         listener.setLogger(logger)
         request.logger.debug("listening", metadata: ["bound": "\(listener.url)"])
         return listener

@@ -36,7 +36,12 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
     /// `usb://VID:PID` the product id in hexadecimal. ``port`` is its decimal reading.
     public internal(set) var portText: String?
     /// Percent-decoded path including its leading `/`, or `""`.
-    public var path: String
+    public var path: String {
+        didSet { writtenPath = nil }
+    }
+    /// The path as the parsed text wrote it (percent-encoding kept), so that an encoded `/` (`%2F`)
+    /// stays part of its segment; `nil` for a URL made from parts, or whose path was set since.
+    fileprivate(set) var writtenPath: String?
     /// Query options of this layer in the order given, names as written (without a wrapper's
     /// prefix), values percent-decoded. A bare `?name` has the value `""`.
     public var query: [(name: String, value: String)]
@@ -77,6 +82,22 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
         set { portText = newValue.map(String.init) }
     }
 
+    /// The path's segments, percent-decoded each, split where the URL text has a `/` (not at a
+    /// `%2F`, which stays inside its segment): `usb://1d50:6089/AB%2F12` has `["", "AB/12"]`, and
+    /// `usb://1d50:6089/AB/12` has `["", "AB", "12"]`. Empty for an empty path.
+    ///
+    /// ```swift
+    /// try TransportURL("usb://0403:6001/A%2FB").pathSegments   // ["", "A/B"]
+    /// ```
+    public var pathSegments: [String] {
+        guard !path.isEmpty else { return [] }
+        guard let writtenPath else { return path.split(separator: "/", omittingEmptySubsequences: false).map(String.init) }
+        return writtenPath.split(separator: "/", omittingEmptySubsequences: false).map { segment in
+            // The whole path decoded when it was parsed, so each of its segments decodes too.
+            (try? URLParser.decode(segment, in: writtenPath, what: "the path")) ?? String(segment)
+        }
+    }
+
     /// The URL this layer wraps: `tcp://127.0.0.1:4000` for `spy+tcp://127.0.0.1:4000`.
     public var inner: TransportURL? {
         get { wrapped.first }
@@ -104,7 +125,7 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
     /// (`usb://1546:01a7`); `nil` when it is not of that form.
     public var usbDeviceID: (vendor: UInt16, product: UInt16)? {
         guard let host, let portText, host.utf8.count == 4, portText.utf8.count == 4,
-              host.allSatisfy(\.isHexDigit), portText.allSatisfy(\.isHexDigit),
+              host.allSatisfy({ $0.isASCII && $0.isHexDigit }), portText.allSatisfy({ $0.isASCII && $0.isHexDigit }),
               let vendor = UInt16(host, radix: 16), let product = UInt16(portText, radix: 16) else { return nil }
         return (vendor, product)
     }
@@ -126,7 +147,9 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
             }
         }
         if let portText = bottom.portText { text += ":" + portText }
-        text += URLParser.percentEncode(bottom.path, allowing: URLParser.unreserved + "/:@")
+        // As written where it was parsed: re-encoding the decoded path would turn a "%2F" into a "/".
+        text += bottom.writtenPath.map { URLParser.percentEncode($0, allowing: URLParser.unreserved + "/:@%") }
+            ?? URLParser.percentEncode(bottom.path, allowing: URLParser.unreserved + "/:@")
         var items = bottom.query.map { ($0.name, $0.value) }
         for layer in layers.dropLast() {
             items += layer.query.map { (layer.scheme + "." + $0.name, $0.value) }
@@ -139,6 +162,14 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
         }
         return text
     }
+
+    /// The URL as a message shows it: control characters escaped, and past 160 characters cut in
+    /// the middle with its full length given (``description`` is the whole URL).
+    ///
+    /// ```swift
+    /// throw TransportError(.notFound, "nothing answers at \(request.url.shown)")
+    /// ```
+    public var shown: String { URLParser.printable(description) }
 
     /// Two URLs are equal when they are written the same way (``description``).
     public static func == (lhs: TransportURL, rhs: TransportURL) -> Bool {
@@ -241,6 +272,7 @@ enum URLParser {
             query = own
         }
         var url = TransportURL(scheme: String(layers[layers.count - 1]), host: host, path: path, query: query)
+        url.writtenPath = path.isEmpty ? nil : String(rest[slash...])
         url.portText = portText
         for index in layers.indices.dropLast().reversed() {
             url = TransportURL(scheme: String(layers[index]), query: layerOptions[index], inner: url)
@@ -300,7 +332,8 @@ enum URLParser {
             let groups = authority.split(separator: ":", omittingEmptySubsequences: false)
             guard groups.count == 6 || groups.count == 7,
                   isMACAddress(groups.prefix(6).joined(separator: ":")) else {
-                throw fail(string, "'\(authority)' is neither HOST:PORT nor a Bluetooth address (AA:BB:CC:DD:EE:FF[:CHANNEL]); write IPv6 addresses in brackets, as [::1]:4000")
+                throw fail(string, "'\(printable(String(authority), limit: 60))' has \(colons) colons: an authority is HOST:PORT, VID:PID (usb://0403:6001; "
+                           + "a serial number goes after a '/'), or a Bluetooth address (AA:BB:CC:DD:EE:FF[:CHANNEL]); IPv6 addresses go in brackets, as [::1]:4000")
             }
             hostPart = Substring(groups.prefix(6).joined(separator: ":"))
             portPart = groups.count == 7 ? groups[6] : nil
@@ -309,15 +342,50 @@ enum URLParser {
         return (host.isEmpty ? nil : host, portPart.map(String.init))
     }
 
-    /// Hex digits, ':' and '.' (an IPv4 tail), then an optional zone after '%' (fe80::1%eth0).
+    /// An IPv6 address as RFC 4291 writes it (section 2.2): eight groups of one to four hex digits,
+    /// or fewer with one `::` standing for the rest, the last two groups possibly an IPv4 address;
+    /// then an optional zone after '%' (fe80::1%eth0). Six pairs of digits (a Bluetooth address)
+    /// are not one.
     static func isIPv6Literal<S: StringProtocol>(_ text: S) -> Bool {
-        let address = text.prefix { $0 != "%" }
-        return !address.isEmpty && address.contains(":") && address.allSatisfy { $0.isHexDigit || $0 == ":" || $0 == "." }
+        let address = String(text.prefix { $0 != "%" })
+        guard address.contains(":"), address.allSatisfy({ ($0.isASCII && $0.isHexDigit) || $0 == ":" || $0 == "." }) else { return false }
+        let characters = Array(address)
+        var halves: [String] = []
+        var start = 0
+        var index = 0
+        while index < characters.count {
+            if characters[index] == ":", index + 1 < characters.count, characters[index + 1] == ":" {
+                halves.append(String(characters[start..<index]))
+                index += 2
+                start = index
+            } else {
+                index += 1
+            }
+        }
+        halves.append(String(characters[start...]))
+        guard halves.count <= 2 else { return false }
+        var groups = 0
+        for (index, half) in halves.enumerated() where !half.isEmpty {
+            let parts = half.split(separator: ":", omittingEmptySubsequences: false)
+            for (position, part) in parts.enumerated() {
+                let last = index == halves.count - 1 && position == parts.count - 1
+                if last, part.contains(".") {
+                    let octets = part.split(separator: ".", omittingEmptySubsequences: false)
+                    guard octets.count == 4, octets.allSatisfy({ (octet: Substring) in !octet.isEmpty && octet.count <= 3 && octet.allSatisfy(\.isNumber) && (Int(octet) ?? 256) <= 255 })
+                    else { return false }
+                    groups += 2
+                } else {
+                    guard (1...4).contains(part.count), part.allSatisfy({ $0.isASCII && $0.isHexDigit }) else { return false }
+                    groups += 1
+                }
+            }
+        }
+        return halves.count == 2 ? groups <= 7 : groups == 8
     }
 
     static func isMACAddress(_ text: String) -> Bool {
         let groups = text.split(separator: ":", omittingEmptySubsequences: false)
-        return groups.count == 6 && groups.allSatisfy { $0.count == 2 && $0.allSatisfy(\.isHexDigit) }
+        return groups.count == 6 && groups.allSatisfy { $0.count == 2 && $0.allSatisfy({ $0.isASCII && $0.isHexDigit }) }
     }
 
     /// Percent-decodes `text`; refuses malformed escapes, invalid UTF-8 and control characters.

@@ -321,14 +321,15 @@ public enum DBusErrors {
         let detail = "\(call) failed: \(name): \(message)"
         switch name {
         case "org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner":
-            return TransportError(.notFound, "\(detail). The service is not running (for Bluetooth: start bluetoothd, `systemctl start bluetooth`)")
+            return TransportError(.notFound, "\(detail). The service is not running (for Bluetooth: start bluetoothd, `systemctl start bluetooth`)", code: name)
         case "org.freedesktop.DBus.Error.AccessDenied":
             return TransportError(.permissionDenied, "\(detail). The D-Bus policy (/etc/dbus-1/system.d/, /usr/share/dbus-1/system.d/) "
-                                  + "does not allow this user the call: run as a user the policy names (for BlueZ: a member of group 'bluetooth' on most distributions) or as root")
+                                  + "does not allow this user the call: run as a user the policy names (for BlueZ: a member of group 'bluetooth' on most distributions) or as root",
+                                  code: name)
         case "org.freedesktop.DBus.Error.NoReply", "org.freedesktop.DBus.Error.Timeout":
-            return TransportError(.timedOut, detail)
+            return TransportError(.timedOut, detail, code: name)
         default:
-            return TransportError(.io, detail)
+            return TransportError(.io, detail, code: name)
         }
     }
 }

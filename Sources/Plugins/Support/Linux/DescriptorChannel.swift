@@ -25,7 +25,7 @@ public enum DescriptorChannel {
     /// direction (the peer reads an end). A SOCK_SEQPACKET socket is refused: SwiftNIO's reads
     /// would cut records larger than its buffer; ``PacketSocketBackend`` carries those.
     public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String,
-                                   watermarks: InboundQueue.Watermarks = .standard) async throws -> ChannelBackend {
+                                   buffering: Buffering = .standard) async throws -> ChannelBackend {
         // SwiftNIO traps on a descriptor it cannot use (EBADF); check first.
         var type: Int32 = 0
         var length = socklen_t(MemoryLayout<Int32>.size)
@@ -43,7 +43,7 @@ public enum DescriptorChannel {
                 .channelOption(.allowRemoteHalfClosure, value: true)
                 .withConnectedSocket(fd.rawValue) { channel in
                     channel.eventLoop.makeCompletedFuture {
-                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: true, watermarks: watermarks)
+                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: true, buffering: buffering)
                     }
                 }
         } catch {
@@ -55,7 +55,7 @@ public enum DescriptorChannel {
     /// writing, as SwiftNIO's pipe channel wants); the caller keeps `fd` (and closes it), the
     /// channel owns and closes the duplicates.
     public static func adoptDuplicate(of fd: SystemPackage.FileDescriptor, describing: String,
-                                      watermarks: InboundQueue.Watermarks = .standard) async throws -> ChannelBackend {
+                                      buffering: Buffering = .standard) async throws -> ChannelBackend {
         // SwiftNIO refuses regular files before it takes the descriptors, and would hand them back
         // unclosed: refuse them here, before duplicating anything.
         var info = stat()
@@ -75,7 +75,7 @@ public enum DescriptorChannel {
             return try await NIOPipeBootstrap(group: MultiThreadedEventLoopGroup.singleton)
                 .takingOwnershipOfDescriptors(input: input.rawValue, output: output.rawValue) { channel in
                     channel.eventLoop.makeCompletedFuture {
-                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: false, watermarks: watermarks)
+                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: false, buffering: buffering)
                     }
                 }
         } catch {

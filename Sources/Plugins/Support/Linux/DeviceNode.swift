@@ -148,7 +148,8 @@ public enum DeviceNode {
         return String(cString: name)
     }
 
-    private static func userName(_ uid: uid_t) -> String {
+    /// The user's name, or the number when it has none.
+    public static func userName(_ uid: uid_t) -> String {
         guard let entry = getpwuid(uid), let name = entry.pointee.pw_name else { return String(uid) }
         return String(cString: name)
     }

@@ -54,6 +54,10 @@ public enum Syscall {
 
     /// The current errno, for C library calls with other failure conventions (a NULL pointer).
     public static var errno: Errno { Errno(rawValue: Glibc.errno) }
+
+    /// O_PATH (open(2)): a descriptor that only locates a file. glibc defines it only under
+    /// _GNU_SOURCE, so Swift does not see it; the value is asm-generic/fcntl.h's (x86-64, arm64).
+    public static let openPath: Int32 = 0o10000000
 }
 
 extension FileDescriptor {

@@ -174,7 +174,11 @@ public enum USBDevices {
     /// The same from the parts (a tty's USB ancestry names them too).
     public static func identityURL(vendorId: String, productId: String, serialNumber: String?, location: String) -> String {
         let base = "usb://\(vendorId):\(productId)"
-        if let serialNumber, !serialNumber.isEmpty { return base + "/" + percentEncoded(serialNumber) }
+        // A serial the URL could not carry (a control character in it) gives way to the location;
+        // a "/" in it is written %2F, which stays inside the one path segment.
+        if let serialNumber, !serialNumber.isEmpty, !serialNumber.unicodeScalars.contains(where: { $0.value < 0x20 || $0.value == 0x7F }) {
+            return base + "/" + percentEncoded(serialNumber)
+        }
         return base + "?location=" + percentEncoded(location)
     }
 

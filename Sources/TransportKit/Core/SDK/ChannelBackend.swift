@@ -5,16 +5,17 @@ import Synchronization
 /// A ``ConnectionBackend`` over a SwiftNIO `Channel`: what every socket-like plugin shares (tcp,
 /// unix, tty, pty, and later Bluetooth sockets and TLS or WebSocket pipelines).
 ///
-/// Backpressure both ways, nothing unbounded:
+/// Backpressure both ways, nothing unbounded (the sizes are the connection's ``Buffering``):
 /// - inbound: bytes go through an ``InboundQueue``; past its high watermark the backend holds NIO's
 ///   `read()`, so the kernel's socket buffer fills and the peer's TCP window closes.
 /// - outbound: `write` hands bytes to NIO and waits at a ``WriterGate`` while the channel is not
-///   writable (NIO's write-buffer watermarks, set to 256 KiB/512 KiB). A writer off the event
+///   writable (NIO's write-buffer watermarks, ``Buffering/outbound``). A writer off the event
 ///   loop reads that flag before the loop has seen its latest writes, so when the loop is starved
 ///   it could run far ahead (33 MB was seen on a loaded machine); the bytes handed over and not yet
-///   written are therefore also counted, and past 4 MiB the writer waits until 2 MiB are left.
+///   written are therefore also counted, and past ``Buffering/inFlight``'s high mark (4 MiB in
+///   ``Buffering/standard``) the writer waits until its low mark is left.
 ///
-/// Built in one step: ``install(on:describing:supportsHalfClose:messages:watermarks:)`` adds the
+/// Built in one step: ``install(on:describing:supportsHalfClose:messages:buffering:)`` adds the
 /// backend's handler at the end of the pipeline, on the channel's event loop, before a byte can
 /// arrive. Handlers a plugin adds first (TLS, a WebSocket codec) sit in front of it; the backend
 /// reads and writes `ByteBuffer`s, and with `messages: true` each inbound `ByteBuffer` is a message.
@@ -49,13 +50,9 @@ public final class ChannelBackend: ConnectionBackend {
     /// The hard cap on bytes handed to the channel and not yet written: a writer waits above it
     /// until they drop to ``inFlightResume``. Reached only when the event loop falls behind;
     /// otherwise NIO's writability gates first.
-    public static let inFlightCap = 4 * 1024 * 1024
+    public let inFlightCap: Int
     /// Where a writer held at ``inFlightCap`` goes on.
-    public static let inFlightResume = 2 * 1024 * 1024
-    /// NIO's write-buffer watermarks for the channel: not writable above the high one, writable
-    /// again below the low one. Above NIO's 32/64 KiB defaults, so a fast writer parks once per
-    /// 256 KiB rather than per write (about 87% of the C loop's throughput against 80%; BENCHMARKS.md).
-    static let writeWatermarks = ChannelOptions.Types.WriteBufferWaterMark(low: 256 * 1024, high: 512 * 1024)
+    public let inFlightResume: Int
 
     private struct WriteState {
         var failure: TransportError?
@@ -63,14 +60,16 @@ public final class ChannelBackend: ConnectionBackend {
     }
 
     private init(channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool,
-                 watermarks: InboundQueue.Watermarks) {
+                 buffering: Buffering) {
         self.channel = channel
+        self.inFlightCap = buffering.inFlight.high
+        self.inFlightResume = buffering.inFlight.low
         self.describing = describing
         self.supportsHalfClose = supportsHalfClose
         self.carriesMessages = messages
         let executor = EventLoopTaskExecutor(channel.eventLoop)
         self.executor = executor
-        self.inbound = InboundQueue(watermarks: watermarks, messages: messages, resumingInlineOn: executor) { [channel] in
+        self.inbound = InboundQueue(watermarks: buffering.inbound, messages: messages, resumingInlineOn: executor) { [channel] in
             channel.read()
         }
         self.writers = WriterGate()
@@ -85,12 +84,17 @@ public final class ChannelBackend: ConnectionBackend {
     ///   - describing: names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
     ///   - supportsHalfClose: `true` when `close(mode: .output)` sends an end of stream (sockets).
     ///   - messages: `true` when each `ByteBuffer` that reaches the handler is one message.
-    ///   - watermarks: bytes kept for the application before reading from the kernel pauses.
+    ///   - buffering: how much the backend holds each way (``ConnectRequest/buffering``).
     public static func install(on channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool = false,
-                               watermarks: InboundQueue.Watermarks = .standard) throws -> ChannelBackend {
+                               buffering: Buffering = .standard) throws -> ChannelBackend {
         let backend = ChannelBackend(channel: channel, describing: describing, supportsHalfClose: supportsHalfClose,
-                                     messages: messages, watermarks: watermarks)
-        try channel.syncOptions?.setOption(.writeBufferWaterMark, value: writeWatermarks)
+                                     messages: messages, buffering: buffering)
+        if let options = channel.syncOptions {
+            try options.setOption(.writeBufferWaterMark, value: .init(low: buffering.outbound.low, high: buffering.outbound.high))
+            try options.setOption(.maxMessagesPerRead, value: UInt(buffering.readsPerWakeup))
+            try options.setOption(.recvAllocator, value: AdaptiveRecvByteBufferAllocator(minimum: 64, initial: min(2048, buffering.readSize),
+                                                                                          maximum: buffering.readSize))
+        }
         try channel.pipeline.syncOperations.addHandler(Handler(backend: backend))
         return backend
     }
@@ -105,7 +109,7 @@ public final class ChannelBackend: ConnectionBackend {
     }
 
     /// Hands `buffer` to the channel; waits while the channel is not writable, or while more than
-    /// 4 MiB handed over are not yet written.
+    /// ``inFlightCap`` bytes handed over are not yet written.
     public func write(_ buffer: ByteBuffer) async throws {
         if let failure = takeUnreportedWriteFailure() { throw failure }
         let size = buffer.readableBytes
@@ -123,13 +127,13 @@ public final class ChannelBackend: ConnectionBackend {
             }
             let after = before - size
             // Wake writers held at the cap, and flushPendingWrites waiting for the last byte.
-            if (before > Self.inFlightResume && after <= Self.inFlightResume) || after == 0 { writers.signal() }
+            if (before > inFlightResume && after <= inFlightResume) || after == 0 { writers.signal() }
         }
-        if !channel.isWritable || inFlightNow > Self.inFlightCap {
+        if !channel.isWritable || inFlightNow > inFlightCap {
             // Checked again under the gate's lock. The handler signals when NIO makes the channel
             // writable; the completion that brings the bytes in flight down to the resume mark too.
             try await writers.wait { [self] in
-                channel.isWritable && inFlight.load(ordering: .relaxed) <= (inFlightNow > Self.inFlightCap ? Self.inFlightResume : Self.inFlightCap)
+                channel.isWritable && inFlight.load(ordering: .relaxed) <= (inFlightNow > inFlightCap ? inFlightResume : inFlightCap)
             }
         }
     }
