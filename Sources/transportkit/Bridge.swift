@@ -107,7 +107,8 @@ struct Bridge: AsyncParsableCommand {
                                           + "\(target.url.innermost.scheme):// gets a connection of its own for every client")
                 }
                 settings = BridgeServer.Settings(target: urls[0], exclusive: exclusive, linger: linger, busy: busy ?? .refuse, keepOpen: keepOpen,
-                                                 limit: exclusive ? 1 : try ClientLimit.choose(maxClients), status: status)
+                                                 limit: exclusive ? 1 : try ClientLimit.choose(maxClients, target: target.url.innermost.scheme),
+                                                 status: status)
             } else {
                 settings = nil
             }
@@ -168,13 +169,18 @@ enum ClientLimit {
     static let most = 100_000
     /// Descriptors kept for everything but the clients (the listener, the event loops, logs).
     static let reserve = 64
-    /// Each client holds its own socket and the target's (a tty or a pty holds two).
-    static let descriptorsPerClient = 3
+    /// What one client holds: its socket and its target's connection (tcp, unix: one socket),
+    /// with one to spare. A pty:// target is a new pseudo-terminal per client: its master, the two
+    /// duplicates the event loop reads and writes through, and the peer kept open.
+    static func descriptorsPerClient(target scheme: String) -> Int {
+        scheme == "pty" ? 6 : 3
+    }
 
     /// The limit for `asked` (the default when `nil`), after raising the soft descriptor limit to
     /// the hard one: a default is lowered to what the descriptors allow; a number asked for that
     /// they cannot hold is an error that says so.
-    static func choose(_ asked: Int?) throws -> Int {
+    static func choose(_ asked: Int?, target scheme: String) throws -> Int {
+        let descriptorsPerClient = descriptorsPerClient(target: scheme)
         var limit = rlimit()
         guard getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return asked ?? standard }
         if limit.rlim_cur < limit.rlim_max {
@@ -209,12 +215,13 @@ enum Arguments {
 /// spy+ traces in a bridge's target: every client's records go to the one trace, each line with
 /// the client's number (`spy.label=#N`, unless the URL labels them itself).
 enum SpyTraces {
-    /// The target URL for client `id`.
-    static func labelled(_ target: String, client id: Int) throws -> TransportURL {
+    /// The target URL for client `id`; `nil`: the target kept open across clients (`--keep-open`),
+    /// whose lines begin with `kept`, as no client's number would be true of them all.
+    static func labelled(_ target: String, client id: Int?) throws -> TransportURL {
         var url = try ToolConnection.restoring(target)
         func label(_ layer: inout TransportURL) {
             if layer.scheme == "spy", layer.queryValue("label") == nil, layer.queryValue("format")?.lowercased() != "raw" {
-                layer.query.append(("label", "#\(id)"))
+                layer.query.append(("label", id.map { "#\($0)" } ?? "kept"))
             }
             if var inner = layer.inner {
                 label(&inner)
@@ -516,9 +523,9 @@ final class SharedDevice: Sendable {
     }
 
     /// The kept connection (reopened if it ended), or a new one per call without `keepOpen`;
-    /// a spy+ trace in it labels its lines with `client`'s number.
+    /// a spy+ trace in it labels its lines with `client`'s number (`kept` when kept open).
     func open(client: Int) async throws -> Connection {
-        let target = try SpyTraces.labelled(url, client: client)
+        let target = try SpyTraces.labelled(url, client: keepOpen ? nil : client)
         guard keepOpen else { return try await Transport.registry.connect(to: target) }
         if let kept = connection.withLock({ $0 }), !kept.isClosed { return kept }
         let fresh = try await Transport.registry.connect(to: target)

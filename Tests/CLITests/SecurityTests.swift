@@ -46,6 +46,35 @@ struct SecurityTests {
         #expect(try String(contentsOfFile: victim, encoding: .utf8) == "root's\n", "the root-only file is untouched")
     }
 
+    @Test(.enabled(if: asRoot, "needs root to plant a link as another user"))
+    func anotherUsersLinkInsideOneOfOursIsRefusedToo() async throws {
+        // Our own link points at a path that goes through nobody's link: the kernel would follow
+        // both in one step; the walk reads our link's target and checks each link in it.
+        let shared = temporaryPath("sticky")
+        #expect(mkdir(shared, 0o1777) == 0 && chmod(shared, 0o1777) == 0)
+        let victim = temporaryPath("root-only")
+        try "root's\n".write(toFile: victim, atomically: false, encoding: .utf8)
+        #expect(chmod(victim, 0o600) == 0)
+        let plant = try CLI.Running(["-c", "ln -s / \(shared)/logs"], launchAsShell: "nobody")
+        #expect(await plant.wait(timeout: 15).status == 0)
+        let ours = temporaryPath("ours")
+        #expect(symlink("\(shared)/logs", ours) == 0)
+        let result = try await CLI.run(["connect", "spy+loop://?spy.file=\(ours)\(victim)"], stdin: Array("password\n".utf8))
+        #expect(result.status == 1, "\(result.stderr)")
+        #expect(result.stderr.contains("goes through the symbolic link 'logs', owned by nobody"), "\(result.stderr)")
+        #expect(try String(contentsOfFile: victim, encoding: .utf8) == "root's\n", "the root-only file is untouched")
+        // Our own links, one inside the other, are followed: the trace lands where they lead.
+        let directory = temporaryPath("real")
+        #expect(mkdir(directory, 0o700) == 0)
+        let inner = temporaryPath("inner")
+        #expect(symlink(directory, inner) == 0)
+        let outer = temporaryPath("outer")
+        #expect(symlink(inner, outer) == 0)
+        let followed = try await CLI.run(["connect", "spy+loop://?spy.file=\(outer)/trace.txt"], stdin: Array("x".utf8))
+        #expect(followed.status == 0, "\(followed.stderr)")
+        #expect(FileManager.default.fileExists(atPath: "\(directory)/trace.txt"))
+    }
+
     @Test(.enabled(if: asRoot, "needs root to make a file as another user"))
     func anExistingTraceFileOfAnotherUserIsRefused() async throws {
         let shared = temporaryPath("sticky")
@@ -312,6 +341,26 @@ struct SecurityTests {
         #expect(!result.stderr.contains("warning"), "loopback: no warning: \(result.stderr)")
     }
 
+    @Test func aTargetKeptOpenAcrossClientsIsTracedAsKept() async throws {
+        let pty = try PTY()
+        let trace = temporaryPath("kept-trace.txt")
+        let bridge = try CLI.Running(["bridge", "--json", "--keep-open", "--listen", "tcp://127.0.0.1:0", "spy+tty://\(pty.peerPath)?spy.file=\(trace)"])
+        let url = try #require(await HostileUseTests.listeningURL(of: bridge))
+        for (number, word) in ["one", "two"].enumerated() {
+            let client = try await Transport.connect(to: url)
+            try await client.write(word)
+            #expect(await pty.readMaster(count: 3) == Array(word.utf8))
+            try await client.close()
+            #expect(await eventually(10) { bridge.stderrLines.filter { $0.contains("\"closed\"") }.count == number + 1 }, "one session after the other")
+        }
+        bridge.signal(SIGTERM)
+        #expect(await bridge.wait(timeout: 15).status == 143)
+        let lines = try String(contentsOfFile: trace, encoding: .utf8).split(separator: "\n")
+        #expect(!lines.isEmpty && lines.allSatisfy { $0.hasPrefix("kept ") }, "no client's number is given to a connection they all used: \(lines)")
+        #expect(lines.filter { $0.contains(" OPEN ") }.count == 1, "opened once: \(lines)")
+        #expect(lines.filter { $0.contains(" TX ") }.count == 2, "both clients' bytes: \(lines)")
+    }
+
     @Test func aBusyRefusalDoesNotNameTheDevice() async throws {
         let pty = try PTY()
         let bridge = try CLI.Running(["bridge", "--json", "--listen", "tcp://127.0.0.1:0", "tty://\(pty.peerPath)"])
@@ -410,9 +459,13 @@ struct StrangerLoadTests {
         let port = try #require(try TransportURL(url).port)
         let silent = try (0..<2000).map { _ in try SecurityTests.rawConnect(port: UInt16(port)) }
         #expect(await eventually(60) { bridge.stderrLines.filter { $0.contains("\"accepted\"") }.count >= 2000 }, "every silent client was accepted")
+        let asked = ContinuousClock.now
         let real = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
         try await real.write("ping\n")
         #expect(try await real.readLine(timeout: .seconds(10)) == "ping", "the real client is served")
+        // At once: 2 ms in the benchmark, under 1 s when this suite runs alone (as Scripts/test
+        // runs it); 3.5 s was seen beside the other suites and a build, hence 5 s.
+        #expect(ContinuousClock.now - asked < .seconds(5), "served in \(ContinuousClock.now - asked)")
         try await real.close()
         for fd in silent { Glibc.close(fd) }
         bridge.signal(SIGTERM)

@@ -73,7 +73,12 @@ final class SocketListener: ListenerBackend {
         let server = try await bind(bootstrap)
         // Appended after bind so it sits behind NIO's AcceptHandler; nothing is accepted before
         // the first accept() because the server channel does not auto-read.
-        try await server.pipeline.addHandler(AcceptedChannelHandler { child in take(child, from: accepted) }).get()
+        do {
+            try await server.pipeline.addHandler(AcceptedChannelHandler { child in take(child, from: accepted) }).get()
+        } catch {
+            try? await server.close()
+            throw error
+        }
         accepted.withLock { $0.server = server }
         server.closeFuture.whenComplete { _ in accepted.update { $0.closed = true; $0.server = nil } }
         return SocketListener(server: server, accepted: accepted, onClose: onClose)

@@ -75,6 +75,9 @@ enum UnixSocket {
         try await removeStaleSocket(at: path)
         let (fd, owned) = try bindSocketFile(path, mode: mode)
         let listener: SocketListener
+        // Whether `fd` was handed to NIO, which closes it with its channel; until then a failure
+        // closes it here.
+        var adopted = false
         do {
             listener = try await SocketListener.bind(
                 backlog: backlog,
@@ -83,10 +86,17 @@ enum UnixSocket {
                 describePeer: { _ in "unix://\(path)" },
                 bind: { bootstrap in
                     do {
+                        // From here NIO owns the socket: a channel it fails to set up, it closes.
+                        adopted = true
                         let channel = try await bootstrap.withBoundSocket(fd).get()
                         // NIO listens with its own backlog when it adopts a bound socket; listen(2)
                         // again sets the one asked for.
-                        try Syscall.run("listen", on: path) { Glibc.listen(fd, Int32(backlog)) }
+                        do {
+                            try Syscall.run("listen", on: path) { Glibc.listen(fd, Int32(backlog)) }
+                        } catch {
+                            try? await channel.close()
+                            throw error
+                        }
                         return channel
                     } catch {
                         throw mapError(error, path: path, doing: "listening on")
@@ -95,6 +105,7 @@ enum UnixSocket {
                 onClose: { owned.remove() }
             )
         } catch {
+            if !adopted { Glibc.close(fd) }
             owned.remove()
             throw error
         }
@@ -148,7 +159,7 @@ enum UnixSocket {
                 throw TransportError(.io, "the socket file \(TransportError.printable(path)) vanished right after bind(2)")
             }
             do {
-                try setExactMode(path, mode)
+                try setExactMode(path, mode, of: owned)
             } catch {
                 owned.remove()
                 throw error
@@ -162,12 +173,12 @@ enum UnixSocket {
 
     /// Gives the socket file at `path` exactly `mode` when the umask took bits from it: chmod(2)
     /// through /proc/self/fd of an O_PATH descriptor, so a link put in its place is not followed.
-    private static func setExactMode(_ path: String, _ mode: mode_t) throws {
+    private static func setExactMode(_ path: String, _ mode: mode_t, of owned: OwnedPath) throws {
         var info = stat()
         guard lstat(path, &info) == 0, info.st_mode & 0o777 != mode else { return }
         let located = try Syscall.run("open", on: path) { open(path, Syscall.openPath | O_NOFOLLOW | O_CLOEXEC) }
         defer { _ = Glibc.close(located) }
-        guard fstat(located, &info) == 0, info.st_mode & S_IFMT == S_IFSOCK, info.st_uid == geteuid() else {
+        guard fstat(located, &info) == 0, owned.isEntry(info) else {
             throw TransportError(.busy, "the socket file \(TransportError.printable(path)) was replaced right after it was made; try again")
         }
         try Syscall.run("chmod", on: path, hint: "the socket file's mode could not be set to \(octal(mode))") { chmod("/proc/self/fd/\(located)", mode) }

@@ -4,7 +4,7 @@
 //
 // Grammar:  spy+URL[?spy.format=hex|raw&spy.direction=both|rx|tx&spy.file=PATH&spy.label=TEXT]
 //   spy+tcp://127.0.0.1:4000
-//   spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/tmp/trace.txt
+//   spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/home/me/trace.txt
 //   spy+spy+… is allowed but pointless.
 // Output (standard error unless spy.file is given):
 //   hex  one line per event, seconds since open, a label, the detail; data as a hex + ASCII dump,
@@ -37,7 +37,7 @@ import TransportKitLinux
 /// The `spy+URL` wrapper.
 ///
 /// ```swift
-/// let port = try await Transport.connect(to: "spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/tmp/trace.txt")
+/// let port = try await Transport.connect(to: "spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/home/me/trace.txt")
 /// try port.serialPort?.setDTR(true)          // traced: "CTRL  DTR on"
 /// try await port.write("AT\r")               // traced: "TX    0000  41 54 0d …"
 /// ```
@@ -74,7 +74,7 @@ public struct SpyPlugin: TransportPlugin {
             scheme: "spy",
             summary: "Wraps any URL and traces reads, writes, closes and serial control calls (hex dump or raw)",
             grammar: "spy+URL[?spy.format=hex|raw&spy.direction=both|rx|tx&spy.file=PATH&spy.label=TEXT]",
-            examples: ["spy+tcp://127.0.0.1:4000", "spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/tmp/trace.txt",
+            examples: ["spy+tcp://127.0.0.1:4000", "spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/home/me/trace.txt",
                        "spy+loop://?spy.format=raw&spy.direction=rx"],
             host: .forbidden, port: .forbidden, path: .forbidden,
             options: [Self.format, Self.direction, Self.file, Self.label]
@@ -112,7 +112,7 @@ public struct SpyPlugin: TransportPlugin {
             file = request[SpyPlugin.file]
             label = request[SpyPlugin.label]
             if file?.isEmpty == true {
-                throw TransportError(.invalidURL, "\(request.url.shown): spy.file= needs a path, such as spy.file=/tmp/trace.txt")
+                throw TransportError(.invalidURL, "\(request.url.shown): spy.file= needs a path, such as spy.file=\(UserPath.example)")
             }
             if label != nil, format == .raw {
                 throw TransportError(.invalidURL, "\(request.url.shown): spy.label= begins the lines of the hex format; "

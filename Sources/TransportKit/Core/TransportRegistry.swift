@@ -173,7 +173,7 @@ public final class TransportRegistry: Sendable {
     /// listens, so a target that can never work fails at start rather than at every client.
     ///
     /// ```swift
-    /// try await registry.check("spy+tcp://127.0.0.1:4000?spy.file=/tmp/trace.txt")
+    /// try await registry.check("spy+tcp://127.0.0.1:4000?spy.file=/home/me/trace.txt")
     /// let listener = try await registry.listen(on: "tcp://127.0.0.1:2000")
     /// ```
     public func check(_ url: String, role: SchemeMode.Role = .connect) async throws {

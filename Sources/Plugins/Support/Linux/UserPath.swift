@@ -1,10 +1,12 @@
-// UserPath.swift: paths a user gives for the tool to write or create at (a trace file, a pty's
-// link, a unix socket file), handled so that a program running as root in a shared directory such
-// as /tmp cannot be turned against the machine — openat(2) with O_NOFOLLOW, fstatat(2), lstat(2),
-// unlink(2). Paths under /tmp are shared with every user; the kernel's fs.protected_* sysctls
+// UserPath.swift: paths a user gives for the tool to write at (a trace file) or to remove on close
+// (a pty's link, a unix socket file), handled so that a program running as root in a shared
+// directory such as /tmp cannot be turned against the machine — openat(2) with O_NOFOLLOW,
+// readlinkat(2), fstat(2), lstat(2), unlink(2). Paths under /tmp are shared with every user; the kernel's fs.protected_* sysctls
 // (proc_sys_fs(5)) defend them only where they are switched on.
 //   - openForAppending: never follows a symbolic link at the last component, follows one on the
-//     way only when this user or root owns it, never truncates, creates a new file owner-only
+//     way only when this user or root owns it (walking the path and every link's target one
+//     component at a time through O_PATH descriptors, so nothing is swapped between a check and
+//     an open), never truncates, creates a new file owner-only
 //     (0600), and takes only a regular file of this user with one link, or a character device.
 //     O_NONBLOCK: opening a FIFO or a tty cannot hang.
 //   - OwnedPath: an entry this process made (a socket file, a symlink), removed only while it is
@@ -24,16 +26,22 @@ public enum UserPath {
     /// The descriptor is non-blocking and close-on-exec; the caller owns it.
     ///
     /// ```swift
-    /// let fd = try await UserPath.openForAppending("/tmp/trace.txt", purpose: "the trace file (spy.file=)")
+    /// let fd = try await UserPath.openForAppending("/home/me/trace.txt", purpose: "the trace file (spy.file=)")
     /// ```
     public static func openForAppending(_ path: String, purpose: Purpose) async throws -> FileDescriptor {
         guard !path.isEmpty else {
-            throw TransportError(.invalidURL, "\(purpose) needs a path, such as /tmp/trace.txt")
+            throw TransportError(.invalidURL, "\(purpose) needs a path, such as \(example)")
         }
         guard !path.utf8.contains(0) else {
             throw TransportError(.invalidURL, "\(purpose) contains a NUL byte")
         }
         return try await Blocking.run { try openForAppendingNow(path, purpose: purpose) }
+    }
+
+    /// A path to suggest in messages: in the home directory, not in a directory every user shares.
+    public static var example: String {
+        let home = getenv("HOME").map { String(cString: $0) } ?? ""
+        return (home.hasPrefix("/") && home.count > 1 ? home : "/home/you") + "/trace.txt"
     }
 
     static func openForAppendingNow(_ path: String, purpose: Purpose) throws -> FileDescriptor {
@@ -114,48 +122,93 @@ public enum UserPath {
     }
 
     /// The directory `path` names its last component in, opened (O_PATH) by walking the path one
-    /// component at a time: a symbolic link on the way is followed only when this user or root owns
-    /// it, since another user's link could point anywhere. Returns the directory and the name.
+    /// component at a time, each opened with O_NOFOLLOW and examined through its own descriptor
+    /// (so nothing can be swapped between a check and an open). A symbolic link on the way is
+    /// followed only when this user or root owns it, since another user's link could point
+    /// anywhere; its target is read (readlinkat(2)) and walked the same way, so a link inside it
+    /// is checked too. A directory of another user on the way is walked: what is opened at the end
+    /// is created anew or must be this user's own file (``refusal(_:path:purpose:)``).
+    /// Returns the directory and the name.
     static func openParent(of path: String, purpose: Purpose) throws -> (FileDescriptor, String) {
         var components = path.split(separator: "/", omittingEmptySubsequences: true).map(String.init)
         guard let name = components.popLast(), name != ".", name != ".." else {
-            throw TransportError(.invalidURL, "\(purpose) \(TransportError.printable(path)) names no file: give a path such as /tmp/trace.txt")
+            throw TransportError(.invalidURL, "\(purpose) \(TransportError.printable(path)) names no file: give a path such as \(example)")
         }
+        let shown = TransportError.printable(path)
         let start = path.hasPrefix("/") ? "/" : "."
         var current = try Syscall.descriptor("open", on: start) { open(start, Syscall.openPath | O_DIRECTORY | O_CLOEXEC) }
+        var pending = Array(components.reversed())
         var followed = 0
-        while !components.isEmpty {
-            let component = components.removeFirst()
+        while let component = pending.popLast() {
+            if component == "." { continue }
+            let opened = Syscall.attempt { openat(current.rawValue, component, Syscall.openPath | O_NOFOLLOW | O_CLOEXEC) }
+            guard case .success(let raw) = opened else {
+                current.closeOwned()
+                if case .failure(let errno) = opened { throw walkError(errno, path: shown, component: component, purpose: purpose) }
+                throw TransportError(.io, "\(purpose) \(shown) cannot be opened")
+            }
+            let next = FileDescriptor(rawValue: raw)
             var info = stat()
-            if fstatat(current.rawValue, component, &info, AT_SYMLINK_NOFOLLOW) == 0, info.st_mode & S_IFMT == S_IFLNK {
+            guard fstat(next.rawValue, &info) == 0 else {
+                let errno = Syscall.errno
+                next.closeOwned()
+                current.closeOwned()
+                throw TransportError.posix("fstat", errno: errno, what: shown)
+            }
+            switch info.st_mode & S_IFMT {
+            case S_IFDIR:
+                current.closeOwned()
+                current = next
+            case S_IFLNK:
                 followed += 1
-                guard info.st_uid == geteuid() || info.st_uid == 0, followed <= 40 else {
+                let target = info.st_uid == geteuid() || info.st_uid == 0 ? linkTarget(next) : nil
+                next.closeOwned()
+                guard let target, followed <= 40 else {
                     current.closeOwned()
-                    throw TransportError(.permissionDenied, "\(purpose) \(TransportError.printable(path)) goes through the symbolic link '\(component)', "
+                    if followed > 40 {
+                        throw TransportError(.invalidURL, "\(purpose) \(shown) goes through more than 40 symbolic links: give the real path",
+                                             errno: .tooManySymbolicLinkLevels, syscall: "open")
+                    }
+                    throw TransportError(.permissionDenied, "\(purpose) \(shown) goes through the symbolic link '\(TransportError.printable(component, limit: 60))', "
                                          + "owned by \(DeviceNode.userName(info.st_uid)): another user's link could send the file anywhere, so it is "
                                          + "not followed. Give the real path")
                 }
-            }
-            let next = Syscall.attempt { openat(current.rawValue, component, Syscall.openPath | O_DIRECTORY | O_CLOEXEC) }
-            current.closeOwned()
-            switch next {
-            case .success(let raw): current = FileDescriptor(rawValue: raw)
-            case .failure(let errno):
-                let shown = TransportError.printable(path)
-                let name = TransportError.printable(component, limit: 60)
-                switch errno {
-                case .noSuchFileOrDirectory:
-                    throw TransportError(.notFound, "\(purpose) \(shown): the directory it would go in does not exist ('\(name)' on the way is missing)",
-                                         errno: errno, syscall: "open")
-                case .notDirectory:
-                    throw TransportError(.notFound, "\(purpose) \(shown): '\(name)' on the way is not a directory", errno: errno, syscall: "open")
-                default:
-                    throw TransportError(TransportError.Kind(errno: errno), "\(purpose) \(shown): '\(name)' on the way cannot be reached by this user",
-                                         errno: errno, syscall: "open")
+                if target.hasPrefix("/") {
+                    current.closeOwned()
+                    current = try Syscall.descriptor("open", on: "/") { open("/", Syscall.openPath | O_DIRECTORY | O_CLOEXEC) }
                 }
+                pending += target.split(separator: "/", omittingEmptySubsequences: true).map(String.init).reversed()
+            default:
+                next.closeOwned()
+                current.closeOwned()
+                throw walkError(.notDirectory, path: shown, component: component, purpose: purpose)
             }
         }
         return (current, name)
+    }
+
+    /// Where the link open as `link` (O_PATH | O_NOFOLLOW) points; nil when it cannot be read.
+    private static func linkTarget(_ link: FileDescriptor) -> String? {
+        var buffer = [UInt8](repeating: 0, count: Int(PATH_MAX) + 1)
+        let count = buffer.withUnsafeMutableBufferPointer { bytes in
+            bytes.baseAddress.map { readlinkat(link.rawValue, "", UnsafeMutableRawPointer($0).assumingMemoryBound(to: CChar.self), bytes.count - 1) } ?? -1
+        }
+        guard count > 0, count < buffer.count - 1 else { return nil }
+        return String(decoding: buffer[..<count], as: UTF8.self)
+    }
+
+    private static func walkError(_ errno: Errno, path shown: String, component: String, purpose: Purpose) -> TransportError {
+        let name = TransportError.printable(component, limit: 60)
+        switch errno {
+        case .noSuchFileOrDirectory:
+            return TransportError(.notFound, "\(purpose) \(shown): the directory it would go in does not exist ('\(name)' on the way is missing)",
+                                  errno: errno, syscall: "open")
+        case .notDirectory:
+            return TransportError(.notFound, "\(purpose) \(shown): '\(name)' on the way is not a directory", errno: errno, syscall: "open")
+        default:
+            return TransportError(TransportError.Kind(errno: errno), "\(purpose) \(shown): '\(name)' on the way cannot be reached by this user",
+                                  errno: errno, syscall: "open")
+        }
     }
 
     /// "a directory", "a regular file", … for messages about a path of the wrong kind.
@@ -204,7 +257,12 @@ public struct OwnedPath: Sendable {
     /// Whether the entry at the path is still the one recorded.
     public var isStillOurs: Bool {
         var info = stat()
-        return lstat(path, &info) == 0 && UInt64(info.st_dev) == device && UInt64(info.st_ino) == inode && UInt32(info.st_mode & S_IFMT) == type
+        return lstat(path, &info) == 0 && isEntry(info)
+    }
+
+    /// Whether `info` (from fstat(2) of a descriptor opened at the path) is the entry recorded.
+    public func isEntry(_ info: stat) -> Bool {
+        UInt64(info.st_dev) == device && UInt64(info.st_ino) == inode && UInt32(info.st_mode & S_IFMT) == type
     }
 
     /// unlink(2)s the path if it is still the entry recorded; returns whether it did. (Between
