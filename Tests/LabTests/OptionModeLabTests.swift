@@ -36,11 +36,6 @@ import TransportKitSerial
 /// an RFCOMM timeout= that expires (the option is given and read, its expiry is not shown), and the
 /// effect of an RFCOMM listener's backlog= (one device reaches a channel once, EBUSY for a second;
 /// a second caller would be hci1 towards hci0).
-///
-/// Order matters (the suite is serialized, in declaration order): the SDP test comes before the
-/// channel test because a connect to bluetoothd's profile listener right after a paired connect to a
-/// plain kernel socket was refused, "pairing failed" (EACCES), in every run, though each passes alone
-/// and forgetDevices had removed both sides' keys.
 @Suite("lab: every option of each Bluetooth, USB and tty mode, and its effect", .serialized,
        .enabled(if: Lab.isActive, "needs the qemu lab: run Scripts/lab"))
 struct OptionModeLabTests {
@@ -164,37 +159,6 @@ struct OptionModeLabTests {
         #expect(clientReceived == toClient, "\(label)")
     }
 
-    @Test func rfcommFoundThroughSDPTakesEveryOption() async throws {
-        let controllers = try await BlueZListenLabTests.setUp()
-        let service = BlueZListenLabTests.service
-        let listener = try await Transport.listen(on: "rfcomm://any?adapter=hci1&uuid=\(service)")
-        let channel = try #require(listener.url.port)
-        do {
-            let accepted = BlueZListenLabTests.acceptOne(listener)
-            let url = "rfcomm://\(controllers.peripheralText)?adapter=hci0&uuid=\(service)&security=medium&timeout=20"
-            #expect(try Self.missing(url, mode: "rfcomm:// connection found through SDP", scheme: "rfcomm").isEmpty)
-            let client = try await BlueZLabTests.connect(url)
-            #expect(client.metadata.extra["channel"] == String(channel), "SDP found the channel of the service uuid= names")
-            #expect(client.metadata.extra["service"] == service)
-            #expect(client.metadata.extra["adapter"] == "hci0")
-            #expect(client.metadata.localAddress == controllers.centralText)
-            #expect(client.metadata.extra["security"] == "medium")
-            let server = try #require(try await accepted.value, "the listener got no connection")
-            try await Self.bothWays(client: client, server: server, "sdp")
-            try await Self.awaitServiceDiscovery()
-            // Without uuid= the Serial Port Profile is looked for, which hci1 does not publish (asked
-            // over the link that is up).
-            let spp = await expectLabError(.notFound) { try await Transport.connect(to: "rfcomm://\(controllers.peripheralText)?adapter=hci0&timeout=20") }
-            #expect(spp?.message.contains("publishes no RFCOMM service") == true, "\(String(describing: spp))")
-            try? await client.close()
-            try? await server.close()
-        } catch {
-            Issue.record(error)
-        }
-        try await listener.close()
-        try await Self.settleAndForget()
-    }
-
     @Test func rfcommToAChannelTakesEveryOption() async throws {
         let controllers = try await BlueZListenLabTests.setUp()
         let listener = BluetoothLabTests.SocketKind.rfcomm(channel: 23).socket(boundTo: controllers.peripheral, listening: true)
@@ -223,6 +187,37 @@ struct OptionModeLabTests {
         #expect(received == toUs)
         #expect(await peer.value == toPeer)
         try? await connection.close()
+        try await Self.settleAndForget()
+    }
+
+    @Test func rfcommFoundThroughSDPTakesEveryOption() async throws {
+        let controllers = try await BlueZListenLabTests.setUp()
+        let service = BlueZListenLabTests.service
+        let listener = try await Transport.listen(on: "rfcomm://any?adapter=hci1&uuid=\(service)")
+        let channel = try #require(listener.url.port)
+        do {
+            let accepted = BlueZListenLabTests.acceptOne(listener)
+            let url = "rfcomm://\(controllers.peripheralText)?adapter=hci0&uuid=\(service)&security=medium&timeout=20"
+            #expect(try Self.missing(url, mode: "rfcomm:// connection found through SDP", scheme: "rfcomm").isEmpty)
+            let client = try await BlueZLabTests.connect(url)
+            #expect(client.metadata.extra["channel"] == String(channel), "SDP found the channel of the service uuid= names")
+            #expect(client.metadata.extra["service"] == service)
+            #expect(client.metadata.extra["adapter"] == "hci0")
+            #expect(client.metadata.localAddress == controllers.centralText)
+            #expect(client.metadata.extra["security"] == "medium")
+            let server = try #require(try await accepted.value, "the listener got no connection")
+            try await Self.bothWays(client: client, server: server, "sdp")
+            try await Self.awaitServiceDiscovery()
+            // Without uuid= the Serial Port Profile is looked for, which hci1 does not publish (asked
+            // over the link that is up).
+            let spp = await expectLabError(.notFound) { try await Transport.connect(to: "rfcomm://\(controllers.peripheralText)?adapter=hci0&timeout=20") }
+            #expect(spp?.message.contains("publishes no RFCOMM service") == true, "\(String(describing: spp))")
+            try? await client.close()
+            try? await server.close()
+        } catch {
+            Issue.record(error)
+        }
+        try await listener.close()
         try await Self.settleAndForget()
     }
 
