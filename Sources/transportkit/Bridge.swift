@@ -219,16 +219,11 @@ enum SpyTraces {
     /// whose lines begin with `kept`, as no client's number would be true of them all.
     static func labelled(_ target: String, client id: Int?) throws -> TransportURL {
         var url = try ToolConnection.restoring(target)
-        func label(_ layer: inout TransportURL) {
+        url.updateLayers { layer in
             if layer.scheme == "spy", layer.queryValue("label") == nil, layer.queryValue("format")?.lowercased() != "raw" {
                 layer.query.append(("label", id.map { "#\($0)" } ?? "kept"))
             }
-            if var inner = layer.inner {
-                label(&inner)
-                layer.inner = inner
-            }
         }
-        label(&url)
         return url
     }
 

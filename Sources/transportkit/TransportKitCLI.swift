@@ -208,15 +208,20 @@ enum ToolConnection {
     /// registry closes what the connect made late (Signals waits for that).
     static func restoring(_ text: String) throws -> TransportURL {
         var url = try TransportURL(text)
-        func addRestore(_ layer: inout TransportURL) {
-            if var inner = layer.inner {
-                addRestore(&inner)
-                layer.inner = inner
-            } else if layer.scheme == "tty", layer.queryValue("restore") == nil {
-                layer.query.append(("restore", "true"))
-            }
+        url.updateLayers { layer in
+            if layer.scheme == "tty", layer.queryValue("restore") == nil { layer.query.append(("restore", "true")) }
         }
-        addRestore(&url)
         return url
+    }
+}
+
+extension TransportURL {
+    /// Runs `body` on this layer and on every layer it wraps, outermost first, keeping the changes.
+    mutating func updateLayers(_ body: (inout TransportURL) -> Void) {
+        body(&self)
+        if var inner {
+            inner.updateLayers(body)
+            self.inner = inner
+        }
     }
 }

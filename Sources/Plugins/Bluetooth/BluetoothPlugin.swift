@@ -200,15 +200,14 @@ enum AdapterEvents {
 /// Connecting rfcomm:// and ble://.
 enum BluetoothConnector {
     /// What a server checks about an rfcomm:// URL before it listens: everything but the radio.
+    /// Only what can fail is read here: connect runs this first, and an option read marks it used,
+    /// which would hide from the registry a connect path that forgot it (its unread-option check).
     static func checkRFCOMM(_ request: ConnectRequest) throws {
         _ = try adapterName(request)
-        _ = request[BluetoothPlugin.security]
         if request.mode?.role == .listen {
             _ = try RFCOMMListener.localHost(request)
             _ = try RFCOMMListener.security(request)
             _ = try serviceUUID(request)
-            _ = request[BluetoothPlugin.name]
-            _ = request[BluetoothPlugin.backlog]
         } else {
             _ = try deviceAddress(request.host, request)
             if request.url.port == nil { _ = try serviceUUID(request) }
@@ -216,7 +215,7 @@ enum BluetoothConnector {
     }
 
     /// What a server checks about a ble:// URL before it listens: the service, the device's
-    /// address, the characteristics, the adapter's name.
+    /// address, the characteristics, the adapter's name (only what can fail, as in checkRFCOMM).
     static func checkBLE(_ request: ConnectRequest) throws {
         _ = try GattSerial.service(request)
         _ = try adapterName(request)
@@ -228,11 +227,6 @@ enum BluetoothConnector {
         if request.url.port == nil {
             _ = try GattSerial.characteristicOption(request, BluetoothPlugin.rx)
             _ = try GattSerial.characteristicOption(request, BluetoothPlugin.tx)
-            _ = request[BluetoothPlugin.acquire]
-        } else {
-            _ = request[BluetoothPlugin.addressType]
-            _ = request[BluetoothPlugin.mtu]
-            _ = request[BluetoothPlugin.security]
         }
     }
 

@@ -58,7 +58,6 @@ enum TTYConnector {
     /// /dev/ptmx). A path that is missing may be plugged in later.
     @Sendable static func check(_ request: ConnectRequest) async throws {
         _ = try request.serialSettings()
-        _ = request[SerialPlugin.wait]
         if request.url.host?.lowercased() == "usb" {
             _ = try USBSelector(request)
             return

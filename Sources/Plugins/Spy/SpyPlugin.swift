@@ -359,17 +359,15 @@ final class TraceSink: Sendable {
         }
     }
 
-    /// write(2) until done; a descriptor that is not ready now (a device, non-blocking) counts as a failure.
+    /// write(2) until done (EINTR retried); a descriptor that is not ready now (a device,
+    /// non-blocking: EAGAIN) counts as a failure.
     private static func writeAll(_ bytes: [UInt8], to output: SystemPackage.FileDescriptor) -> Errno? {
-        var rest = bytes[...]
-        while !rest.isEmpty {
-            switch Syscall.attempt({ rest.withUnsafeBytes { Glibc.write(output.rawValue, $0.baseAddress, $0.count) } }) {
-            case .success(let written) where written > 0: rest = rest.dropFirst(written)
-            case .success: return .ioError
-            case .failure(let errno): return errno
-            }
+        do {
+            _ = try output.writeAll(bytes)
+            return nil
+        } catch {
+            return error as? Errno ?? .ioError
         }
-        return nil
     }
 
     /// Writes what is queued, then closes the file (standard error stays open).
