@@ -79,11 +79,11 @@ struct BlueZLabTests {
             _ = try? await bus.call(destination: "org.bluez", path: adapter, interface: "org.bluez.Adapter1", member: "RemoveDevice", [.objectPath(path)])
         }
         await bus.close()
-        // The kernel's link keys too (mgmt Load Link Keys with none, `btmgmt keys`): a responder
-        // that still holds a key for the initiator leaves a new Just Works pairing to user space
-        // (hci_user_confirm_request_evt: "Local host already has link key"), and with no agent
-        // bluetoothd refuses it, so the connect failed with EACCES "pairing failed" when a
-        // device object had gone but its key had not.
+        // The kernel's link keys too (mgmt Load Link Keys with none, `btmgmt keys`), in case a
+        // device object went while its key stayed: a responder that still holds a key for the
+        // initiator leaves a new Just Works pairing to user space (hci_user_confirm_request_evt:
+        // "Local host already has link key"), which bluetoothd refuses without an agent. A guess
+        // at the occasional EACCES "pairing failed"; it did not stop it (OptionModeLabTests).
         for index in ["0", "1"] { _ = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "keys"]) }
         // RemoveDevice disconnects in the background: wait (up to 5 s) until neither controller has
         // a link left, so that the next test pairs afresh on a new link rather than reusing one
