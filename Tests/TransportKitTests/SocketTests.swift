@@ -347,6 +347,37 @@ struct UnixTests {
         #expect(Support.openUnixSockets(path: path) == 0)
     }
 
+    /// A client that waits for the socket file to appear and then connects (what scripts do) is
+    /// queued, never refused: the file is listened on as soon as bind(2) makes it.
+    @Test func aClientThatConnectsAsSoonAsTheFileAppearsIsNotRefused() async throws {
+        for round in 0..<30 {
+            let path = Support.temporaryPath("appears-\(round)")
+            // On a thread of its own: polls for the file every few microseconds, then connects once.
+            let poller = Task.detached { () -> Int32 in
+                let until = ContinuousClock.now + .seconds(10)
+                var info = stat()
+                while lstat(path, &info) != 0 {
+                    guard ContinuousClock.now < until else { return ETIMEDOUT }
+                    usleep(20)
+                }
+                let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+                defer { close(fd) }
+                var address = sockaddr_un()
+                address.sun_family = sa_family_t(AF_UNIX)
+                withUnsafeMutableBytes(of: &address.sun_path) { raw in path.utf8CString.withUnsafeBytes { raw.copyMemory(from: $0) } }
+                let result = withUnsafePointer(to: &address) {
+                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
+                }
+                return result == 0 ? 0 : errno
+            }
+            let listener = try await Transport.listen(on: "unix://\(path)")
+            let outcome = await poller.value
+            #expect(outcome == 0, "round \(round): connect right after the file appeared: errno \(outcome)")
+            try await listener.close()
+            if outcome != 0 { break }
+        }
+    }
+
     @Test func missingSocketIsNotFound() async {
         let error = await expectTransportError(.notFound) { try await Transport.connect(to: "unix:///nonexistent/dir/x.sock") }
         #expect(error?.errno == .noSuchFileOrDirectory)

@@ -1,7 +1,8 @@
 // Unix domain stream sockets: unix(7). A listener owns its socket file: it replaces a stale one,
 // creates it with exactly the mode asked for (fchmod(2) before bind(2), which Linux applies to the
-// file less the umask, and chmod(2) through /proc/self/fd for the bits the umask took, all before
-// listen(2) lets anyone connect), and unlink(2)s it when closed if it is still its own;
+// file less the umask, so the file is never more open than asked; listen(2) at once, so a client
+// that sees the file is queued; then chmod(2) through /proc/self/fd for the bits the umask took),
+// and unlink(2)s it when closed if it is still its own;
 // /proc/net/unix says whether a socket file has a listener.
 
 import Glibc
@@ -73,7 +74,7 @@ enum UnixSocket {
         let mode = try fileMode(request)
         let backlog = request[SocketsPlugin.backlog]
         try await removeStaleSocket(at: path)
-        let (fd, owned) = try bindSocketFile(path, mode: mode)
+        let (fd, owned) = try bindSocketFile(path, mode: mode, backlog: backlog)
         let listener: SocketListener
         // Whether `fd` was handed to NIO, which closes it with its channel; until then a failure
         // closes it here.
@@ -89,8 +90,8 @@ enum UnixSocket {
                         // From here NIO owns the socket: a channel it fails to set up, it closes.
                         adopted = true
                         let channel = try await bootstrap.withBoundSocket(fd).get()
-                        // NIO listens with its own backlog when it adopts a bound socket; listen(2)
-                        // again sets the one asked for.
+                        // NIO listens again, with its own backlog, when it adopts a bound socket;
+                        // listen(2) once more sets the one asked for (connections queued meanwhile stay).
                         do {
                             try Syscall.run("listen", on: path) { Glibc.listen(fd, Int32(backlog)) }
                         } catch {
@@ -131,9 +132,11 @@ enum UnixSocket {
         return String(repeating: "0", count: max(0, 4 - digits.count)) + digits
     }
 
-    /// socket(2), fchmod(2) and bind(2): a unix socket file at `path` with exactly `mode`, not yet
-    /// listening, and the record of the file that lets close remove only it.
-    static func bindSocketFile(_ path: String, mode: mode_t) throws -> (Int32, OwnedPath) {
+    /// socket(2), fchmod(2), bind(2) and listen(2): a unix socket file at `path` with exactly
+    /// `mode`, listening as soon as it exists (a client that waits for the file to appear, then
+    /// connects, is queued rather than refused), and the record of the file that lets close
+    /// remove only it.
+    static func bindSocketFile(_ path: String, mode: mode_t, backlog: Int) throws -> (Int32, OwnedPath) {
         var address = sockaddr_un()
         address.sun_family = sa_family_t(AF_UNIX)
         let bytes = Array(path.utf8)
@@ -159,6 +162,7 @@ enum UnixSocket {
                 throw TransportError(.io, "the socket file \(TransportError.printable(path)) vanished right after bind(2)")
             }
             do {
+                try Syscall.run("listen", on: path) { Glibc.listen(fd, Int32(backlog)) }
                 try setExactMode(path, mode, of: owned)
             } catch {
                 owned.remove()
