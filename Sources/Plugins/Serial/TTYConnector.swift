@@ -85,17 +85,12 @@ enum TTYConnector {
         var info = stat()
         // The multiplexer (character device 5:2, /dev/ptmx and /dev/pts/ptmx): each open makes a
         // new pseudo-terminal master, unrelated to anything the user meant.
-        if stat(path, &info) == 0, info.st_mode & S_IFMT == S_IFCHR, info.st_rdev == makeDevice(major: 5, minor: 2) {
+        if stat(path, &info) == 0, info.st_mode & S_IFMT == S_IFCHR, DeviceNode.numbers(of: info.st_rdev) == (5, 2) {
             throw TransportError(.invalidURL, "\(TransportError.printable(path)) is the pseudo-terminal multiplexer: opening it makes a new, unrelated "
                                  + "pseudo-terminal. To make one that plays a serial device, use pty:// (pty://?link=/tmp/ttyFAKE0); to open an "
                                  + "existing one, give its /dev/pts/N")
         }
         return path
-    }
-
-    /// glibc's makedev(3), a macro Swift does not see: major in bits 8–19 and 32–63, minor in 0–7 and 20–63.
-    static func makeDevice(major: UInt64, minor: UInt64) -> dev_t {
-        dev_t(((major & 0xfff) << 8) | ((major & ~0xfff) << 32) | (minor & 0xff) | ((minor & ~0xff) << 12))
     }
 
     /// The device node to open, and what discovery knows about it (when it knows it).

@@ -31,14 +31,24 @@ public enum DeviceNode {
         return message
     }
 
+    /// A device number's major and minor: glibc's gnu_dev_major and gnu_dev_minor, macros Swift
+    /// does not see (major in bits 8–19 and 32–63, minor in 0–7 and 20–63).
+    ///
+    /// ```swift
+    /// var info = stat()
+    /// if stat("/dev/ptmx", &info) == 0, DeviceNode.numbers(of: info.st_rdev) == (5, 2) { … }
+    /// ```
+    public static func numbers(of device: dev_t) -> (major: UInt64, minor: UInt64) {
+        let dev = UInt64(device)
+        return (((dev >> 8) & 0xfff) | ((dev >> 32) & ~UInt64(0xfff)), (dev & 0xff) | ((dev >> 12) & ~UInt64(0xff)))
+    }
+
     /// "process 1234 (minicom)" when /proc/locks shows who holds a flock(2) on the node.
     public static func lockHolder(path: String) -> String? {
         var info = stat()
         guard stat(path, &info) == 0, let locks = readText("/proc/locks") else { return nil }
         // Lines look like "1: FLOCK  ADVISORY  WRITE 1234 00:05:87 0 EOF" (device as major:minor in hex).
-        let dev = UInt64(info.st_dev)
-        let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & ~UInt64(0xfff))   // glibc's gnu_dev_major, a macro in C
-        let minor = (dev & 0xff) | ((dev >> 12) & ~UInt64(0xff))
+        let (major, minor) = numbers(of: info.st_dev)
         let device = "\(hex2(major)):\(hex2(minor)):\(UInt64(info.st_ino))"
         for line in locks.split(separator: "\n") {
             let fields = line.split(separator: " ", omittingEmptySubsequences: true)
