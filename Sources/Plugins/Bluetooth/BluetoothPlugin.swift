@@ -101,7 +101,7 @@ public struct BluetoothPlugin: TransportPlugin {
                 scheme: "ble",
                 summary: "Bluetooth LE through BlueZ: GATT serial (ble://SERVICE/DEVICE) or an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE); no DEVICE: the strongest advertiser of SERVICE",
                 grammar: "ble://SERVICE[:PSM][/MAC][?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]; "
-                    + "listening: ble://SERVICE:PSM[?adapter=hciN&advertise=true|false&mtu=N&security=…]",
+                    + "listening: ble://SERVICE:PSM[?adapter=hciN&advertise=true|false&mtu=N&security=…&backlog=N]",
                 examples: ["ble://nus/E3:2E:44:66:A2:4A", "ble://FFE0/E3:2E:44:66:A2:4A?rx=FFE1&tx=FFE1",
                            "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024", "ble://nus",
                            "ble://FFF0:128?adapter=hci1 (listening)"],
