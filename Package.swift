@@ -40,6 +40,7 @@ let package = Package(
     ],
     dependencies: [
         .package(url: "https://github.com/apple/swift-nio.git", from: "2.101.2"),
+        .package(url: "https://github.com/apple/swift-nio-ssl.git", from: "2.37.6"),
         .package(url: "https://github.com/apple/swift-argument-parser.git", from: "1.8.2"),
         .package(url: "https://github.com/apple/swift-system.git", from: "1.8.1"),
         .package(url: "https://github.com/apple/swift-log.git", from: "1.16.2"),
@@ -78,8 +79,15 @@ let package = Package(
         ),
         .target(
             name: "TransportKitSockets",
-            dependencies: ["TransportKitCore", "TransportKitLinux", nioCore, nioPosix, system],
+            dependencies: ["TransportKitCore", "TransportKitLinux", nioCore, nioPosix, system, logging],
             path: "Sources/Plugins/Sockets",
+            swiftSettings: strict
+        ),
+        .target(
+            name: "TransportKitTLS",
+            dependencies: ["TransportKitCore", "TransportKitLinux", "TransportKitSockets", nioCore, nioPosix,
+                           .product(name: "NIOSSL", package: "swift-nio-ssl"), .product(name: "NIOTLS", package: "swift-nio")],
+            path: "Sources/Plugins/TLS",
             swiftSettings: strict
         ),
         .target(
@@ -121,7 +129,7 @@ let package = Package(
         .target(
             name: "TransportKit",
             dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy", "TransportKitBluetooth",
-                           "TransportKitUSB"],
+                           "TransportKitUSB", "TransportKitTLS"],
             path: "Sources/TransportKit/BuiltIns",
             swiftSettings: strict
         ),
@@ -156,6 +164,7 @@ let package = Package(
             dependencies: ["TransportKit", "TransportKitFoundation", "TransportKitLinux", "TransportKitUdev", "TransportKitSerial", "TransportKitDBus",
                            "TransportKitUSB",
                            "CUdev", "TestSupport", nioPosix, system, logging],
+            exclude: ["Peers"],
             swiftSettings: strict
         ),
         .testTarget(

@@ -114,7 +114,10 @@ struct Bridge: AsyncParsableCommand {
             }
             // Everything about the URLs to connect to that can be known is checked before anything listens.
             if let settings { try SpyTraces.checkShared(settings) }
-            for url in urls { try await Transport.registry.check(url) }
+            for url in urls {
+                try await Transport.registry.check(url)
+                ToolConnection.warnIfInsecure(try TransportURL(url))
+            }
             for url in listen { _ = try Transport.registry.resolve(url, role: .listen) }
             try await Signals.run {
                 if let settings {

@@ -35,7 +35,9 @@ struct LoggingOptions: ParsableArguments {
 
     /// Installs the standard-error log handler; must run before the registry is first used.
     func bootstrap() {
-        guard let level = levelName.flatMap(Logger.Level.init(rawValue:)) else { return }
+        // Without --log-level, only errors: the tool says itself what the library warns about
+        // (insecure=true), once, in its own words.
+        let level = levelName.flatMap(Logger.Level.init(rawValue:)) ?? .error
         LoggingSystem.bootstrap { label in
             var handler = StreamLogHandler.standardError(label: label)
             handler.logLevel = level
@@ -200,7 +202,21 @@ enum ToolConnection {
     /// link or a tty's changed settings, to be cleaned up after the tool has exited. The
     /// connection is closed once it is made, and the tool then exits.
     static func open(_ url: String) async throws -> Connection {
-        try await Transport.registry.connect(to: restoring(url))
+        let url = try restoring(url)
+        warnIfInsecure(url)
+        return try await Transport.registry.connect(to: url)
+    }
+
+    /// Says on standard error, on every use, that a TLS layer checks no certificate.
+    static func warnIfInsecure(_ url: TransportURL) {
+        var layer: TransportURL? = url
+        while let current = layer {
+            if current.scheme == "tls", let value = current.queryValue("insecure"), ["true", "1", "yes", "on", ""].contains(value.lowercased()) {
+                StandardError.write("transportkit: warning: \(current.inner == nil ? "insecure" : "tls.insecure")=true: the server's certificate is not checked; "
+                                    + "anyone on the network path can read and change this connection\n")
+            }
+            layer = current.inner
+        }
     }
 
     /// `url` with `restore=true` on a tty:// layer that does not say: the tool puts a port's line

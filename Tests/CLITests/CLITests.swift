@@ -178,8 +178,13 @@ struct CLITests {
         let result = try await CLI.run(["schemes", "--json"])
         #expect(result.status == 0)
         let array = try #require(try JSONSerialization.jsonObject(with: Data(result.stdout)) as? [[String: Any]])
-        let byName = Dictionary(uniqueKeysWithValues: array.compactMap { item in (item["scheme"] as? String).map { ($0, item) } })
-        #expect(Set(byName.keys).isSuperset(of: ["tcp", "unix", "loop"]))
+        // A wrapper may share its name with a scheme (tls:// and tls+URL): "wraps" tells them apart.
+        let byName = Dictionary(uniqueKeysWithValues: array.compactMap { item in
+            (item["scheme"] as? String).map { ($0 + (item["wraps"] as? Bool == true ? "+" : ""), item) }
+        })
+        #expect(Set(byName.keys).isSuperset(of: ["tcp", "unix", "loop", "tls", "tls+", "spy+"]))
+        #expect(byName["tls"]?["canListen"] as? Bool == true)
+        #expect((byName["tls+"]?["options"] as? [[String: Any]])?.contains { $0["name"] as? String == "tls.ca" } == true)
         let tcp = try #require(byName["tcp"])
         #expect(tcp["grammar"] as? String == "tcp://HOST:PORT[?OPTIONS]")
         #expect(tcp["canListen"] as? Bool == true)

@@ -34,6 +34,9 @@ struct OptionModeTests {
         "ble:// L2CAP listener": "ble://FFF0:128",
         "ea:// connection": "ea://com.example",
         "usb:// connection": "usb://0403:6001",
+        "tls:// connection": "tls://127.0.0.1:9",
+        "tls:// listener": "tls://127.0.0.1:0",
+        "tls+ over another URL": "tls+loop://",
     ]
 
     /// A value `spec` accepts, for URLs that give every option.

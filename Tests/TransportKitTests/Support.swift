@@ -111,6 +111,7 @@ enum Support {
         var buffer = [UInt8](repeating: 0, count: 65536)
         while true {
             let count = buffer.withUnsafeMutableBytes { Glibc.read(fd, $0.baseAddress, $0.count) }
+            if count < 0 && errno == EINTR { continue }
             if count <= 0 { return result }
             result += buffer[..<count]
         }

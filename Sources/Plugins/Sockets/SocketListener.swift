@@ -7,6 +7,7 @@
 // initializer first and then closes the child if the server channel closed meanwhile, so handing
 // it out from the initializer would let `listener.close()` right after `accept()` kill it.
 
+import Logging
 import NIOCore
 import NIOPosix
 @_spi(Plugins) import TransportKitCore
@@ -20,8 +21,11 @@ final class SocketListener: ListenerBackend {
     struct Accepted: Sendable {
         /// The server channel, once bound.
         var server: (any Channel)?
-        /// Connections whose child initializer ran, by channel, until NIO passes them on.
-        var staged: [ObjectIdentifier: Connection] = [:]
+        /// Connections whose child initializer ran, by channel, until NIO passes them on, with
+        /// their layers' ready steps.
+        var staged: [ObjectIdentifier: (connection: Connection, steps: [(ProtocolLayer, EventLoopFuture<Void>)])] = [:]
+        /// Accepted channels whose layers' handshakes are under way; closed with the listener.
+        var handshaking: [ObjectIdentifier: any Channel] = [:]
         var ready: [Connection] = []
         var closed = false
         var closeCalled = false
@@ -36,9 +40,16 @@ final class SocketListener: ListenerBackend {
     var boundPort: Int? { server.localAddress?.port }
     var localAddress: SocketAddress? { server.localAddress }
 
+    /// At most this many accepted connections run their handshakes at once; more wait in the
+    /// kernel's backlog.
+    static let handshakeLimit = 64
+
     static func bind(
         backlog: Int,
         buffering: Buffering,
+        layers: [ProtocolLayer] = [],
+        handshakeTimeout: Duration = .seconds(10),
+        logger: Logger? = nil,
         configure: @escaping @Sendable (any Channel) throws -> Void,
         describePeer: @escaping @Sendable (any Channel) -> String,
         bind: (ServerBootstrap) async throws -> any Channel,
@@ -56,12 +67,14 @@ final class SocketListener: ListenerBackend {
                     do {
                         try configure(child)
                         let peer = describePeer(child)
-                        let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: true, buffering: buffering)
+                        let steps = try ProtocolLayer.install(layers, on: child)
+                        let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: true,
+                                                                 messages: layers.last?.messages ?? false, buffering: buffering)
                         let url = (try? TransportURL(peer)) ?? TransportURL(scheme: "unix")
                         let connection = Connection(url: url, backend: backend,
                                                     metadata: ConnectionMetadata(name: peer, localAddress: child.localAddress?.description,
                                                                                  remoteAddress: child.remoteAddress?.description))
-                        stage(connection, for: child, in: accepted)
+                        stage(connection, steps: steps, for: child, in: accepted)
                     } catch {
                         // NIO closes this child; the read that accepted it is spent, so a waiting
                         // accept() asks for the next connection.
@@ -74,7 +87,9 @@ final class SocketListener: ListenerBackend {
         // Appended after bind so it sits behind NIO's AcceptHandler; nothing is accepted before
         // the first accept() because the server channel does not auto-read.
         do {
-            try await server.pipeline.addHandler(AcceptedChannelHandler { child in take(child, from: accepted) }).get()
+            try await server.pipeline.addHandler(AcceptedChannelHandler { child in
+                take(child, from: accepted, layers: layers, handshakeTimeout: handshakeTimeout, logger: logger)
+            }).get()
         } catch {
             try? await server.close()
             throw error
@@ -84,9 +99,10 @@ final class SocketListener: ListenerBackend {
         return SocketListener(server: server, accepted: accepted, onClose: onClose)
     }
 
-    private static func stage(_ connection: Connection, for child: any Channel, in accepted: AsyncCondition<Accepted>) {
+    private static func stage(_ connection: Connection, steps: [(ProtocolLayer, EventLoopFuture<Void>)], for child: any Channel,
+                              in accepted: AsyncCondition<Accepted>) {
         let key = ObjectIdentifier(child)
-        accepted.withLock { $0.staged[key] = connection }
+        accepted.withLock { $0.staged[key] = (connection, steps) }
         // A child that NIO closes before passing it on must not stay staged.
         child.closeFuture.whenComplete { _ in
             _ = accepted.withLock { $0.staged.removeValue(forKey: key) }
@@ -95,13 +111,17 @@ final class SocketListener: ListenerBackend {
 
     /// Unstages `child`'s connection (from then on NIO closing the child cannot lose it) and
     /// returns the step that makes it ready for accept(), or closes it if the listener closed.
-    private static func take(_ child: any Channel, from accepted: AsyncCondition<Accepted>) -> @Sendable () -> Void {
-        guard let connection = accepted.withLock({ $0.staged.removeValue(forKey: ObjectIdentifier(child)) }) else {
+    private static func take(_ child: any Channel, from accepted: AsyncCondition<Accepted>, layers: [ProtocolLayer],
+                             handshakeTimeout: Duration, logger: Logger?) -> @Sendable () -> Void {
+        guard let (connection, steps) = accepted.withLock({ $0.staged.removeValue(forKey: ObjectIdentifier(child)) }) else {
             return {
                 child.close(promise: nil)
                 // The read that accepted it is spent: a waiting accept() asks for the next one.
                 if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
             }
+        }
+        if !steps.isEmpty {
+            return { handshake(connection, steps: steps, child: child, in: accepted, layers: layers, timeout: handshakeTimeout, logger: logger) }
         }
         return {
             let refused = accepted.update { state -> Bool in
@@ -110,6 +130,46 @@ final class SocketListener: ListenerBackend {
                 return false
             }
             if refused { Task { try? await connection.close() } }
+        }
+    }
+
+    /// Runs an accepted connection's handshakes off the accept path: a slow or silent client
+    /// holds neither accept() nor the clients behind it. It is handed out once ready; one that
+    /// fails or takes longer than `timeout` is closed, and a waiting accept() asks for the next.
+    private static func handshake(_ connection: Connection, steps: [(ProtocolLayer, EventLoopFuture<Void>)], child: any Channel,
+                                  in accepted: AsyncCondition<Accepted>, layers: [ProtocolLayer], timeout: Duration, logger: Logger?) {
+        let key = ObjectIdentifier(child)
+        let (refused, more) = accepted.update { state -> (Bool, Bool) in
+            if state.closed { return (true, false) }
+            state.handshaking[key] = child
+            return (false, state.handshaking.count < handshakeLimit)
+        }
+        if refused {
+            connection.abort()
+            return
+        }
+        // Another client may be waiting behind this one.
+        if more, accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
+        Task {
+            do {
+                try await withTimeout(timeout, TransportError(.timedOut, "the client did not finish the handshake within \(timeout.secondsText)")) {
+                    try await ProtocolLayer.awaitReady(steps, on: child)
+                }
+                let extra = await ProtocolLayer.metadata(of: layers, on: child)
+                connection.updateMetadata { $0.extra.merge(extra) { _, new in new } }
+                let refused = accepted.update { state -> Bool in
+                    state.handshaking[key] = nil
+                    if state.closed { return true }
+                    state.ready.append(connection)
+                    return false
+                }
+                if refused { try? await connection.close() }
+            } catch {
+                logger?.debug("a client's handshake failed", metadata: ["peer": "\(connection.url)", "error": "\(error)"])
+                accepted.update { $0.handshaking[key] = nil }
+                connection.abort()
+                if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
+            }
         }
     }
 
@@ -123,11 +183,12 @@ final class SocketListener: ListenerBackend {
     }
 
     func close() async throws {
-        let (first, pending) = accepted.update { state -> (Bool, [Connection]) in
-            defer { state.closed = true; state.closeCalled = true; state.ready = [] }
-            return (!state.closeCalled, state.ready)
+        let (first, pending, handshaking) = accepted.update { state -> (Bool, [Connection], [any Channel]) in
+            defer { state.closed = true; state.closeCalled = true; state.ready = []; state.handshaking = [:] }
+            return (!state.closeCalled, state.ready, Array(state.handshaking.values))
         }
         for connection in pending { try? await connection.close() }
+        for channel in handshaking { channel.close(promise: nil) }
         try? await server.close().get()
         if first { onClose() }
     }

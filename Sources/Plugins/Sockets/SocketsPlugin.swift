@@ -88,6 +88,7 @@ enum ClientSocket {
         buffering: Buffering,
         configure: @escaping @Sendable (any Channel) throws -> Void = { _ in },
         mapError: (any Error) -> TransportError,
+        ready: @escaping @Sendable (ChannelBackend) async throws -> Void = { _ in },
         _ connect: (ClientBootstrap, _ initializer: @escaping @Sendable (any Channel) -> EventLoopFuture<ChannelBackend>) async throws -> ChannelBackend
     ) async throws -> ChannelBackend {
         let pending = PendingChannels()
@@ -96,13 +97,22 @@ enum ClientSocket {
             .channelOption(.allowRemoteHalfClosure, value: true)
         do {
             return try await pending.connect {
-                try await connect(bootstrap) { channel in
+                let backend = try await connect(bootstrap) { channel in
                     pending.add(channel)
                     return channel.eventLoop.makeCompletedFuture {
                         try configure(channel)
                         return try ChannelBackend.install(on: channel, describing: target, supportsHalfClose: true, messages: messages, buffering: buffering)
                     }
                 }
+                // The ready step (a handshake) inside the connect: cancelling closes the channel,
+                // which ends it; its failure is this connect's error.
+                do {
+                    try await ready(backend)
+                } catch {
+                    backend.connectionDropped()
+                    throw error
+                }
+                return backend
             }
         } catch {
             if error is CancellationError || Task.isCancelled { throw CancellationError() }

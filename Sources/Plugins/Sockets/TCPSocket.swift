@@ -4,6 +4,7 @@
 import Glibc
 import NIOCore
 import NIOPosix
+import Synchronization
 @_spi(Plugins) import TransportKitCore
 import TransportKitLinux
 
@@ -24,19 +25,56 @@ public enum TCPSocket {
     /// ```
     public static func connect(_ request: ConnectRequest, host: String, port: Int, messages: Bool = false,
                                handlers: @escaping @Sendable (any Channel) throws -> Void = { _ in }) async throws -> Connection {
+        let layer = ProtocolLayer(name: "handlers", messages: messages) { channel in
+            try handlers(channel)
+            return nil
+        }
+        return try await connect(request, host: host, port: port, layers: [layer])
+    }
+
+    /// Connects to `host:port` and runs `layers` over the TCP channel (the first nearest the
+    /// wire), each ready step (a TLS handshake, a WebSocket upgrade) inside the connect and within
+    /// the request's deadline: a failed handshake is this call's error. The layers' metadata joins
+    /// the connection's ``ConnectionMetadata/extra``.
+    ///
+    /// ```swift
+    /// // In a plugin's connect handler: TLS over TCP.
+    /// try await TCPSocket.connect(request, host: request.host, port: request.port, layers: [tlsLayer])
+    /// ```
+    public static func connect(_ request: ConnectRequest, host: String, port: Int, layers: [ProtocolLayer],
+                               name: String? = nil) async throws -> Connection {
         let target = "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
         let settings = Settings(request.options)
+        let steps = ReadySteps()
         let backend = try await ClientSocket.connect(
-            describing: target, messages: messages, buffering: request.buffering,
+            describing: name ?? target, messages: layers.last?.messages ?? false, buffering: request.buffering,
             configure: { channel in
                 try settings.apply(to: channel)
-                try handlers(channel)
+                steps.set(try ProtocolLayer.install(layers, on: channel), for: channel)
             },
-            mapError: { mapConnectError($0, host: host, port: port, target: target) }
+            mapError: { mapConnectError($0, host: host, port: port, target: name ?? target) },
+            ready: { backend in try await ProtocolLayer.awaitReady(steps.take(for: backend.channel), on: backend.channel) }
         ) { bootstrap, initializer in
             try await bootstrap.connect(host: host, port: port, channelInitializer: initializer)
         }
-        return Connection(url: request.url, backend: backend, metadata: metadata(of: backend.channel, name: target))
+        var metadata = metadata(of: backend.channel, name: name ?? target)
+        metadata.extra.merge(await ProtocolLayer.metadata(of: layers, on: backend.channel)) { _, new in new }
+        return Connection(url: request.url, backend: backend, metadata: metadata)
+    }
+
+    /// The ready steps channel initializers made, by channel (Happy Eyeballs may initialize
+    /// several), handed to the task that awaits the winner's.
+    final class ReadySteps: Sendable {
+        private let steps = Mutex<[ObjectIdentifier: [(ProtocolLayer, EventLoopFuture<Void>)]]>([:])
+        func set(_ value: [(ProtocolLayer, EventLoopFuture<Void>)], for channel: any Channel) {
+            steps.withLock { $0[ObjectIdentifier(channel)] = value }
+        }
+        func take(for channel: any Channel) -> [(ProtocolLayer, EventLoopFuture<Void>)] {
+            steps.withLock { steps in
+                defer { steps = [:] }
+                return steps[ObjectIdentifier(channel)] ?? []
+            }
+        }
     }
 
     /// The socket options of a tcp:// URL, read once (a listener applies them to every connection
@@ -91,14 +129,32 @@ public enum TCPSocket {
     }
 
     @Sendable static func listen(_ request: ConnectRequest) async throws -> Listener {
+        try await listen(request, layers: [])
+    }
+
+    /// Listens on the request's `HOST:PORT` with the tcp:// listener options (backlog, socket
+    /// options: their defaults when the scheme does not declare them) and runs `layers` over every
+    /// accepted connection. A connection is handed out once its layers are ready; a client that
+    /// fails its handshake, or does not finish it within `handshakeTimeout`, is closed and never
+    /// seen by `accept()`, and does not hold up the clients behind it. Accepted connections' URLs
+    /// use `peerScheme`; `authenticated` says that the layers make every client prove who it is
+    /// (TLS with required client certificates), for ``ListenerExposure``.
+    ///
+    /// ```swift
+    /// // In a plugin's listen handler:
+    /// try await TCPSocket.listen(request, layers: [tlsServerLayer], peerScheme: "tls")
+    /// ```
+    public static func listen(_ request: ConnectRequest, layers: [ProtocolLayer], handshakeTimeout: Duration = .seconds(10),
+                              peerScheme: String = "tcp", authenticated: Bool = false) async throws -> Listener {
         let host = request.host
         let port = request.port
         let settings = Settings(request.options)
         let listener = try await SocketListener.bind(
             backlog: request[SocketsPlugin.backlog],
             buffering: request.buffering,
+            layers: layers, handshakeTimeout: handshakeTimeout, logger: request.logger,
             configure: { channel in try settings.apply(to: channel) },
-            describePeer: { channel in "tcp://\(channel.remoteAddress.map(hostPort) ?? "?")" },
+            describePeer: { channel in "\(peerScheme)://\(channel.remoteAddress.map(hostPort) ?? "?")" },
             bind: { bootstrap in
                 do {
                     return try await bootstrap.bind(host: host, port: port).get()
@@ -127,7 +183,9 @@ public enum TCPSocket {
         )
         var url = request.url
         url.port = listener.boundPort ?? port
-        return Listener(url: url, backend: listener, exposure: exposure(of: listener.localAddress, host: host, port: url.port ?? port))
+        var exposure = exposure(of: listener.localAddress, host: host, port: url.port ?? port)
+        exposure.authenticated = authenticated
+        return Listener(url: url, backend: listener, exposure: exposure)
     }
 
     /// A loopback address reaches this machine only; any other, the network. No tcp:// listener

@@ -9,6 +9,7 @@
 @_exported import TransportKitSpy
 @_exported import TransportKitBluetooth
 @_exported import TransportKitUSB
+@_exported import TransportKitTLS
 
 extension TransportRegistry {
     /// A registry with every built-in plugin registered. `Transport` uses it; applications add
@@ -40,7 +41,7 @@ extension TransportRegistry {
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin(), SerialPlugin(), SpyPlugin(), BluetoothPlugin(), USBPlugin()]
+        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), SerialPlugin(), SpyPlugin(), BluetoothPlugin(), USBPlugin()]
     }
 
     /// The registry behind these functions.

@@ -58,6 +58,15 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// (a serial port): a server that fronts it serves one client at a time, where a target that
     /// can be opened many times (tcp, unix) gets a connection per client.
     public var exclusive: Bool = false
+    /// `true` for a scheme whose URL names a resource on a server (ws://, http://): query items
+    /// it does not declare belong to the server and reach it unchanged
+    /// (``ConnectRequest/serverQuery``), where another scheme refuses them as unknown. A declared
+    /// name is always the scheme's own option and is never sent; `server.NAME=VALUE` sends
+    /// `NAME=VALUE` to the server when NAME is also one of the scheme's options.
+    public var serverQuery: Bool = false
+    /// The registry's key: the name, with a `+` for a wrapper (a wrapper and a plain scheme may
+    /// share a name).
+    var tableKey: String { wraps ? scheme + "+" : scheme }
     /// The ways the scheme's URLs are used and the options each uses (see ``SchemeMode``). Empty:
     /// one connect mode, and a listen mode when the scheme can listen, each using every option.
     public var modes: [SchemeMode] = []
@@ -206,6 +215,7 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         let prefix = wraps ? scheme + "." : ""
         for item in url.query {
             guard let spec = allOptions.first(where: { URLParser.sameName($0.name, item.name) }) else {
+                if serverQuery { continue }
                 let names = allOptions.map { prefix + $0.name }.joined(separator: ", ")
                 throw reject("unknown option '\(prefix)\(URLParser.printable(item.name, limit: 40))' (\(scheme) accepts: \(names.isEmpty ? "none" : names))")
             }
@@ -227,6 +237,19 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
             }
         }
         return OptionValues(values)
+    }
+
+    /// The query items of `url` that go to the server (``serverQuery``): the undeclared ones, in
+    /// order, with `server.NAME` written as `NAME`. Empty for other schemes.
+    public func serverQueryItems(of url: TransportURL) -> [(name: String, value: String)] {
+        guard serverQuery else { return [] }
+        return url.query.compactMap { item in
+            if allOptions.contains(where: { URLParser.sameName($0.name, item.name) }) { return nil }
+            if item.name.lowercased().hasPrefix("server."), item.name.utf8.count > 7 {
+                return (String(item.name.dropFirst(7)), item.value)
+            }
+            return item
+        }
     }
 
     private func check(_ present: Bool, _ presence: Presence, _ what: String,

@@ -41,6 +41,10 @@ public struct TransportError: Error, Sendable, Equatable, CustomStringConvertibl
         case misuse
         /// Any other I/O failure.
         case io
+        /// The peer broke or refused a protocol layered on the transport: a TLS handshake (an
+        /// untrusted or expired certificate, a name mismatch, a plain-TCP server), a WebSocket
+        /// upgrade, a malformed frame. The message says which rule and what to do.
+        case protocolError
     }
 
     /// The portable kind.
@@ -131,6 +135,7 @@ extension TransportError.Kind {
         case .unsupported: "not supported"
         case .misuse: "misused"
         case .io: "an I/O error"
+        case .protocolError: "a protocol error"
         }
     }
 

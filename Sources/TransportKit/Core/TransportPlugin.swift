@@ -139,6 +139,18 @@ public struct ConnectRequest: Sendable {
         options[option]
     }
 
+    /// The query items that belong to the server, for a scheme whose URL names a resource on one
+    /// (``SchemeDescriptor/serverQuery``): the items the scheme does not declare, in order, values
+    /// decoded. The scheme's own options are never among them.
+    ///
+    /// ```swift
+    /// // wss://example.com/feed?token=x&timeout=5: token=x goes to the server, timeout is the scheme's.
+    /// let items = request.serverQuery   // [("token", "x")]
+    /// ```
+    public var serverQuery: [(name: String, value: String)] {
+        scheme.serverQueryItems(of: url)
+    }
+
     /// The host, for a scheme whose descriptor requires one (the registry checked it is there).
     public var host: String {
         guard let host = url.host else { preconditionFailure("\(scheme.scheme):// declares no required host; read url.host instead") }

@@ -60,17 +60,19 @@ public final class TransportRegistry: Sendable {
         guard problems.isEmpty else {
             throw TransportError.misuse("\(type(of: plugin)) cannot be registered: " + problems.joined(separator: "; "))
         }
-        let names = schemes.map(\.descriptor.scheme)
+        // A wrapper and a plain scheme may share a name (tls+unix://… and tls://HOST:PORT): the
+        // wrapper is keyed "NAME+", the one a URL with an inner layer reaches first.
+        let names = schemes.map(\.descriptor.tableKey)
         if let twice = names.first(where: { name in names.filter { $0 == name }.count > 1 }) {
-            throw TransportError.misuse("\(type(of: plugin)) declares \(twice):// twice")
+            throw TransportError.misuse("\(type(of: plugin)) declares \(twice.hasSuffix("+") ? "the wrapper " + twice.dropLast() + "+" : twice + "://") twice")
         }
         try table.withLock { table in
             if !replacing, let taken = names.first(where: { table.schemes[$0] != nil }) {
-                throw TransportError(.busy, "the scheme \(taken):// is already registered; pass replacing: true to replace its handler")
+                throw TransportError(.busy, "the scheme \(taken.hasSuffix("+") ? taken : taken + "://") is already registered; pass replacing: true to replace its handler")
             }
             table.nextPluginID += 1
             for scheme in schemes {
-                table.schemes[scheme.descriptor.scheme] = Entry(scheme: scheme, pluginID: table.nextPluginID, plugin: plugin)
+                table.schemes[scheme.descriptor.tableKey] = Entry(scheme: scheme, pluginID: table.nextPluginID, plugin: plugin)
             }
         }
     }
@@ -78,7 +80,11 @@ public final class TransportRegistry: Sendable {
     /// Removes the handler of `scheme`. Returns `false` when none was registered.
     @discardableResult
     public func unregister(scheme: String) -> Bool {
-        table.withLock { $0.schemes.removeValue(forKey: scheme.lowercased()) != nil }
+        table.withLock { table in
+            let plain = table.schemes.removeValue(forKey: scheme.lowercased()) != nil
+            let wrapper = table.schemes.removeValue(forKey: scheme.lowercased() + "+") != nil
+            return plain || wrapper
+        }
     }
 
     /// Every registered scheme, sorted by name.
@@ -88,7 +94,7 @@ public final class TransportRegistry: Sendable {
 
     /// The descriptor of `scheme`, if registered.
     public func descriptor(for scheme: String) -> SchemeDescriptor? {
-        table.withLock { $0.schemes[scheme.lowercased()]?.scheme.descriptor }
+        table.withLock { $0.schemes[scheme.lowercased()]?.scheme.descriptor ?? $0.schemes[scheme.lowercased() + "+"]?.scheme.descriptor }
     }
 
     // MARK: Resolving
@@ -118,7 +124,10 @@ public final class TransportRegistry: Sendable {
     }
 
     private func entry(for url: TransportURL) throws -> Entry {
-        guard let entry = table.withLock({ $0.schemes[url.scheme] }) else {
+        // A URL with an inner layer reaches the wrapper of its name first, one without the plain
+        // scheme; the other is the fallback, whose validation then explains the mistake.
+        let keys = url.inner != nil ? [url.scheme + "+", url.scheme] : [url.scheme, url.scheme + "+"]
+        guard let entry = table.withLock({ table in keys.compactMap { table.schemes[$0] }.first }) else {
             let known = schemes.map { $0.scheme + "://" }.joined(separator: ", ")
             throw TransportError(.unsupportedScheme, "no plugin handles \(URLParser.printable(url.scheme, limit: 40))://; registered schemes: \(known.isEmpty ? "none" : known)")
         }
@@ -157,7 +166,11 @@ public final class TransportRegistry: Sendable {
     /// rather than let the option be silently ignored (a `security=` that asks for nothing).
     private static func unread(by request: ConnectRequest) -> TransportError? {
         let read = request.options.use.keys
-        let unread = request.url.query.map(\.name).filter { !read.contains($0.lowercased()) }
+        let declared = request.scheme.allOptions
+        let unread = request.url.query.map(\.name).filter { name in
+            // A server's own query items (ws://, http://) are the plugin's to pass on, not to read.
+            !read.contains(name.lowercased()) && (!request.scheme.serverQuery || declared.contains { URLParser.sameName($0.name, name) })
+        }
         guard !unread.isEmpty else { return nil }
         let prefix = request.scheme.wraps ? request.scheme.scheme + "." : ""
         let names = unread.map { "'\(prefix)\(URLParser.printable($0, limit: 40))'" }.joined(separator: ", ")

@@ -25,7 +25,8 @@ public enum DescriptorChannel {
     /// direction (the peer reads an end). A SOCK_SEQPACKET socket is refused: SwiftNIO's reads
     /// would cut records larger than its buffer; ``PacketSocketBackend`` carries those.
     public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String,
-                                   buffering: Buffering = .standard) async throws -> ChannelBackend {
+                                   buffering: Buffering = .standard, messages: Bool = false,
+                                   configure: @escaping @Sendable (any Channel) throws -> Void = { _ in }) async throws -> ChannelBackend {
         // SwiftNIO traps on a descriptor it cannot use (EBADF); check first.
         var type: Int32 = 0
         var length = socklen_t(MemoryLayout<Int32>.size)
@@ -43,7 +44,9 @@ public enum DescriptorChannel {
                 .channelOption(.allowRemoteHalfClosure, value: true)
                 .withConnectedSocket(fd.rawValue) { channel in
                     channel.eventLoop.makeCompletedFuture {
-                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: true, buffering: buffering)
+                        try configure(channel)
+                        return try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: true, messages: messages,
+                                                          buffering: buffering)
                     }
                 }
         } catch {

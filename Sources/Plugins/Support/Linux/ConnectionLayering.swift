@@ -1,0 +1,175 @@
+// ConnectionLayering.swift: protocol layers (TLS, WebSocket) over a Connection that is not a
+// SwiftNIO channel of its own making (tls+tty://, tls+rfcomm://, tls+unix://). socketpair(2) gives
+// the layers a real channel: one end carries the layers' pipeline, the other is relayed to and
+// from the wrapped connection. A URL whose bottom is tcp:// gets its layers on the TCP channel
+// itself (TCPSocket.connect(_:host:port:layers:)) and skips the relay.
+
+import Glibc
+import NIOCore
+import Synchronization
+import SystemPackage
+@_spi(Plugins) import TransportKitCore
+
+/// Runs ``ProtocolLayer``s over any ``Connection``.
+///
+/// ```swift
+/// // A wrapper scheme's connect handler: TLS over whatever URL it wraps.
+/// let inner = try await request.connectInner()
+/// return try await ConnectionLayering.layer([tlsLayer], over: inner, request: request)
+/// ```
+public enum ConnectionLayering {
+    /// Runs `layers` over `inner`, their ready steps (handshakes) inside this call: a failure is
+    /// its error, and `inner` is closed then. The returned connection owns `inner`: closing it runs
+    /// the layers' closing handshakes, then closes `inner`. Its metadata is `inner`'s with the
+    /// layers' facts added; control calls (`serialPort`) reach `inner`. When `inner` fails (a
+    /// device unplugged), reads report that failure rather than the layer's view of it.
+    public static func layer(_ layers: [ProtocolLayer], over inner: Connection, request: ConnectRequest) async throws -> Connection {
+        let describing = request.url.shown
+        var pair: [Int32] = [-1, -1]
+        do {
+            try Syscall.run("socketpair", on: describing) { socketpair(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0, &pair) }
+        } catch {
+            try? await inner.close()
+            throw error
+        }
+        let steps = Mutex<[(ProtocolLayer, EventLoopFuture<Void>)]>([])
+        let wire: ChannelBackend
+        let top: ChannelBackend
+        do {
+            wire = try await DescriptorChannel.adoptSocket(FileDescriptor(rawValue: pair[0]), describing: "the wire of \(describing)",
+                                                           buffering: request.buffering)
+        } catch {
+            FileDescriptor(rawValue: pair[1]).closeOwned()
+            try? await inner.close()
+            throw error
+        }
+        do {
+            top = try await DescriptorChannel.adoptSocket(FileDescriptor(rawValue: pair[1]), describing: describing, buffering: request.buffering,
+                                                          messages: layers.last?.messages ?? false) { channel in
+                let made = try ProtocolLayer.install(layers, on: channel)
+                steps.withLock { $0 = made }
+            }
+        } catch {
+            try? await wire.close()
+            try? await inner.close()
+            throw error
+        }
+        let relay = Relay(inner: inner, wire: wire, top: top)
+        do {
+            try await ProtocolLayer.awaitReady(steps.withLock { $0 }, on: top.channel)
+        } catch {
+            top.connectionDropped()
+            await relay.finished()
+            // The inner connection's own failure says more than the handshake's view of it.
+            throw relay.innerFailure ?? error
+        }
+        let extra = await ProtocolLayer.metadata(of: layers, on: top.channel)
+        inner.updateMetadata { $0.extra.merge(extra) { _, new in new } }
+        return Connection(url: request.url, backend: LayeredBackend(top: top, wrapped: inner, relay: relay))
+    }
+
+    /// Copies bytes between the wrapped connection and the wire end of the socket pair, both ways,
+    /// with the connections' own backpressure; tears everything down once the layers' end closed.
+    final class Relay: Sendable {
+        private let task: Mutex<Task<Void, Never>?> = Mutex(nil)
+        private let failure = FirstFailure()
+
+        /// The first failure of the wrapped connection, kept for the reader.
+        final class FirstFailure: Sendable {
+            private let value = Mutex<TransportError?>(nil)
+            var error: TransportError? { value.withLock { $0 } }
+            func record(_ error: TransportError) { value.withLock { $0 = $0 ?? error } }
+        }
+
+        var innerFailure: TransportError? { failure.error }
+
+        init(inner: Connection, wire: ChannelBackend, top: ChannelBackend) {
+            let wireConnection = Connection(url: inner.url, backend: wire)
+            let failure = self.failure
+            let task = Task {
+                // Down: the wrapped connection's bytes to the layers; its end is the wire's end.
+                let down = Task {
+                    do {
+                        while let chunk = try await inner.readBuffer() { try await wireConnection.write(chunk) }
+                    } catch is CancellationError {
+                        return
+                    } catch {
+                        failure.record(TransportError.from(error, context: "reading from \(inner.url.shown)"))
+                    }
+                    try? await wireConnection.closeWrite()
+                }
+                // Up: the layers' bytes (records, frames, closing handshakes) to the wrapped connection.
+                do {
+                    while let chunk = try await wireConnection.readBuffer() { try await inner.write(chunk) }
+                } catch {
+                    failure.record(TransportError.from(error, context: "writing to \(inner.url.shown)"))
+                }
+                // The layers closed their sending side; once they closed entirely, so does the rest.
+                try? await top.channel.closeFuture.get()
+                down.cancel()
+                try? await inner.close()
+                _ = await down.value
+                try? await wireConnection.close()
+            }
+            self.task.withLock { $0 = task }
+        }
+
+        /// Waits until the relay has closed the wrapped connection.
+        func finished() async {
+            await task.withLock { $0 }?.value
+        }
+
+        func cancel() {
+            task.withLock { $0 }?.cancel()
+        }
+    }
+}
+
+/// The connection ``ConnectionLayering`` returns: the layers' end of the socket pair, wrapping the
+/// connection the relay serves.
+final class LayeredBackend: WrappingBackend {
+    let top: ChannelBackend
+    let wrapped: Connection
+    let relay: ConnectionLayering.Relay
+
+    init(top: ChannelBackend, wrapped: Connection, relay: ConnectionLayering.Relay) {
+        self.top = top
+        self.wrapped = wrapped
+        self.relay = relay
+    }
+
+    var supportsHalfClose: Bool { top.supportsHalfClose }
+    var carriesMessages: Bool { top.carriesMessages }
+    var maximumWriteSize: Int? { nil }
+    var preferredExecutor: (any TaskExecutor)? { top.preferredExecutor }
+
+    func read() async throws -> ByteBuffer? {
+        do {
+            return try await top.read()
+        } catch {
+            throw relay.innerFailure ?? error
+        }
+    }
+
+    func write(_ buffer: ByteBuffer) async throws {
+        do {
+            try await top.write(buffer)
+        } catch {
+            throw relay.innerFailure ?? error
+        }
+    }
+
+    func closeWrite() async throws { try await top.closeWrite() }
+
+    /// The layers' closing handshake, then the wrapped connection's close (by the relay).
+    func close() async throws {
+        defer { relay.cancel() }
+        try await top.close()
+        await uncancellable { [relay] in await relay.finished() }
+    }
+
+    func connectionDropped() {
+        top.connectionDropped()
+        relay.cancel()
+    }
+}

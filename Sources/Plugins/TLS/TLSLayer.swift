@@ -1,0 +1,346 @@
+// TLS (RFC 8446, RFC 5246) through swift-nio-ssl (BoringSSL): the client and server layers, their
+// configuration from URL options, and errors that say what to do. The layer runs over a TCP channel
+// (tls://HOST:PORT) or over any connection (tls+URL) through ConnectionLayering.
+
+import Glibc
+import NIOCore
+import NIOSSL
+import NIOTLS
+import Synchronization
+@_spi(Plugins) import TransportKitCore
+
+/// TLS settings read from a URL's options, once.
+struct TLSSettings: Sendable {
+    var ca: String?
+    var cert: String?
+    var key: String?
+    var serverName: String?
+    var alpn: [String]
+    var minVersion: TLSVersion
+    var insecure: Bool
+
+    init(_ request: ConnectRequest, listening: Bool) {
+        ca = request[TLSPlugin.ca]
+        cert = request[TLSPlugin.cert]
+        key = request[TLSPlugin.key]
+        alpn = request[TLSPlugin.alpn].map { $0.split(separator: ",").map { String($0.filter { $0 != " " }) } } ?? []
+        minVersion = request[TLSPlugin.minVersion] == .tls13 ? .tlsv13 : .tlsv12
+        if listening {
+            serverName = nil
+            insecure = false
+        } else {
+            serverName = request[TLSPlugin.serverName]
+            insecure = request[TLSPlugin.insecure]
+        }
+    }
+
+    /// The client's configuration: the system's trust store plus `ca`, a client certificate if
+    /// given, full verification unless `insecure`.
+    func clientContext() throws -> NIOSSLContext {
+        var configuration = TLSConfiguration.makeClientConfiguration()
+        configuration.shutdownTimeout = Self.closeBound
+        configuration.minimumTLSVersion = minVersion
+        configuration.applicationProtocols = alpn
+        configuration.certificateVerification = insecure ? .none : .fullVerification
+        if let ca { configuration.additionalTrustRoots = [.certificates(try Self.certificates(ca, what: "ca="))] }
+        try identity(into: &configuration)
+        return try Self.context(configuration)
+    }
+
+    /// The server's configuration: its certificate and key; with `ca`, client certificates
+    /// required and verified against it (and nothing else).
+    func serverContext() throws -> NIOSSLContext {
+        guard let cert, let key else {
+            throw TransportError(.invalidURL, "a tls:// listener needs cert=PATH and key=PATH: its certificate chain and private key, as PEM files")
+        }
+        var configuration = TLSConfiguration.makeServerConfiguration(
+            certificateChain: try Self.certificates(cert, what: "cert=").map { .certificate($0) },
+            privateKey: .privateKey(try Self.privateKey(key)))
+        configuration.shutdownTimeout = Self.closeBound
+        configuration.minimumTLSVersion = minVersion
+        configuration.applicationProtocols = alpn
+        if let ca {
+            configuration.certificateVerification = .noHostnameVerification
+            configuration.trustRoots = .certificates(try Self.certificates(ca, what: "ca="))
+        }
+        return try Self.context(configuration)
+    }
+
+    /// How long a close waits for the peer's close_notify after sending its own (RFC 8446 §6.1
+    /// lets the closing side not wait at all); then the socket is closed anyway.
+    static let closeBound = TimeAmount.seconds(1)
+
+    private func identity(into configuration: inout TLSConfiguration) throws {
+        switch (cert, key) {
+        case (let cert?, let key?):
+            configuration.certificateChain = try Self.certificates(cert, what: "cert=").map { .certificate($0) }
+            configuration.privateKey = .privateKey(try Self.privateKey(key))
+        case (nil, nil):
+            break
+        case (_?, nil):
+            throw TransportError(.invalidURL, "cert= is given without key=: give the private key of the certificate too")
+        case (nil, _?):
+            throw TransportError(.invalidURL, "key= is given without cert=: give the certificate (chain) of the key too")
+        }
+    }
+
+    private static func context(_ configuration: TLSConfiguration) throws -> NIOSSLContext {
+        do {
+            return try NIOSSLContext(configuration: configuration)
+        } catch {
+            throw TransportError(.invalidURL, "the TLS settings were refused: \(error); check that key= is the private key of cert=")
+        }
+    }
+
+    static func privateKey(_ path: String) throws -> NIOSSLPrivateKey {
+        do {
+            return try NIOSSLPrivateKey(file: path, format: .pem)
+        } catch {
+            throw Self.fileError(path, what: "key=", kind: "a PEM private key", error)
+        }
+    }
+
+    static func certificates(_ path: String, what: String) throws -> [NIOSSLCertificate] {
+        let certificates: [NIOSSLCertificate]
+        do {
+            certificates = try NIOSSLCertificate.fromPEMFile(path)
+        } catch {
+            throw fileError(path, what: what, kind: "PEM certificates", error)
+        }
+        guard !certificates.isEmpty else {
+            throw TransportError(.invalidURL, "\(what)\(path) holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+        }
+        return certificates
+    }
+
+    private static func fileError(_ path: String, what: String, kind: String, _ error: any Error) -> TransportError {
+        if access(path, F_OK) != 0 {
+            return TransportError(.notFound, "\(what)\(path): no such file; give the path of \(kind)")
+        }
+        if access(path, R_OK) != 0 {
+            return TransportError(.permissionDenied, "\(what)\(path) cannot be read by this user; check its permissions")
+        }
+        return TransportError(.invalidURL, "\(what)\(path) does not hold \(kind): \(error)")
+    }
+}
+
+/// The TLS layers: a client (verifying the server) and a server (presenting a certificate,
+/// optionally requiring the client's).
+enum TLSLayer {
+    /// The handler names in the pipeline.
+    static let readyName = "tls.ready"
+
+    /// A client layer for a server named `name` (SNI and the name checked; `nil` for an IP
+    /// address, whose certificate must then carry that address).
+    static func client(_ context: NIOSSLContext, settings: TLSSettings, serverName: String?, describing: String) -> ProtocolLayer {
+        ProtocolLayer(name: "tls", metadata: metadata, mapError: { error in
+            mapError(error, describing: describing, serverName: serverName ?? describing, settings: settings, chain: [])
+        }) { channel in
+            let chain = VerificationRecord()
+            let handler = try LegacyVerification.make(context: context, serverHostname: serverName, record: chain)
+            let ready = ChannelReady(on: channel, readyWhen: readyFacts)
+            try channel.pipeline.syncOperations.addHandler(handler)
+            try channel.pipeline.syncOperations.addHandler(ready, name: readyName)
+            try channel.pipeline.syncOperations.addHandler(TruncationReporter(describing: describing))
+            return ready.future.flatMapErrorThrowing { error in
+                throw mapError(error, describing: describing, serverName: serverName ?? describing, settings: settings, chain: chain.certificates)
+            }
+        }
+    }
+
+    /// A server layer; with a client CA, every client must present a certificate it issued.
+    static func server(_ context: NIOSSLContext, describing: String) -> ProtocolLayer {
+        ProtocolLayer(name: "tls", metadata: metadata, mapError: { error in
+            TransportError.from(error, context: "the TLS handshake with a client of \(describing)")
+        }) { channel in
+            let ready = ChannelReady(on: channel, readyWhen: readyFacts)
+            try channel.pipeline.syncOperations.addHandler(NIOSSLServerHandler(context: context))
+            try channel.pipeline.syncOperations.addHandler(ready, name: readyName)
+            try channel.pipeline.syncOperations.addHandler(TruncationReporter(describing: describing))
+            return ready.future
+        }
+    }
+
+    @Sendable static func readyFacts(_ event: Any) -> [String: String]? {
+        guard case TLSUserEvent.handshakeCompleted(let negotiated) = event else { return nil }
+        return negotiated.map { ["tls.alpn": $0] } ?? [:]
+    }
+
+    /// The negotiated version, ALPN protocol and the peer certificate's subject and issuer. On the
+    /// channel's event loop. (swift-nio-ssl does not tell the cipher suite.)
+    @Sendable static func metadata(_ channel: any Channel) -> [String: String] {
+        var extra: [String: String] = [:]
+        let pipeline = channel.pipeline.syncOperations
+        if let ready = try? pipeline.context(name: readyName).handler as? ChannelReady {
+            extra.merge(ready.facts) { _, new in new }
+        }
+        if let handler = try? pipeline.handler(type: NIOSSLHandler.self) {
+            if let version = handler.tlsVersion { extra["tls.version"] = versionName(version) }
+            if let peer = handler.peerCertificate {
+                extra["tls.peer"] = describe(peer.subjectName)
+                extra["tls.issuer"] = describe(peer.issuerName)
+                extra["tls.notAfter"] = date(peer.notValidAfter)
+            }
+        }
+        return extra
+    }
+
+    static func versionName(_ version: TLSVersion) -> String {
+        switch version {
+        case .tlsv1: "TLS 1.0"
+        case .tlsv11: "TLS 1.1"
+        case .tlsv12: "TLS 1.2"
+        case .tlsv13: "TLS 1.3"
+        }
+    }
+
+    /// `CN=localhost, O=Example`: the parts people recognise, most specific first.
+    static func describe(_ name: [SSLCertificateName]) -> String {
+        let parts = name.reversed().map { part in "\(label(part.type))=\(part.value)" }
+        return parts.isEmpty ? "(empty)" : parts.joined(separator: ", ")
+    }
+
+    private static func label(_ type: SSLCertificateNameType) -> String {
+        switch type {
+        case .commonName: "CN"
+        case .organization: "O"
+        case .organizationalUnit: "OU"
+        case .country: "C"
+        case .state: "ST"
+        case .city: "L"
+        case .emailAddress: "emailAddress"
+        default: "name"
+        }
+    }
+
+    /// A time_t as `2026-11-26 13:05:00 UTC` (gmtime_r).
+    static func date(_ time: time_t) -> String {
+        var seconds = time
+        var parts = tm()
+        guard gmtime_r(&seconds, &parts) != nil else { return "\(time)" }
+        func two(_ value: Int32) -> String { value < 10 ? "0\(value)" : "\(value)" }
+        return "\(parts.tm_year + 1900)-\(two(parts.tm_mon + 1))-\(two(parts.tm_mday)) \(two(parts.tm_hour)):\(two(parts.tm_min)):\(two(parts.tm_sec)) UTC"
+    }
+
+    /// Turns a handshake failure into what went wrong and what to do. `chain` holds the
+    /// certificates BoringSSL looked at with its verdict on each, so a refused chain can be
+    /// explained: expired, not yet valid, self-signed, or issued by an authority not trusted here.
+    static func mapError(_ error: any Error, describing: String, serverName: String, settings: TLSSettings,
+                         chain: [(trusted: Bool, certificate: NIOSSLCertificate)]) -> TransportError {
+        if let error = error as? TransportError {
+            if error.kind == .disconnected {
+                return TransportError(.protocolError, "\(describing) closed the connection during the TLS handshake: is it a TLS server? "
+                                      + "(a plain-TCP server, or one that refused our TLS version or client certificate, does this)")
+            }
+            return error
+        }
+        let text = "\(error)"
+        if let extra = error as? NIOSSLExtraError, text.contains("Couldn't find") {
+            _ = extra
+            let names = chain.last.map { alternativeNames($0.certificate) } ?? ""
+            return TransportError(.protocolError, "the certificate of \(describing) is not for '\(serverName)'\(names.isEmpty ? "" : "; it names \(names)")"
+                                  + ": connect by one of its names, or give the name it carries with serverName=")
+        }
+        if text.contains("CERTIFICATE_VERIFY_FAILED"), let failed = chain.first(where: { !$0.trusted }) ?? chain.first {
+            let certificate = failed.certificate
+            let subject = describe(certificate.subjectName)
+            let now = time(nil)
+            if certificate.notValidAfter < now {
+                return TransportError(.protocolError, "the certificate of \(describing) (\(subject)) expired on \(date(certificate.notValidAfter)); "
+                                      + "it is \(date(now)) now. The server must renew it (or this machine's clock is wrong)")
+            }
+            if certificate.notValidBefore > now {
+                return TransportError(.protocolError, "the certificate of \(describing) (\(subject)) is not valid before \(date(certificate.notValidBefore)); "
+                                      + "it is \(date(now)) now. Check this machine's clock")
+            }
+            let issuer = describe(certificate.issuerName)
+            if issuer == subject {
+                return TransportError(.protocolError, "the certificate of \(describing) is self-signed (\(subject)) and not trusted here: "
+                                      + "pass its certificate (or the CA that made it) as ca=PATH\(settings.ca.map { " (ca=\($0) does not hold it)" } ?? "")")
+            }
+            return TransportError(.protocolError, "the certificate of \(describing) (\(subject)) was issued by '\(issuer)', which is not trusted here: "
+                                  + "pass that authority's certificate as ca=PATH\(settings.ca.map { " (ca=\($0) does not hold it)" } ?? "")")
+        }
+        if text.contains("CERTIFICATE_REQUIRED") || (text.contains("SSLV3_ALERT_HANDSHAKE_FAILURE") && settings.cert == nil) {
+            return certificateRequired(describing)
+        }
+        if text.contains("WRONG_VERSION_NUMBER") || text.contains("PACKET_LENGTH_TOO_LONG") || text.contains("HTTP_REQUEST") {
+            return TransportError(.protocolError, "\(describing) does not speak TLS (its reply is not a TLS record): is it a plain-TCP server? Use tcp:// for it")
+        }
+        if text.contains("UNSUPPORTED_PROTOCOL") || text.contains("PROTOCOL_VERSION") {
+            return TransportError(.protocolError, "\(describing) and this end share no TLS version (minVersion=\(settings.minVersion == .tlsv13 ? "1.3" : "1.2"))")
+        }
+        if text.contains("NO_APPLICATION_PROTOCOL") {
+            return TransportError(.protocolError, "\(describing) accepts none of the ALPN protocols offered (alpn=\(settings.alpn.joined(separator: ",")))")
+        }
+        return TransportError(.protocolError, "the TLS handshake with \(describing) failed: \(text)")
+    }
+
+    static func certificateRequired(_ describing: String) -> TransportError {
+        TransportError(.permissionDenied, "\(describing) wants a client certificate it trusts: give cert=PATH and key=PATH")
+    }
+
+    static func alternativeNames(_ certificate: NIOSSLCertificate) -> String {
+        let subject = describe(certificate.subjectName)
+        let names = "\(certificate)".split(separator: ";").first { $0.hasPrefix("alternative_names=") }
+            .map { String($0.dropFirst("alternative_names=".count).filter { $0 != ">" }) }
+        return "\(subject)\(names.map { ", alternative names \($0)" } ?? "")"
+    }
+}
+
+/// The certificates BoringSSL checked during one handshake, with its verdict on each.
+final class VerificationRecord: Sendable {
+    private let seen = Mutex<[(trusted: Bool, certificate: NIOSSLCertificate)]>([])
+    var certificates: [(trusted: Bool, certificate: NIOSSLCertificate)] { seen.withLock { $0 } }
+    func record(_ trusted: Bool, _ certificate: NIOSSLCertificate) { seen.withLock { $0.append((trusted, certificate)) } }
+}
+
+/// swift-nio-ssl's per-certificate verification callback is the one way to learn which
+/// certificate BoringSSL refused and why, and it is deprecated (for the callbacks that replace
+/// verification). The callback here changes no verdict; it only records. Called through a
+/// protocol so the deprecation stays inside this one place.
+protocol LegacyVerificationMaking {
+    static func clientHandler(context: NIOSSLContext, serverHostname: String?, record: VerificationRecord) throws -> NIOSSLClientHandler
+}
+
+enum LegacyVerification: LegacyVerificationMaking {
+    @available(*, deprecated, message: "records BoringSSL's verdicts through swift-nio-ssl's deprecated per-certificate callback")
+    static func clientHandler(context: NIOSSLContext, serverHostname: String?, record: VerificationRecord) throws -> NIOSSLClientHandler {
+        try NIOSSLClientHandler(context: context, serverHostname: serverHostname) { verdict, certificate in
+            record.record(verdict == .certificateVerified, certificate)
+            return verdict
+        }
+    }
+
+    static func make(context: NIOSSLContext, serverHostname: String?, record: VerificationRecord) throws -> NIOSSLClientHandler {
+        try (Self.self as any LegacyVerificationMaking.Type).clientHandler(context: context, serverHostname: serverHostname, record: record)
+    }
+}
+
+/// Tells a clean end (the peer's close_notify) from a peer that just dropped the connection,
+/// which could have cut the data short: tls:// ends its stream with close_notify.
+final class TruncationReporter: ChannelInboundHandler, Sendable {
+    typealias InboundIn = ByteBuffer
+    typealias InboundOut = ByteBuffer
+    let describing: String
+
+    init(describing: String) { self.describing = describing }
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        context.fireChannelRead(data)
+    }
+
+    func errorCaught(context: ChannelHandlerContext, error: any Error) {
+        if let error = error as? NIOSSLError, case .uncleanShutdown = error {
+            context.fireErrorCaught(TransportError(.disconnected, "\(describing) closed the connection without a TLS close_notify: "
+                                                   + "the data may have been cut short (a truncation), or the peer crashed"))
+            return
+        }
+        if "\(error)".contains("CERTIFICATE_REQUIRED") {
+            // TLS 1.3: the server judges the client's certificate after the client's handshake ended.
+            context.fireErrorCaught(TLSLayer.certificateRequired(describing))
+            return
+        }
+        context.fireErrorCaught(error)
+    }
+}

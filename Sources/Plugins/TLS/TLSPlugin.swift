@@ -1,0 +1,129 @@
+// tls:// and tls+URL: TLS through swift-nio-ssl, as a client and as a listener.
+//
+// Grammar:
+//   tls://HOST:PORT[?ca=PATH&cert=PATH&key=PATH&serverName=NAME&alpn=P1,P2&minVersion=1.2|1.3&insecure=true
+//                   &noDelay=BOOL&keepAlive=BOOL&keepAliveIdle=SECONDS&timeout=SECONDS]
+//     The server's certificate is verified against the system's trust store plus ca=, and must
+//     name HOST (or serverName=); an IP address is not sent as SNI and must be in the certificate.
+//   tls://ADDRESS:PORT?cert=PATH&key=PATH[&ca=PATH&alpn=…&minVersion=…&handshakeTimeout=SECONDS&backlog=N] (listening)
+//     With ca=, every client must present a certificate that authority issued.
+//   tls+URL[?tls.ca=…&tls.serverName=…] wraps any stream URL (tls+unix:///run/x.sock?tls.serverName=x).
+
+import NIOCore
+import NIOSSL
+@_spi(Plugins) import TransportKitCore
+import TransportKitLinux
+import TransportKitSockets
+
+/// The `tls` scheme and the `tls+` wrapper.
+///
+/// ```swift
+/// let connection = try await Transport.connect(to: "tls://example.com:443?alpn=http/1.1")
+/// print(connection.metadata.extra["tls.version"] ?? "")   // "TLS 1.3"
+/// let listener = try await Transport.listen(on: "tls://127.0.0.1:0?cert=/etc/x/cert.pem&key=/etc/x/key.pem")
+/// ```
+public struct TLSPlugin: TransportPlugin {
+    /// The plugin; `Transport.builtInPlugins` has one.
+    public init() {}
+
+    /// Extra trust anchors (a PEM file); the system's store still counts. On a listener: the
+    /// authority whose client certificates are required.
+    public static let ca = URLOption.string("ca", help: "PEM file of extra trust anchors (a listener: the CA whose client certificates are required)")
+    /// This end's certificate chain.
+    public static let cert = URLOption.string("cert", help: "PEM file of this end's certificate chain (a client certificate, or the listener's)")
+    /// This end's private key.
+    public static let key = URLOption.string("key", help: "PEM file of the private key of cert=")
+    /// The name sent as SNI and checked in the server's certificate.
+    public static let serverName = URLOption.string("serverName", help: "The name sent as SNI and required in the server's certificate (default: the host)")
+    /// ALPN protocols offered or accepted.
+    public static let alpn = URLOption.string("alpn", help: "Application protocols to offer (ALPN), comma-separated, such as h2,http/1.1")
+    /// The lowest TLS version accepted.
+    public static let minVersion = URLOption.choice("minVersion", default: MinimumVersion.tls12, help: "The lowest TLS version accepted: 1.2 or 1.3")
+
+    /// The values of ``minVersion``.
+    public enum MinimumVersion: String, Sendable, CaseIterable {
+        /// TLS 1.2 and 1.3.
+        case tls12 = "1.2"
+        /// TLS 1.3 only.
+        case tls13 = "1.3"
+    }
+    /// No verification at all.
+    public static let insecure = URLOption.bool("insecure", default: false,
+                                                help: "Skip every check of the server's certificate: anyone on the path can read and change the data")
+    /// How long an accepted client may take over its handshake.
+    public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
+                                                            help: "Seconds an accepted client has to finish its handshake before it is dropped")
+
+    static let clientOptions: [any OptionDeclaration] = [ca, cert, key, serverName, alpn, minVersion, insecure]
+    static let serverOptions: [any OptionDeclaration] = [ca, cert, key, alpn, minVersion, handshakeTimeout]
+
+    /// `tls` (connect and listen) and the `tls+` wrapper.
+    public var schemes: [Scheme] {
+        let tcp: [any OptionDeclaration] = [SocketsPlugin.noDelay, SocketsPlugin.keepAlive, SocketsPlugin.keepAliveIdle]
+        var all = Self.clientOptions + [Self.handshakeTimeout]
+        all += tcp + [SocketsPlugin.backlog]
+        return [
+            Scheme(SchemeDescriptor(
+                scheme: "tls",
+                summary: "TLS over TCP, the server's certificate verified (swift-nio-ssl)",
+                grammar: "tls://HOST:PORT[?OPTIONS]",
+                examples: ["tls://example.com:443", "tls://127.0.0.1:8443?ca=/etc/lab/ca.pem&serverName=lab.local",
+                           "tls://0.0.0.0:8443?cert=cert.pem&key=key.pem (listening)"],
+                host: .required, port: .required, portRange: 0...65535, path: .forbidden,
+                options: all,
+                modes: [SchemeMode("tls:// connection", form: "tls://HOST:PORT", options: Self.clientOptions + tcp),
+                        SchemeMode("tls:// listener", role: .listen, form: "tls://ADDRESS:PORT", options: Self.serverOptions + tcp + [SocketsPlugin.backlog])]
+            ), connect: Self.connect, listen: Self.listen),
+            Scheme.wrapper(SchemeDescriptor(
+                scheme: "tls",
+                summary: "TLS over any stream URL (tls+unix://, tls+tty://, tls+rfcomm://)",
+                grammar: "tls+URL[?tls.OPTION=VALUE…]",
+                examples: ["tls+unix:///run/device.sock?tls.serverName=device.local&tls.ca=/etc/lab/ca.pem"],
+                host: .forbidden, port: .forbidden, path: .forbidden,
+                options: Self.clientOptions,
+                modes: [SchemeMode("tls+ over another URL", form: "tls+URL", options: Self.clientOptions)]
+            ), connect: Self.connectWrapped),
+        ]
+    }
+
+    @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {
+        let settings = TLSSettings(request, listening: false)
+        let host = request.host
+        let name = settings.serverName ?? (isIPAddress(host) ? nil : host)
+        warnIfInsecure(settings, request)
+        let target = "tls://\(host.contains(":") ? "[\(host)]" : host):\(request.port)"
+        let layer = TLSLayer.client(try settings.clientContext(), settings: settings, serverName: name, describing: target)
+        return try await TCPSocket.connect(request, host: host, port: request.port, layers: [layer], name: target)
+    }
+
+    @Sendable static func connectWrapped(_ request: ConnectRequest) async throws -> Connection {
+        let settings = TLSSettings(request, listening: false)
+        guard settings.serverName != nil || settings.insecure else {
+            throw TransportError(.invalidURL, "\(request.url.shown): tls+ over \(request.url.inner?.scheme ?? "?"):// has no host name to check the certificate against; "
+                                 + "give the name the server's certificate carries as tls.serverName=NAME")
+        }
+        warnIfInsecure(settings, request)
+        let context = try settings.clientContext()
+        let inner = try await request.connectInner()
+        let layer = TLSLayer.client(context, settings: settings, serverName: settings.serverName, describing: request.url.shown)
+        return try await ConnectionLayering.layer([layer], over: inner, request: request)
+    }
+
+    @Sendable static func listen(_ request: ConnectRequest) async throws -> Listener {
+        let settings = TLSSettings(request, listening: true)
+        let context = try settings.serverContext()
+        let described = "tls://\(request.host):\(request.port)"
+        return try await TCPSocket.listen(request, layers: [TLSLayer.server(context, describing: described)],
+                                          handshakeTimeout: request[Self.handshakeTimeout], peerScheme: "tls", authenticated: settings.ca != nil)
+    }
+
+    static func warnIfInsecure(_ settings: TLSSettings, _ request: ConnectRequest) {
+        if settings.insecure {
+            request.logger.warning("insecure=true: the server's certificate is not checked; anyone on the path can read and change this connection")
+        }
+    }
+
+    static func isIPAddress(_ host: String) -> Bool {
+        host.contains(":") || (host.split(separator: ".").count == 4 && host.split(separator: ".").allSatisfy { UInt8($0) != nil })
+    }
+}

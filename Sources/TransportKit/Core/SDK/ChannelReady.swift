@@ -1,0 +1,67 @@
+import NIOCore
+import Synchronization
+
+/// The ready step of a connection whose protocol has a handshake (TLS, the WebSocket upgrade, a
+/// telnet negotiation): a handler that completes a future when the protocol says it is ready, and
+/// fails it with the first error, or when the channel closes before that.
+///
+/// Plugins add it right behind the protocol's handler and wait for ``future`` inside `connect`
+/// (``TCPSocket``'s `ready:` step does), so the handshake counts against the connect's one
+/// deadline and its failure is the connect's error, never a surprise on the first read.
+///
+/// ```swift
+/// let ready = ChannelReady(on: channel) { event in
+///     guard case TLSUserEvent.handshakeCompleted(let alpn) = event else { return nil }
+///     return ["tls.alpn": alpn ?? ""]   // ready, with what the handshake told
+/// }
+/// try channel.pipeline.syncOperations.addHandler(ready)
+/// try await ready.future.get()
+/// ```
+public final class ChannelReady: ChannelInboundHandler, RemovableChannelHandler, Sendable {
+    public typealias InboundIn = NIOAny
+    public typealias InboundOut = NIOAny
+
+    private let promise: EventLoopPromise<Void>
+    private let isReady: @Sendable (Any) -> [String: String]?
+    private let learned = Mutex<[String: String]>([:])
+
+    /// What the event that made the step ready told (a negotiated protocol), for metadata.
+    public var facts: [String: String] { learned.withLock { $0 } }
+
+    /// Completed when the protocol is ready; failed with the first error the pipeline reports, or
+    /// ``TransportError/Kind/disconnected`` when the channel closes first.
+    public var future: EventLoopFuture<Void> { promise.futureResult }
+
+    /// A ready step for `channel` that completes when `isReady` returns facts (possibly none) for
+    /// a user inbound event; `nil` means not yet.
+    public init(on channel: any Channel, readyWhen isReady: @escaping @Sendable (Any) -> [String: String]?) {
+        self.promise = channel.eventLoop.makePromise()
+        self.isReady = isReady
+    }
+
+    public func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        context.fireChannelRead(data)
+    }
+
+    public func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        if let facts = isReady(event) {
+            learned.withLock { $0 = facts }
+            promise.succeed()
+        }
+        context.fireUserInboundEventTriggered(event)
+    }
+
+    public func errorCaught(context: ChannelHandlerContext, error: any Error) {
+        promise.fail(error)
+        context.fireErrorCaught(error)
+    }
+
+    public func channelInactive(context: ChannelHandlerContext) {
+        promise.fail(TransportError(.disconnected, "the peer closed the connection during the handshake"))
+        context.fireChannelInactive()
+    }
+
+    public func handlerRemoved(context: ChannelHandlerContext) {
+        promise.fail(TransportError(.disconnected, "the handshake's ready step was removed before it finished"))
+    }
+}
