@@ -268,15 +268,20 @@ struct CLITests {
 
     @Test func connectLingersThenExitsWhenThePeerStaysOpen() async throws {
         let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let (greeted, greeting) = AsyncStream<Void>.makeStream()
         let server = Task {
             let connection = try #require(try await listener.accept())
             try await connection.write("greeting\n")
+            greeting.yield()
             // Never closes; read until the CLI goes away.
             while try await connection.read() != nil {}
             try await connection.close()
         }
         let start = Date()
         let running = try CLI.Running(["connect", "--linger", "0.3", "tcp://127.0.0.1:\(listener.url.port ?? 0)"])
+        // Input ends once the greeting is on its way (not after a fixed time, which a loaded
+        // machine's slow start would overrun), then the tool lingers 0.3 s and exits.
+        for await _ in greeted { break }
         try await Task.sleep(for: .milliseconds(300))
         running.endInput()
         let result = await running.wait()

@@ -160,7 +160,9 @@ struct RegistryTests {
         let start = ContinuousClock.now
         task.cancel()
         await #expect(throws: CancellationError.self) { try await task.value }
-        #expect(ContinuousClock.now - start < .seconds(2))
+        // The stuck connect itself never returns: anything short of that is prompt; 5 s leaves room
+        // for a loaded machine (2.4 s was seen in CI beside the CLI tests).
+        #expect(ContinuousClock.now - start < .seconds(5))
     }
 
     @Test func schemeListIsSortedAndComplete() throws {

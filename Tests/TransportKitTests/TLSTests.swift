@@ -295,6 +295,16 @@ struct TLSTests {
         try await connection.close()
         let refused = await expectTransportError(.invalidURL) { try await Transport.connect(to: "tls+unix://\(path)") }
         #expect(refused?.message.contains("tls.serverName=") == true)
+        // A failed handshake through the relay is the handshake's error, not the socket pair's.
+        let untrusted = await expectTransportError(.protocolError) {
+            try await Transport.connect(to: "tls+unix://\(path)?tls.serverName=localhost")
+        }
+        #expect(untrusted?.message.contains("not trusted here") == true, "\(untrusted?.message ?? "")")
+        // Over tcp:// the inner URL's host is the name checked.
+        let overTCP = try await Transport.connect(to: "tls+tcp://localhost:\(port)?tls.ca=\(ca)")
+        try await overTCP.write("tcp\n")
+        #expect(try await overTCP.readFrame(.delimiter("\n"), timeout: .seconds(10)) == Array("pct".utf8))
+        try await overTCP.close()
     }
 
     @Test func badTLSOptionsAreRefusedBeforeAnyIO() async throws {
@@ -307,6 +317,12 @@ struct TLSTests {
         await expectTransportError(.invalidURL) { try await Transport.listen(on: "tls://127.0.0.1:0") }
         await expectTransportError(.invalidURL) { try await Transport.listen(on: "tls://127.0.0.1:0?insecure=true&cert=a&key=b") }
         await expectTransportError(.invalidURL) { try await Transport.connect(to: "tls://localhost:1?handshakeTimeout=3") }
+        let ipName = await expectTransportError(.invalidURL) { try await Transport.connect(to: "tls://localhost:1?serverName=10.0.0.1") }
+        #expect(ipName?.message.contains("IP address") == true)
+        let contradiction = await expectTransportError(.invalidURL) {
+            try await Transport.connect(to: "tls://localhost:1?insecure=true&ca=\(await Certificates.path("ca.pem"))")
+        }
+        #expect(contradiction?.message.contains("contradict") == true)
         let mismatched = "cert=\(await Certificates.path("cert.pem"))&key=\(await Certificates.path("client-key.pem"))"
         await expectTransportError(.invalidURL) { try await Transport.listen(on: "tls://127.0.0.1:0?\(mismatched)") }
     }

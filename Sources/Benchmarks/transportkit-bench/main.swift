@@ -30,8 +30,28 @@ case "serial-list": try await SerialBench.list(); exit(0)
 case "costs": try await UnitCosts.run(); exit(0)
 case "parse": try URLParseBench.run(); exit(0)
 case "usb": try await USBBench.run(); exit(0)
+case "tls-handshakes": try await tlsHandshakes(); exit(0)
 
 default: break
+}
+
+/// `transportkit-bench tls-handshakes URL SECONDS`: full TLS handshakes (connect, verify, close)
+/// one after another for SECONDS, as `openssl s_time -new` does; Scripts/tls-bench runs both.
+func tlsHandshakes() async throws {
+    let arguments = CommandLine.arguments
+    guard arguments.count >= 4, let seconds = Double(arguments[3]) else {
+        throw TransportError.misuse("usage: transportkit-bench tls-handshakes URL SECONDS")
+    }
+    let end = ContinuousClock.now + .seconds(seconds)
+    let start = ContinuousClock.now
+    var count = 0
+    while ContinuousClock.now < end {
+        let connection = try await Transport.connect(to: arguments[2])
+        try await connection.close()
+        count += 1
+    }
+    let elapsed = (ContinuousClock.now - start).seconds
+    print("\(count) handshakes in \(String(format: "%.2f", elapsed)) s: \(String(format: "%.0f", Double(count) / elapsed)) per second")
 }
 
 let totalBytes = argument("--bytes", default: 1 << 30)

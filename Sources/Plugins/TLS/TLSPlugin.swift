@@ -86,8 +86,21 @@ public struct TLSPlugin: TransportPlugin {
         ]
     }
 
+    /// What the client options cannot mean together, refused before any I/O.
+    static func check(_ settings: TLSSettings, _ request: ConnectRequest) throws {
+        if let name = settings.serverName, isIPAddress(name) {
+            throw TransportError(.invalidURL, "\(request.url.shown): serverName=\(name) is an IP address, which TLS does not send as a name (SNI); "
+                                 + "connect to the address itself, and its certificate must carry it")
+        }
+        if settings.insecure, settings.ca != nil {
+            throw TransportError(.invalidURL, "\(request.url.shown): ca= and insecure=true contradict each other: insecure checks no certificate, "
+                                 + "so ca= would be ignored; drop insecure=true to check the server against ca=")
+        }
+    }
+
     @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {
         let settings = TLSSettings(request, listening: false)
+        try check(settings, request)
         let host = request.host
         let name = settings.serverName ?? (isIPAddress(host) ? nil : host)
         warnIfInsecure(settings, request)
@@ -97,7 +110,12 @@ public struct TLSPlugin: TransportPlugin {
     }
 
     @Sendable static func connectWrapped(_ request: ConnectRequest) async throws -> Connection {
-        let settings = TLSSettings(request, listening: false)
+        var settings = TLSSettings(request, listening: false)
+        try check(settings, request)
+        // Over a URL with a host name (tls+tcp://name:port), that name is the one checked.
+        if settings.serverName == nil, let host = request.url.inner?.host, !isIPAddress(host) {
+            settings.serverName = host
+        }
         guard settings.serverName != nil || settings.insecure else {
             throw TransportError(.invalidURL, "\(request.url.shown): tls+ over \(request.url.inner?.scheme ?? "?"):// has no host name to check the certificate against; "
                                  + "give the name the server's certificate carries as tls.serverName=NAME")

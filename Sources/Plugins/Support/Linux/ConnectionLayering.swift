@@ -1,8 +1,8 @@
 // ConnectionLayering.swift: protocol layers (TLS, WebSocket) over a Connection that is not a
 // SwiftNIO channel of its own making (tls+tty://, tls+rfcomm://, tls+unix://). socketpair(2) gives
 // the layers a real channel: one end carries the layers' pipeline, the other is relayed to and
-// from the wrapped connection. A URL whose bottom is tcp:// gets its layers on the TCP channel
-// itself (TCPSocket.connect(_:host:port:layers:)) and skips the relay.
+// from the wrapped connection. tls://HOST:PORT runs its layer on the TCP channel itself
+// (TCPSocket.connect(_:host:port:layers:)) without a relay; tls+tcp:// goes through the relay.
 
 import Glibc
 import NIOCore
@@ -58,7 +58,9 @@ public enum ConnectionLayering {
         do {
             try await ProtocolLayer.awaitReady(steps.withLock { $0 }, on: top.channel)
         } catch {
+            // Nothing was acknowledged yet: the inner connection goes at once, without waiting on it.
             top.connectionDropped()
+            relay.abandon()
             await relay.finished()
             // The inner connection's own failure says more than the handshake's view of it.
             throw relay.innerFailure ?? error
@@ -73,41 +75,79 @@ public enum ConnectionLayering {
     final class Relay: Sendable {
         private let task: Mutex<Task<Void, Never>?> = Mutex(nil)
         private let failure = FirstFailure()
+        private let undelivered = FirstFailure()
+        private let inner: Connection
 
-        /// The first failure of the wrapped connection, kept for the reader.
+        /// The first failure of one kind, kept for whoever reports it.
         final class FirstFailure: Sendable {
-            private let value = Mutex<TransportError?>(nil)
-            var error: TransportError? { value.withLock { $0 } }
-            func record(_ error: TransportError) { value.withLock { $0 = $0 ?? error } }
+            private let value = Mutex<(error: TransportError?, frozen: Bool)>((nil, false))
+            var error: TransportError? { value.withLock { $0.error } }
+            func record(_ error: any Error, _ context: String) {
+                guard !(error is CancellationError) else { return }
+                let mapped = TransportError.from(error, context: context)
+                value.withLock { if !$0.frozen { $0.error = $0.error ?? mapped } }
+            }
+            /// Records nothing more: what follows is the relay's own teardown.
+            func freeze() { value.withLock { $0.frozen = true } }
         }
 
+        /// The wrapped connection's own failure (reading from it, or writing to it), never the
+        /// socket pair's: a read reports it rather than the layers' view of it.
         var innerFailure: TransportError? { failure.error }
+        /// Why bytes the layers wrote did not all reach the wrapped connection (a failed write or
+        /// close of it): `close()` reports it, so no acknowledged byte is lost silently.
+        var undeliveredFailure: TransportError? { undelivered.error }
 
         init(inner: Connection, wire: ChannelBackend, top: ChannelBackend) {
+            self.inner = inner
             let wireConnection = Connection(url: inner.url, backend: wire)
             let failure = self.failure
+            let undelivered = self.undelivered
             let task = Task {
                 // Down: the wrapped connection's bytes to the layers; its end is the wire's end.
+                // An error writing to the wire means the layers' end closed: not the inner's fault.
                 let down = Task {
-                    do {
-                        while let chunk = try await inner.readBuffer() { try await wireConnection.write(chunk) }
-                    } catch is CancellationError {
-                        return
-                    } catch {
-                        failure.record(TransportError.from(error, context: "reading from \(inner.url.shown)"))
+                    // Unstructured: the relay cancels it itself.
+                    while !Task.isCancelled {
+                        let chunk: ByteBuffer?
+                        do {
+                            chunk = try await inner.readBuffer()
+                        } catch {
+                            if !Task.isCancelled { failure.record(error, "reading from \(inner.url.shown)") }
+                            break
+                        }
+                        guard let chunk else { break }
+                        do { try await wireConnection.write(chunk) } catch { return }
                     }
                     try? await wireConnection.closeWrite()
                 }
                 // Up: the layers' bytes (records, frames, closing handshakes) to the wrapped connection.
-                do {
-                    while let chunk = try await wireConnection.readBuffer() { try await inner.write(chunk) }
-                } catch {
-                    failure.record(TransportError.from(error, context: "writing to \(inner.url.shown)"))
+                while true {
+                    let chunk: ByteBuffer?
+                    do {
+                        chunk = try await wireConnection.readBuffer()
+                    } catch {
+                        break   // the layers' end reset: nothing more to forward
+                    }
+                    guard let chunk else { break }
+                    do {
+                        try await inner.write(chunk)
+                    } catch {
+                        if !Task.isCancelled {
+                            failure.record(error, "writing to \(inner.url.shown)")
+                            undelivered.record(error, "writing to \(inner.url.shown)")
+                        }
+                        break
+                    }
                 }
                 // The layers closed their sending side; once they closed entirely, so does the rest.
                 try? await top.channel.closeFuture.get()
                 down.cancel()
-                try? await inner.close()
+                if Task.isCancelled {
+                    inner.abort()
+                } else {
+                    do { try await inner.close() } catch { undelivered.record(error, "closing \(inner.url.shown)") }
+                }
                 _ = await down.value
                 try? await wireConnection.close()
             }
@@ -119,8 +159,13 @@ public enum ConnectionLayering {
             await task.withLock { $0 }?.value
         }
 
-        func cancel() {
+        /// Stops relaying and releases the wrapped connection at once (nothing acknowledged is
+        /// pending: the handshake failed, or the application dropped the connection).
+        func abandon() {
+            failure.freeze()
+            undelivered.freeze()
             task.withLock { $0 }?.cancel()
+            inner.abort()
         }
     }
 }
@@ -161,15 +206,22 @@ final class LayeredBackend: WrappingBackend {
 
     func closeWrite() async throws { try await top.closeWrite() }
 
-    /// The layers' closing handshake, then the wrapped connection's close (by the relay).
+    /// The layers' closing handshake, then the wrapped connection's close (by the relay), which
+    /// this waits for even when the handshake failed; a byte the wrapped connection did not take
+    /// is reported.
     func close() async throws {
-        defer { relay.cancel() }
-        try await top.close()
+        var failure: (any Error)?
+        do { try await top.close() } catch { failure = error }
         await uncancellable { [relay] in await relay.finished() }
+        if let failure { throw failure }
+        if let undelivered = relay.undeliveredFailure {
+            throw TransportError(undelivered.kind, "bytes written to \(wrapped.url.shown) were not delivered: \(undelivered.message)",
+                                 errno: undelivered.errno, syscall: undelivered.syscall)
+        }
     }
 
     func connectionDropped() {
         top.connectionDropped()
-        relay.cancel()
+        relay.abandon()
     }
 }

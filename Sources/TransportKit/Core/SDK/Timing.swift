@@ -1,9 +1,10 @@
 /// The SDK's two waiting primitives: a race with a deadline and a wait that cancellation cannot
 /// cut short. Handshakes, pings and closing handshakes use them; write no private copy.
 
-/// Runs `operation` and returns its result, or throws `error` when `deadline` passes first (the
-/// operation is then cancelled and awaited: it must honour cancellation, for instance by closing
-/// the channel whose future it waits on in a cancellation handler). A `nil` deadline: no limit.
+/// Runs `operation` and returns its result, or throws `error` when `deadline` passes first. The
+/// operation is then cancelled and awaited, so this returns on time only if it honours
+/// cancellation (for instance by closing, in a cancellation handler, the channel whose future it
+/// waits on). A `nil` deadline: no limit.
 ///
 /// ```swift
 /// let reply = try await withDeadline(.now + .seconds(5),
@@ -30,11 +31,13 @@ public func withDeadline<T: Sendable>(
     }
 }
 
-/// Like ``withDeadline(_:_:_:)`` with a duration from now.
+/// Like ``withDeadline(_:_:_:)`` with a duration from now. An `EventLoopFuture`'s `get()` ignores
+/// cancellation: wait on it through something that closes its channel when cancelled
+/// (`ProtocolLayer.awaitReady(_:on:)` does), or the timeout waits for the future.
 ///
 /// ```swift
-/// try await withTimeout(.seconds(10), TransportError(.timedOut, "the TLS handshake took longer than 10 s")) {
-///     try await handshake.get()
+/// try await withTimeout(.seconds(10), TransportError(.timedOut, "the client's handshake took longer than 10 s")) {
+///     try await ProtocolLayer.awaitReady(steps, on: channel)   // closes the channel when cancelled
 /// }
 /// ```
 public func withTimeout<T: Sendable>(
