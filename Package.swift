@@ -41,6 +41,7 @@ let package = Package(
     dependencies: [
         .package(url: "https://github.com/apple/swift-nio.git", from: "2.101.2"),
         .package(url: "https://github.com/apple/swift-nio-ssl.git", from: "2.37.6"),
+        .package(url: "https://github.com/apple/swift-crypto.git", from: "3.12.3"),
         .package(url: "https://github.com/apple/swift-argument-parser.git", from: "1.8.2"),
         .package(url: "https://github.com/apple/swift-system.git", from: "1.8.1"),
         .package(url: "https://github.com/apple/swift-log.git", from: "1.16.2"),
@@ -86,7 +87,8 @@ let package = Package(
         .target(
             name: "TransportKitTLS",
             dependencies: ["TransportKitCore", "TransportKitLinux", "TransportKitSockets", nioCore, nioPosix,
-                           .product(name: "NIOSSL", package: "swift-nio-ssl"), .product(name: "NIOTLS", package: "swift-nio")],
+                           .product(name: "NIOSSL", package: "swift-nio-ssl"), .product(name: "NIOTLS", package: "swift-nio"),
+                           .product(name: "Crypto", package: "swift-crypto")],
             path: "Sources/Plugins/TLS",
             swiftSettings: strict
         ),

@@ -211,7 +211,8 @@ enum ToolConnection {
     static func warnIfInsecure(_ url: TransportURL) {
         var layer: TransportURL? = url
         while let current = layer {
-            if current.scheme == "tls", let value = current.queryValue("insecure"), ["true", "1", "yes", "on", ""].contains(value.lowercased()) {
+            if current.scheme == "tls", let value = current.queryValue("insecure"), ["true", "1", "yes", "on", ""].contains(value.lowercased()),
+               current.queryValue("pin") == nil {
                 StandardError.write("transportkit: warning: \(current.inner == nil ? "insecure" : "tls.insecure")=true: the server's certificate is not checked; "
                                     + "anyone on the network path can read and change this connection\n")
             }

@@ -245,6 +245,45 @@ struct TLSTests {
         }
     }
 
+    @Test func aPinnedKeyIsRequiredAndCanStandInForTheCA() async throws {
+        let ca = await Certificates.path("ca.pem")
+        let (server, port) = try await opensslServer()
+        defer { server.kill() }
+        let first = try await Transport.connect(to: "tls://localhost:\(port)?ca=\(ca)")
+        let pin = try #require(first.metadata.extra["tls.pin"])
+        #expect(pin.hasPrefix("sha256/") && pin.count == 51)
+        try await first.close()
+        let pinned = try await Transport.connect(to: "tls://localhost:\(port)?ca=\(ca)&pin=\(pin)")
+        try await pinned.close()
+        let other = "sha256/" + String(repeating: "A", count: 43) + "="
+        let wrong = await expectTransportError(.protocolError) { try await Transport.connect(to: "tls://localhost:\(port)?ca=\(ca)&pin=\(other)") }
+        #expect(wrong?.message.contains("not among the pinned keys") == true, "\(wrong?.message ?? "")")
+        // A device's own key, pinned, without a CA: insecure=true turns the chain checks off, the pin still holds.
+        let (lone, lonePort) = try await opensslServer(cert: "self-cert.pem", key: "self-key.pem")
+        defer { lone.kill() }
+        let probe = try await Transport.connect(to: "tls://localhost:\(lonePort)?insecure=true")
+        let lonePin = try #require(probe.metadata.extra["tls.pin"])
+        try await probe.close()
+        let trusted = try await Transport.connect(to: "tls://localhost:\(lonePort)?insecure=true&pin=\(lonePin)")
+        try await trusted.write("pin\n")
+        #expect(try await trusted.readFrame(.delimiter("\n"), timeout: .seconds(10)) == Array("nip".utf8))
+        try await trusted.close()
+        await expectTransportError(.protocolError) { try await Transport.connect(to: "tls://localhost:\(lonePort)?insecure=true&pin=\(pin)") }
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "tls://localhost:\(port)?pin=sha1/abc") }
+    }
+
+    @Test func aChangedCAFileIsReadAgain() async throws {
+        let (server, port) = try await opensslServer()
+        defer { server.kill() }
+        let path = temporaryPath("ca.pem")
+        try FileManager.default.copyItem(atPath: await Certificates.path("client-ca.pem"), toPath: path)
+        await expectTransportError(.protocolError) { try await Transport.connect(to: "tls://localhost:\(port)?ca=\(path)") }
+        try FileManager.default.removeItem(atPath: path)
+        try FileManager.default.copyItem(atPath: await Certificates.path("ca.pem"), toPath: path)
+        let connection = try await Transport.connect(to: "tls://localhost:\(port)?ca=\(path)")
+        try await connection.close()
+    }
+
     @Test func alpnIsNegotiatedAndReported() async throws {
         let ca = await Certificates.path("ca.pem")
         let (server, port) = try await opensslServer(extra: ["-alpn", "foo,bar"])

@@ -158,11 +158,14 @@ enum UnixSocket {
             } catch {
                 throw mapError(error, path: path, doing: "listening on")
             }
+            // listen(2) the moment the file exists, before anything else: a client that connects as
+            // soon as it appears finds it listening, but for the few microseconds between the calls.
+            let listening = Syscall.attempt { Glibc.listen(fd, Int32(backlog)) }
             guard let owned = OwnedPath(recording: path) else {
                 throw TransportError(.io, "the socket file \(TransportError.printable(path)) vanished right after bind(2)")
             }
             do {
-                try Syscall.run("listen", on: path) { Glibc.listen(fd, Int32(backlog)) }
+                if case .failure(let errno) = listening { throw TransportError.posix("listen", errno: errno, what: path) }
                 try setExactMode(path, mode, of: owned)
             } catch {
                 owned.remove()

@@ -2,6 +2,8 @@
 // configuration from URL options, and errors that say what to do. The layer runs over a TCP channel
 // (tls://HOST:PORT) or over any connection (tls+URL) through ConnectionLayering.
 
+import Crypto
+import FoundationEssentials
 import Glibc
 import NIOCore
 import NIOSSL
@@ -18,6 +20,8 @@ struct TLSSettings: Sendable {
     var alpn: [String]
     var minVersion: TLSVersion
     var insecure: Bool
+    /// Accepted SHA-256 digests of the server's public key (SubjectPublicKeyInfo), base64.
+    var pins: [String]
 
     init(_ request: ConnectRequest, listening: Bool) {
         ca = request[TLSPlugin.ca]
@@ -28,15 +32,26 @@ struct TLSSettings: Sendable {
         if listening {
             serverName = nil
             insecure = false
+            pins = []
         } else {
             serverName = request[TLSPlugin.serverName]
             insecure = request[TLSPlugin.insecure]
+            pins = request[TLSPlugin.pin].map { $0.split(separator: ",").map { String($0.filter { $0 != " " }) } } ?? []
         }
     }
 
     /// The client's configuration: the system's trust store plus `ca`, a client certificate if
     /// given, full verification unless `insecure`.
     func clientContext() throws -> NIOSSLContext {
+        // Building a context loads the system trust store: one per set of options and files.
+        let key = ContextCache.Key(settings: self)
+        if let cached = ContextCache.shared.context(for: key) { return cached }
+        let context = try makeClientContext()
+        ContextCache.shared.store(context, for: key)
+        return context
+    }
+
+    private func makeClientContext() throws -> NIOSSLContext {
         var configuration = TLSConfiguration.makeClientConfiguration()
         configuration.shutdownTimeout = Self.closeBound
         configuration.minimumTLSVersion = minVersion
@@ -126,6 +141,38 @@ struct TLSSettings: Sendable {
     }
 }
 
+/// Client contexts by the options and files they were built from: a file that changes (its size
+/// or modification time) makes a new one. At most 32 are kept.
+final class ContextCache: Sendable {
+    static let shared = ContextCache()
+    private let contexts = Mutex<[Key: NIOSSLContext]>([:])
+
+    struct Key: Hashable, Sendable {
+        var options: [String]
+        var files: [String]
+
+        init(settings: TLSSettings) {
+            options = [settings.ca ?? "", settings.cert ?? "", settings.key ?? "", settings.alpn.joined(separator: ","),
+                       "\(settings.minVersion)", "\(settings.insecure)"]
+            files = [settings.ca, settings.cert, settings.key].map { path in
+                guard let path else { return "" }
+                var info = stat()
+                guard stat(path, &info) == 0 else { return "?" }
+                return "\(info.st_size):\(info.st_mtim.tv_sec):\(info.st_mtim.tv_nsec):\(info.st_ino)"
+            }
+        }
+    }
+
+    func context(for key: Key) -> NIOSSLContext? { contexts.withLock { $0[key] } }
+
+    func store(_ context: NIOSSLContext, for key: Key) {
+        contexts.withLock { contexts in
+            if contexts.count >= 32 { contexts.removeAll() }
+            contexts[key] = context
+        }
+    }
+}
+
 /// The TLS layers: a client (verifying the server) and a server (presenting a certificate,
 /// optionally requiring the client's).
 enum TLSLayer {
@@ -146,8 +193,24 @@ enum TLSLayer {
             try channel.pipeline.syncOperations.addHandler(TruncationReporter(describing: describing))
             return ready.future.flatMapErrorThrowing { error in
                 throw mapError(error, describing: describing, serverName: serverName ?? describing, settings: settings, chain: chain.certificates)
+            }.flatMapThrowing {
+                guard !settings.pins.isEmpty else { return }
+                // On the event loop: the handler is the pipeline's, read there.
+                let presented = (try? channel.pipeline.syncOperations.handler(type: NIOSSLHandler.self))?.peerCertificate.flatMap(pin)
+                guard let presented, settings.pins.contains(presented) else {
+                    channel.close(promise: nil)
+                    throw TransportError(.protocolError, "the public key of \(describing) is \(presented ?? "unreadable"), which is not among the pinned keys "
+                                         + "(pin=\(settings.pins.joined(separator: ","))): the server changed its key, or this is not that server")
+                }
             }
         }
+    }
+
+    /// `sha256/BASE64`: the SHA-256 digest of the certificate's SubjectPublicKeyInfo, as curl's
+    /// --pinnedpubkey and HPKP write it.
+    static func pin(_ certificate: NIOSSLCertificate) -> String? {
+        guard let spki = try? certificate.extractPublicKey().toSPKIBytes() else { return nil }
+        return "sha256/" + Data(SHA256.hash(data: spki)).base64EncodedString()
     }
 
     /// A server layer; with a client CA, every client must present a certificate it issued.
@@ -182,6 +245,7 @@ enum TLSLayer {
                 extra["tls.peer"] = describe(peer.subjectName)
                 extra["tls.issuer"] = describe(peer.issuerName)
                 extra["tls.notAfter"] = date(peer.notValidAfter)
+                extra["tls.pin"] = pin(peer)
             }
         }
         return extra

@@ -1,10 +1,11 @@
 // tls:// and tls+URL: TLS through swift-nio-ssl, as a client and as a listener.
 //
 // Grammar:
-//   tls://HOST:PORT[?ca=PATH&cert=PATH&key=PATH&serverName=NAME&alpn=P1,P2&minVersion=1.2|1.3&insecure=true
-//                   &noDelay=BOOL&keepAlive=BOOL&keepAliveIdle=SECONDS&timeout=SECONDS]
+//   tls://HOST:PORT[?ca=PATH&cert=PATH&key=PATH&serverName=NAME&alpn=P1,P2&minVersion=1.2|1.3&pin=sha256/B64
+//                   &insecure=true&noDelay=BOOL&keepAlive=BOOL&keepAliveIdle=SECONDS&timeout=SECONDS]
 //     The server's certificate is verified against the system's trust store plus ca=, and must
 //     name HOST (or serverName=); an IP address is not sent as SNI and must be in the certificate.
+//     pin= also requires one of the given public keys (with insecure=true, only that).
 //   tls://ADDRESS:PORT?cert=PATH&key=PATH[&ca=PATH&alpn=…&minVersion=…&handshakeTimeout=SECONDS&backlog=N] (listening)
 //     With ca=, every client must present a certificate that authority issued.
 //   tls+URL[?tls.ca=…&tls.serverName=…] wraps any stream URL (tls+unix:///run/x.sock?tls.serverName=x).
@@ -47,6 +48,9 @@ public struct TLSPlugin: TransportPlugin {
         /// TLS 1.3 only.
         case tls13 = "1.3"
     }
+    /// Accepted public keys of the server.
+    public static let pin = URLOption.string("pin", help: "The server's public key must be one of these: sha256/BASE64 digests of its SubjectPublicKeyInfo, "
+                                             + "comma-separated (connection.metadata.extra[\"tls.pin\"] shows a server's)")
     /// No verification at all.
     public static let insecure = URLOption.bool("insecure", default: false,
                                                 help: "Skip every check of the server's certificate: anyone on the path can read and change the data")
@@ -54,7 +58,7 @@ public struct TLSPlugin: TransportPlugin {
     public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
                                                             help: "Seconds an accepted client has to finish its handshake before it is dropped")
 
-    static let clientOptions: [any OptionDeclaration] = [ca, cert, key, serverName, alpn, minVersion, insecure]
+    static let clientOptions: [any OptionDeclaration] = [ca, cert, key, serverName, alpn, minVersion, insecure, pin]
     static let serverOptions: [any OptionDeclaration] = [ca, cert, key, alpn, minVersion, handshakeTimeout]
 
     /// `tls` (connect and listen) and the `tls+` wrapper.
@@ -91,6 +95,10 @@ public struct TLSPlugin: TransportPlugin {
         if let name = settings.serverName, isIPAddress(name) {
             throw TransportError(.invalidURL, "\(request.url.shown): serverName=\(name) is an IP address, which TLS does not send as a name (SNI); "
                                  + "connect to the address itself, and its certificate must carry it")
+        }
+        for pin in settings.pins where !(pin.hasPrefix("sha256/") && pin.utf8.count == 51 && pin.hasSuffix("=")) {
+            throw TransportError(.invalidURL, "\(request.url.shown): pin=\(pin) is not a SHA-256 key pin; write sha256/ and 44 base64 characters, "
+                                 + "as connection.metadata.extra[\"tls.pin\"] shows it")
         }
         if settings.insecure, settings.ca != nil {
             throw TransportError(.invalidURL, "\(request.url.shown): ca= and insecure=true contradict each other: insecure checks no certificate, "
@@ -136,7 +144,7 @@ public struct TLSPlugin: TransportPlugin {
     }
 
     static func warnIfInsecure(_ settings: TLSSettings, _ request: ConnectRequest) {
-        if settings.insecure {
+        if settings.insecure && settings.pins.isEmpty {
             request.logger.warning("insecure=true: the server's certificate is not checked; anyone on the path can read and change this connection")
         }
     }
