@@ -21,7 +21,9 @@ enum Support {
         let fd: Int32
         let port: Int
 
-        init(backlog: Int32 = 16) throws {
+        /// `listening: false` binds without listen(2): the port stays this test's (no other test's
+        /// listener on port 0 can be given it) and a connect to it is refused (an RST).
+        init(backlog: Int32 = 16, listening: Bool = true) throws {
             // SOCK_CLOEXEC on every test socket: other tests spawn processes, and an inherited
             // duplicate would keep a "closed" socket open (no FIN, no RST) for as long as they run.
             fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
@@ -33,7 +35,7 @@ enum Support {
             let bound = withUnsafePointer(to: &address) {
                 $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(socketFD, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
             }
-            guard bound == 0, Glibc.listen(fd, backlog) == 0 else {
+            guard bound == 0, !listening || Glibc.listen(fd, backlog) == 0 else {
                 throw TransportError.posix("bind/listen", errno: Errno(rawValue: errno), what: "test listener")
             }
             var length = socklen_t(MemoryLayout<sockaddr_in>.size)
