@@ -153,7 +153,9 @@ let package = Package(
         // libFuzzer targets (Scripts/fuzz builds them with --sanitize=fuzzer -DFUZZING); a plain build replays inputs.
         .executableTarget(
             name: "transportkit-fuzz",
-            dependencies: ["TransportKit"],
+            // Not the TransportKit umbrella: its TLS plugin would put BoringSSL in the instrumented build (Fuzz.swift).
+            dependencies: ["TransportKitCore", "TransportKitLoop", "TransportKitSockets", "TransportKitSerial", "TransportKitSpy",
+                           "TransportKitBluetooth", "TransportKitUSB"],
             path: "Sources/Fuzz",
             swiftSettings: strict
         ),
