@@ -101,14 +101,22 @@ struct BlueZLabTests {
         }
     }
 
-    /// Connects, retrying while the peer's listener is not up yet (refused) for up to 10 s.
+    /// Connects, retrying while the peer's listener is not up yet (refused) for up to 10 s, and
+    /// once after the emulated controllers' occasional "pairing failed" (EACCES) on a link that
+    /// asks for no security: a btvirt flake not yet understood (see setUp), which failed whole CI
+    /// runs. The error itself is checked where a test asks for security (OptionModeLabTests).
     static func connect(_ url: String) async throws -> Connection {
         let until = ContinuousClock.now + .seconds(10)
+        var pairingRetried = false
         while true {
             do {
                 return try await Transport.connect(to: url)
             } catch let error as TransportError where error.kind == .refused && ContinuousClock.now < until {
                 try await Task.sleep(for: .milliseconds(200))
+            } catch let error as TransportError where error.kind == .permissionDenied && error.message.contains("pairing failed")
+                        && !pairingRetried && !url.contains("security=") {
+                pairingRetried = true
+                try await Task.sleep(for: .milliseconds(500))
             }
         }
     }
