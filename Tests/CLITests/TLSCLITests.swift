@@ -29,20 +29,8 @@ struct TLSCLITests {
         try server.run()
         defer { kill(server.processIdentifier, SIGKILL) }
         // Ready when a connect succeeds (the probe is a failed handshake to s_server, which goes on).
-        #expect(await eventually(10) { Self.accepts(port) })
+        #expect(await eventually(10) { portAccepts(port) })
         try await body(port, "\(folder)/cert.pem")
-    }
-
-    static func accepts(_ port: Int) -> Bool {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        defer { close(fd) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        address.sin_port = UInt16(port).bigEndian
-        return withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
-        } == 0
     }
 
     static func run(_ arguments: [String]) async throws -> Int32 {

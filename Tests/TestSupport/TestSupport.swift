@@ -3,6 +3,7 @@
 // TransportKit so that any target can use it.
 
 import Foundation
+import Glibc
 
 /// Polls `condition` every `interval` for up to `seconds`; `true` as soon as it holds.
 ///
@@ -55,4 +56,19 @@ public enum Descriptors {
     public static func count(on path: String) -> Int {
         open().filter { $0.target == path }.count
     }
+}
+
+/// `true` when a connect(2) to 127.0.0.1:`port` succeeds: something listens there. For tests that
+/// start a peer program and wait for its port.
+public func portAccepts(_ port: Int) -> Bool {
+    let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+    guard fd >= 0 else { return false }
+    defer { Glibc.close(fd) }
+    var address = sockaddr_in()
+    address.sin_family = sa_family_t(AF_INET)
+    address.sin_addr.s_addr = inet_addr("127.0.0.1")
+    address.sin_port = UInt16(port).bigEndian
+    return withUnsafePointer(to: &address) {
+        $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
+    } == 0
 }

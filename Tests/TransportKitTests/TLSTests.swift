@@ -29,7 +29,7 @@ final class Peer: @unchecked Sendable {
     func waitForPort(_ port: Int, seconds: Double = 10) async throws {
         let limit = ContinuousClock.now + .seconds(seconds)
         while ContinuousClock.now < limit {
-            if Self.accepts(port) { return }
+            if portAccepts(port) { return }
             if !process.isRunning { break }
             try await Task.sleep(for: .milliseconds(50))
         }
@@ -54,19 +54,6 @@ final class Peer: @unchecked Sendable {
     }
 
     deinit { if process.isRunning { Glibc.kill(process.processIdentifier, SIGKILL) } }
-
-    /// `true` when a connect(2) to 127.0.0.1:`port` succeeds.
-    static func accepts(_ port: Int) -> Bool {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        defer { Glibc.close(fd) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        address.sin_port = UInt16(port).bigEndian
-        return withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
-        } == 0
-    }
 
     /// A port nothing listens on right now.
     static func freePort() -> Int {
