@@ -52,6 +52,7 @@ let package = Package(
         .systemLibrary(name: "CBlueZ", path: "Sources/CBlueZ", pkgConfig: "bluez", providers: [.apt(["libbluetooth-dev"])]),
         .systemLibrary(name: "CUdev", path: "Sources/CUdev", pkgConfig: "libudev", providers: [.apt(["libudev-dev"])]),
         .systemLibrary(name: "CSDBus", path: "Sources/CSDBus", pkgConfig: "libsystemd", providers: [.apt(["libsystemd-dev"])]),
+        .systemLibrary(name: "CZlib", path: "Sources/CZlib", providers: [.apt(["zlib1g-dev"])]),
         .systemLibrary(name: "CLibUSB", path: "Sources/CLibUSB", pkgConfig: "libusb-1.0", providers: [.apt(["libusb-1.0-0-dev"])]),
 
         .target(
@@ -93,6 +94,22 @@ let package = Package(
             swiftSettings: strict
         ),
         .target(
+            // The WebSocket session after the handshake (frames, control, keepalive, closing); no
+            // TLS, so the fuzz target can take it without BoringSSL.
+            name: "TransportKitWebSocket",
+            dependencies: ["TransportKitCore", "CZlib", nioCore, .product(name: "NIOWebSocket", package: "swift-nio")],
+            path: "Sources/Plugins/Support/WebSocket",
+            swiftSettings: strict
+        ),
+        .target(
+            name: "TransportKitWeb",
+            dependencies: ["TransportKitCore", "TransportKitLinux", "TransportKitSockets", "TransportKitTLS", "TransportKitWebSocket", nioCore,
+                           .product(name: "NIOHTTP1", package: "swift-nio"), .product(name: "NIOWebSocket", package: "swift-nio"),
+                           .product(name: "Crypto", package: "swift-crypto")],
+            path: "Sources/Plugins/Web",
+            swiftSettings: strict
+        ),
+        .target(
             name: "TransportKitLoop",
             dependencies: ["TransportKitCore", nioCore],
             path: "Sources/Plugins/Loop",
@@ -131,7 +148,7 @@ let package = Package(
         .target(
             name: "TransportKit",
             dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy", "TransportKitBluetooth",
-                           "TransportKitUSB", "TransportKitTLS"],
+                           "TransportKitUSB", "TransportKitTLS", "TransportKitWeb"],
             path: "Sources/TransportKit/BuiltIns",
             swiftSettings: strict
         ),
@@ -145,7 +162,8 @@ let package = Package(
         .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops", linkerSettings: [.linkedLibrary("udev"), .linkedLibrary("usb-1.0")]),
         .executableTarget(
             name: "transportkit-bench",
-            dependencies: ["TransportKit", "CBenchLoops", nioCore, nioPosix],
+            dependencies: ["TransportKit", "CBenchLoops", nioCore, nioPosix, .product(name: "NIOHTTP1", package: "swift-nio"),
+                           .product(name: "NIOWebSocket", package: "swift-nio")],
             path: "Sources/Benchmarks/transportkit-bench",
             swiftSettings: strict
         ),
@@ -155,7 +173,8 @@ let package = Package(
             name: "transportkit-fuzz",
             // Not the TransportKit umbrella: its TLS plugin would put BoringSSL in the instrumented build (Fuzz.swift).
             dependencies: ["TransportKitCore", "TransportKitLoop", "TransportKitSockets", "TransportKitSerial", "TransportKitSpy",
-                           "TransportKitBluetooth", "TransportKitUSB"],
+                           "TransportKitBluetooth", "TransportKitUSB", "TransportKitWebSocket", nioCore,
+                           .product(name: "NIOEmbedded", package: "swift-nio"), .product(name: "NIOWebSocket", package: "swift-nio")],
             path: "Sources/Fuzz",
             swiftSettings: strict
         ),

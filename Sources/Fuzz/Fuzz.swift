@@ -1,10 +1,13 @@
 // The libFuzzer targets (Docs/Testing.md, "Fuzzing"): the URL parser, option validation against
-// every built-in scheme, and every framing decoder. TK_FUZZ_TARGET picks one: url, options or
-// framing. Built by Scripts/fuzz with --sanitize=fuzzer and -DFUZZING, libFuzzer supplies main();
+// every built-in scheme, every framing decoder, and the WebSocket session (frames, control frames,
+// fragments, permessage-deflate). TK_FUZZ_TARGET picks one: url, options, framing or websocket. Built by Scripts/fuzz with --sanitize=fuzzer and -DFUZZING, libFuzzer supplies main();
 // built plainly, `transportkit-fuzz TARGET FILE…` replays inputs (a crash's reproducer, a corpus).
 
 import Dispatch
 import Foundation
+import NIOCore
+import NIOEmbedded
+import NIOWebSocket
 import TransportKitBluetooth
 import TransportKitCore
 import TransportKitLoop
@@ -12,6 +15,7 @@ import TransportKitSerial
 import TransportKitSockets
 import TransportKitSpy
 import TransportKitUSB
+import TransportKitWebSocket
 
 /// The built-in schemes but tls (whose URL validation is the same descriptor code): the TLS plugin
 /// would bring BoringSSL, twice (swift-nio-ssl, swift-crypto), into the fuzzer's instrumented build,
@@ -20,13 +24,14 @@ let fuzzRegistry: TransportRegistry? = try? TransportRegistry(plugins: [LoopPlug
                                                                         BluetoothPlugin(), USBPlugin()])
 
 enum FuzzTarget: String, CaseIterable {
-    case url, options, framing
+    case url, options, framing, websocket
 
     func run(_ data: [UInt8]) {
         switch self {
         case .url: FuzzURL.run(data)
         case .options: FuzzOptions.run(data)
         case .framing: FuzzFraming.run(data)
+        case .websocket: FuzzWebSocket.run(data)
         }
     }
 
@@ -206,3 +211,68 @@ struct Replay {
     }
 }
 #endif
+
+/// The WebSocket session after the handshake, fed arbitrary bytes as a client or a server, with
+/// and without permessage-deflate: no crash, and what it hands on obeys RFC 6455: whole messages
+/// within the size limit, text that is valid UTF-8, nothing after a failure.
+enum FuzzWebSocket {
+    static let limit = 1024
+
+    static func run(_ data: [UInt8]) {
+        guard let first = data.first else { return }
+        let role: WebSocketConfiguration.Role = first & 1 == 0 ? .client : .server
+        let handler = WebSocketHandler(WebSocketConfiguration(role: role, maxMessageSize: limit, pingInterval: nil, pingTimeout: nil,
+                                                              closeTimeout: .seconds(1), describing: "the fuzzer"))
+        let channel = EmbeddedChannel()
+        let recorder = Recorder()
+        do {
+            try channel.pipeline.syncOperations.addHandlers([
+                ByteToMessageHandler(WebSocketFrameDecoder(maxFrameSize: limit)), WebSocketFrameEncoder(), handler, recorder,
+            ])
+            try channel.connect(to: SocketAddress(ipAddress: "127.0.0.1", port: 1)).wait()
+            if first & 2 != 0 {
+                var parameters = DeflateParameters()
+                parameters.serverNoContextTakeover = first & 4 != 0
+                parameters.clientNoContextTakeover = first & 8 != 0
+                try handler.useDeflate(parameters, role: role)
+            }
+        } catch {
+            return check(false, "the pipeline could not be built: \(error)")
+        }
+        handler.start()
+        // Fed in pieces the second byte chooses, so frames straddle reads.
+        let piece = Int(data.count > 1 ? data[1] % 64 : 0) + 1
+        var offset = 2
+        while offset < data.count, !recorder.failed, channel.isActive {
+            let end = min(data.count, offset + piece)
+            _ = try? channel.writeInbound(ByteBuffer(bytes: data[offset..<end]))
+            while (try? channel.readOutbound(as: ByteBuffer.self)) != nil {}
+            offset = end
+        }
+        // A close runs the closing handshake: it waits for the peer's close frame up to the close
+        // timeout, which passes only when the embedded loop's clock is moved.
+        channel.close(promise: nil)
+        channel.embeddedEventLoop.advanceTime(by: .seconds(2))
+        _ = try? channel.finish(acceptAlreadyClosed: true)
+    }
+}
+
+/// The end of the fuzzed pipeline: checks each message as it arrives, in order with the errors.
+final class Recorder: ChannelInboundHandler {
+    typealias InboundIn = TransportMessage
+    var failed = false
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        let message = unwrapInboundIn(data)
+        check(!failed, "a message after the session failed")
+        check(message.payload.readableBytes <= FuzzWebSocket.limit,
+              "a message of \(message.payload.readableBytes) bytes passed the \(FuzzWebSocket.limit)-byte limit")
+        if message.kind == .text {
+            check(String(validating: message.payload.readableBytesView, as: UTF8.self) != nil, "a text message that is not UTF-8")
+        }
+    }
+
+    func errorCaught(context: ChannelHandlerContext, error: any Error) {
+        failed = true
+    }
+}

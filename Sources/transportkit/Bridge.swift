@@ -306,7 +306,11 @@ struct BridgeServer: Sendable {
     /// Says once, when the listener admits strangers (other machines, devices in radio range,
     /// no authentication), who can now use the target.
     static func warnIfOpenToStrangers(_ listener: Listener, target: String?, status: StatusPrinter) {
-        guard let exposure = listener.exposure, exposure.admitsStrangers else { return }
+        guard let exposure = listener.exposure else { return }
+        if let caution = exposure.caution {
+            status(["event": "warning", "message": "\(listener.url.shown): \(caution); see Docs/Security.md"])
+        }
+        guard exposure.admitsStrangers else { return }
         let what = target.map { "use \($0)" } ?? "connect"
         status(["event": "warning",
                 "message": "\(listener.url.shown) does not authenticate clients: \(exposure.who) can \(what), and what it relays is not "

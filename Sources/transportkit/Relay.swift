@@ -13,15 +13,24 @@ enum Relay {
     /// standard input ends (after the linger for the peer's answer), at once when standard output
     /// closes (`StandardStreamError.outputClosed`), or with the connection's error. The connection
     /// is closed in every case.
-    static func pump(_ connection: Connection, linger: Duration) async throws {
+    ///
+    /// With `textLines` (`connect --text`, for transports whose messages have kinds), each line of
+    /// standard input goes out as one text message, and each message read is printed with a newline.
+    static func pump(_ connection: Connection, linger: Duration, textLines: Bool = false) async throws {
         let input = StandardInput()
         try await closing([connection]) {
             try await run(
-                { try await StandardOutput.copy(from: connection) },
+                { try await StandardOutput.copy(from: connection, lines: textLines) },
                 {
+                    var lines = LineSplitter()
                     while let chunk = try await input.next() {
-                        try await connection.write(chunk)
+                        guard textLines else {
+                            try await connection.write(chunk)
+                            continue
+                        }
+                        for line in lines.feed(chunk) { try await connection.writeMessage(.text(line)) }
                     }
+                    if textLines, let rest = lines.rest() { try await connection.writeMessage(.text(rest)) }
                     if connection.supportsHalfClose { try await connection.closeWrite() }
                 },
                 linger: linger,
@@ -149,9 +158,40 @@ enum Relay {
     /// Copies `source` to `destination` until the source ends, then half-closes the destination
     /// (a destination whose peer already closed both ways takes that as done).
     private static func copy(from source: Connection, to destination: Connection) async throws {
-        while let chunk = try await source.readBuffer() {
-            try await destination.write(chunk)
+        if source.carriesMessages, destination.carriesMessages, destination.maximumWriteSize == nil {
+            // Message to message (ws:// to ws://): each one whole, text kept text.
+            while let message = try await source.nextMessage() {
+                try await destination.writeMessage(message)
+            }
+        } else {
+            while let chunk = try await source.readBuffer() {
+                try await destination.write(chunk)
+            }
         }
         if destination.supportsHalfClose { try await destination.closeWrite() }
+    }
+}
+
+/// Cuts standard input into lines (without their `\n`, and a `\r` before it), for `connect --text`.
+struct LineSplitter {
+    private var pending: [UInt8] = []
+
+    /// The complete lines in `chunk` after what came before; the rest waits for more.
+    mutating func feed(_ chunk: [UInt8]) -> [String] {
+        pending += chunk
+        var lines: [String] = []
+        while let end = pending.firstIndex(of: UInt8(ascii: "\n")) {
+            var line = pending[..<end]
+            if line.last == UInt8(ascii: "\r") { line = line.dropLast() }
+            lines.append(String(decoding: line, as: UTF8.self))
+            pending.removeSubrange(...end)
+        }
+        return lines
+    }
+
+    /// A last line without a newline, if any.
+    mutating func rest() -> String? {
+        defer { pending = [] }
+        return pending.isEmpty ? nil : String(decoding: pending, as: UTF8.self)
     }
 }

@@ -133,8 +133,15 @@ struct StandardInput: Sendable {
 
 enum StandardOutput {
     /// Copies the connection's inbound bytes to standard output until the end of the stream.
-    static func copy(from connection: Connection) async throws {
+    /// With `lines`, each message is written whole with a newline after it (`connect --text`).
+    static func copy(from connection: Connection, lines: Bool = false) async throws {
         let writable = DescriptorWait(fd: 1, events: Int16(POLLOUT))
+        if lines {
+            while let message = try await connection.nextMessage() {
+                try await writeAll(message.bytes + [UInt8(ascii: "\n")], waiting: writable)
+            }
+            return
+        }
         while let chunk = try await connection.read() {
             try await writeAll(chunk, waiting: writable)
         }

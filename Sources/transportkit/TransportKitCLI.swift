@@ -144,10 +144,13 @@ struct Connect: AsyncParsableCommand {
     @Option(parsing: .unconditional, help: Linger.help)
     var linger: Double = 0.5
 
+    @Flag(help: "Send each line of standard input as one text message, and print each message read on a line of its own (ws://, wss://). Without it, each chunk of standard input is one binary message.")
+    var text = false
+
     @OptionGroup var logging: LoggingOptions
 
     func validate() throws {
-        try Arguments.refuseRepeated(["--linger", "--log-level"])
+        try Arguments.refuseRepeated(["--linger", "--log-level", "--text"])
         try Linger.check(linger)
     }
 
@@ -155,6 +158,7 @@ struct Connect: AsyncParsableCommand {
         logging.bootstrap()
         let url = url
         let linger = Linger.duration(linger)
+        let text = text
         do {
             if let closed = StandardStreams.closedForRelay() { throw closed }
             try await Signals.run {
@@ -163,7 +167,11 @@ struct Connect: AsyncParsableCommand {
                    let peer = connection.metadata.extra["peer"] {
                     StandardError.write("pty: \(peer)\n")
                 }
-                try await Relay.pump(connection, linger: linger)
+                if text, !connection.carriesMessages {
+                    try? await connection.close()
+                    throw ValidationError("--text sends text messages, and \(connection.url.scheme):// carries a byte stream; leave --text out")
+                }
+                try await Relay.pump(connection, linger: linger, textLines: text)
             }
         } catch StandardStreamError.outputClosed {
             // Whoever read standard output went away (`| head`): a normal end, as for cat(1)

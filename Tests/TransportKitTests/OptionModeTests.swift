@@ -37,6 +37,10 @@ struct OptionModeTests {
         "tls:// connection": "tls://127.0.0.1:9",
         "tls:// listener": "tls://127.0.0.1:0",
         "tls+ over another URL": "tls+loop://",
+        "ws:// connection": "ws://127.0.0.1:9/",
+        "ws:// listener": "ws://127.0.0.1:0/",
+        "wss:// connection": "wss://127.0.0.1:9/",
+        "wss:// listener": "wss://127.0.0.1:0/",
     ]
 
     /// A value `spec` accepts, for URLs that give every option.

@@ -298,6 +298,45 @@ struct MessageTests {
         }
     }
 
+    @Test func messagesOnATransportWithoutKindsReadAsBinaryAndATextMessageIsItsBytes() async throws {
+        try await Transport.withConnection(to: "loop://?messages=true&buffer=1024") { loop in
+            try await loop.writeMessage(.text("words"))
+            let message = try await loop.nextMessage(timeout: .seconds(5))
+            #expect(message?.kind == .binary)
+            #expect(message?.bytes == Array("words".utf8))
+            #expect(message?.text == nil)
+            // The rest of a message a byte read cut keeps that message's kind.
+            try await loop.writeMessage(.binary([1, 2, 3]))
+            #expect(try await loop.read(maxBytes: 1) == [1])
+            let rest = try await loop.nextMessage()
+            #expect(rest?.kind == .binary && rest?.bytes == [2, 3])
+        }
+        try await Transport.withConnection(to: "loop://") { loop in
+            await expectTransportError(.unsupported) { _ = try await loop.nextMessage() }
+        }
+    }
+
+    /// A backend whose read fails after a moment.
+    private final class FailingBackend: ConnectionBackend {
+        let supportsHalfClose = false
+        func read() async throws -> ByteBuffer? {
+            try await Task.sleep(for: .milliseconds(50))
+            throw TransportError(.disconnected, "the peer went away")
+        }
+        func write(_ buffer: ByteBuffer) async throws {}
+        func closeWrite() async throws {}
+        func close() async throws {}
+    }
+
+    @Test func aReadWithATimeoutReportsAFailureWhenItHappensNotWhenTheTimeoutEnds() async throws {
+        let connection = Connection(url: try TransportURL("loop://"), backend: FailingBackend())
+        let started = ContinuousClock.now
+        let error = await expectTransportError(.disconnected) { _ = try await connection.read(timeout: .seconds(30)) }
+        #expect(error?.message.contains("went away") == true)
+        #expect(ContinuousClock.now - started < .seconds(10), "the 30-second timer was not waited out")
+        try await connection.close()
+    }
+
     @Test func chunksOfConcurrentWritesAreNotInterleaved() async throws {
         let loop = try await Transport.connect(to: "loop://?mtu=7&buffer=16")
         let a = [UInt8](repeating: 0x61, count: 200)

@@ -2,7 +2,7 @@
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
 // Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--passes N] [--nio-executor] [--case KEY]
 //      transportkit-bench serial | serial-list (see SerialBench.swift) | costs (see UnitCosts.swift) | parse (URLParseBench.swift)
-//      | usb (in the lab: USBBench.swift)
+//      | usb (in the lab: USBBench.swift) | tls-handshakes | ws, ws-nio (WebSocketBench.swift)
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
 import CBenchLoops
@@ -31,6 +31,8 @@ case "costs": try await UnitCosts.run(); exit(0)
 case "parse": try URLParseBench.run(); exit(0)
 case "usb": try await USBBench.run(); exit(0)
 case "tls-handshakes": try await tlsHandshakes(); exit(0)
+case "ws": try await WebSocketBench.run(); exit(0)
+case "ws-nio": try await WebSocketBench.runNIO(); exit(0)
 
 default: break
 }

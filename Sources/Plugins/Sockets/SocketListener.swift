@@ -68,8 +68,9 @@ final class SocketListener: ListenerBackend {
                         try configure(child)
                         let peer = describePeer(child)
                         let steps = try ProtocolLayer.install(layers, on: child)
-                        let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: true,
-                                                                 messages: layers.last?.messages ?? false, buffering: buffering)
+                        let backend = try ChannelBackend.install(on: child, describing: peer, supportsHalfClose: layers.allSatisfy(\.supportsHalfClose),
+                                                                 messages: layers.last?.messages ?? false,
+                                                                 messageKinds: layers.last?.messageKinds ?? false, buffering: buffering)
                         let url = (try? TransportURL(peer)) ?? TransportURL(scheme: "unix")
                         let connection = Connection(url: url, backend: backend,
                                                     metadata: ConnectionMetadata(name: peer, localAddress: child.localAddress?.description,

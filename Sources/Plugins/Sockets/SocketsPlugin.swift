@@ -85,6 +85,8 @@ enum ClientSocket {
     static func connect(
         describing target: String,
         messages: Bool = false,
+        messageKinds: Bool = false,
+        supportsHalfClose: Bool = true,
         buffering: Buffering,
         configure: @escaping @Sendable (any Channel) throws -> Void = { _ in },
         mapError: (any Error) -> TransportError,
@@ -101,7 +103,8 @@ enum ClientSocket {
                     pending.add(channel)
                     return channel.eventLoop.makeCompletedFuture {
                         try configure(channel)
-                        return try ChannelBackend.install(on: channel, describing: target, supportsHalfClose: true, messages: messages, buffering: buffering)
+                        return try ChannelBackend.install(on: channel, describing: target, supportsHalfClose: supportsHalfClose, messages: messages,
+                                                          messageKinds: messageKinds, buffering: buffering)
                     }
                 }
                 // The ready step (a handshake) inside the connect: cancelling closes the channel,

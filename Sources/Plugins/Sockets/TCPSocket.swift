@@ -47,7 +47,9 @@ public enum TCPSocket {
         let settings = Settings(request.options)
         let steps = ReadySteps()
         let backend = try await ClientSocket.connect(
-            describing: name ?? target, messages: layers.last?.messages ?? false, buffering: request.buffering,
+            describing: name ?? target, messages: layers.last?.messages ?? false,
+            messageKinds: layers.last?.messageKinds ?? false, supportsHalfClose: layers.allSatisfy(\.supportsHalfClose),
+            buffering: request.buffering,
             configure: { channel in
                 try settings.apply(to: channel)
                 steps.set(try ProtocolLayer.install(layers, on: channel), for: channel)
@@ -145,7 +147,7 @@ public enum TCPSocket {
     /// try await TCPSocket.listen(request, layers: [tlsServerLayer], peerScheme: "tls")
     /// ```
     public static func listen(_ request: ConnectRequest, layers: [ProtocolLayer], handshakeTimeout: Duration = .seconds(10),
-                              peerScheme: String = "tcp", authenticated: Bool = false) async throws -> Listener {
+                              peerScheme: String = "tcp", authenticated: Bool = false, caution: String? = nil) async throws -> Listener {
         let host = request.host
         let port = request.port
         let settings = Settings(request.options)
@@ -185,6 +187,7 @@ public enum TCPSocket {
         url.port = listener.boundPort ?? port
         var exposure = exposure(of: listener.localAddress, host: host, port: url.port ?? port)
         exposure.authenticated = authenticated
+        exposure.caution = caution
         return Listener(url: url, backend: listener, exposure: exposure)
     }
 

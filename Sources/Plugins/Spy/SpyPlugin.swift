@@ -133,14 +133,19 @@ final class SpyBackend: WrappingBackend {
     }
 
     func read() async throws -> ByteBuffer? {
+        try await readMessage()?.payload
+    }
+
+    /// Reads (a message with its kind where the wrapped connection carries them) and traces it.
+    func readMessage() async throws -> TransportMessage? {
         do {
-            let chunk = try await carriesMessages ? wrapped.readMessageBuffer() : wrapped.readBuffer()
-            if let chunk {
-                tracer.data(.rx, chunk)
+            let message = try await carriesMessages ? wrapped.nextMessage() : wrapped.readBuffer().map { TransportMessage(.binary, $0) }
+            if let message {
+                tracer.data(.rx, message.payload)
             } else {
                 tracer.event("EOF", "")
             }
-            return chunk
+            return message
         } catch is CancellationError {
             throw CancellationError()
         } catch {
@@ -150,12 +155,17 @@ final class SpyBackend: WrappingBackend {
     }
 
     func write(_ buffer: ByteBuffer) async throws {
-        tracer.data(.tx, buffer)
+        try await writeMessage(TransportMessage(.binary, buffer))
+    }
+
+    /// Traces, then writes (a message with its kind where the wrapped connection carries them).
+    func writeMessage(_ message: TransportMessage) async throws {
+        tracer.data(.tx, message.payload)
         do {
             if carriesMessages {
-                try await wrapped.writeMessage(buffer)
+                try await wrapped.writeMessage(message)
             } else {
-                try await wrapped.write(buffer)
+                try await wrapped.write(message.payload)
             }
         } catch is CancellationError {
             throw CancellationError()

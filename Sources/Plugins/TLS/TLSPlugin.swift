@@ -143,6 +143,35 @@ public struct TLSPlugin: TransportPlugin {
                                           handshakeTimeout: request[Self.handshakeTimeout], peerScheme: "tls", authenticated: settings.ca != nil)
     }
 
+    /// The TLS client layer for a plugin that runs its protocol over TLS (wss://, https://): the
+    /// options of ``clientOptions`` read from `request`, the server's name from `serverName=` or
+    /// `host` (an IP address is not sent as a name), `alpn` used when the URL gives none.
+    ///
+    /// ```swift
+    /// let tls = try TLSPlugin.clientLayer(for: request, host: request.host, alpn: ["http/1.1"])
+    /// return try await TCPSocket.connect(request, host: request.host, port: request.port, layers: [tls, webSocket])
+    /// ```
+    public static func clientLayer(for request: ConnectRequest, host: String, alpn: [String] = []) throws -> ProtocolLayer {
+        var settings = TLSSettings(request, listening: false)
+        if settings.alpn.isEmpty { settings.alpn = alpn }
+        try check(settings, request)
+        warnIfInsecure(settings, request)
+        let name = settings.serverName ?? (isIPAddress(host) ? nil : host)
+        return TLSLayer.client(try settings.clientContext(), settings: settings, serverName: name, describing: request.url.shown)
+    }
+
+    /// The TLS server layer for a listener of another plugin (wss://): `cert=`, `key=`, and with
+    /// `ca=` client certificates required. The second value is `true` when clients must present one.
+    public static func serverLayer(for request: ConnectRequest) throws -> (layer: ProtocolLayer, authenticated: Bool) {
+        let settings = TLSSettings(request, listening: true)
+        return (TLSLayer.server(try settings.serverContext(), describing: request.url.shown), settings.ca != nil)
+    }
+
+    /// The options a client reads for ``clientLayer(for:host:alpn:)``.
+    public static var clientLayerOptions: [any OptionDeclaration] { [ca, cert, key, serverName, minVersion, insecure, pin] }
+    /// The options a listener reads for ``serverLayer(for:)``.
+    public static var serverLayerOptions: [any OptionDeclaration] { [ca, cert, key, minVersion] }
+
     static func warnIfInsecure(_ settings: TLSSettings, _ request: ConnectRequest) {
         if settings.insecure && settings.pins.isEmpty {
             request.logger.warning("insecure=true: the server's certificate is not checked; anyone on the path can read and change this connection")

@@ -10,6 +10,7 @@
 @_exported import TransportKitBluetooth
 @_exported import TransportKitUSB
 @_exported import TransportKitTLS
+@_exported import TransportKitWeb
 
 extension TransportRegistry {
     /// A registry with every built-in plugin registered. `Transport` uses it; applications add
@@ -41,7 +42,7 @@ extension TransportRegistry {
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), SerialPlugin(), SpyPlugin(), BluetoothPlugin(), USBPlugin()]
+        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), WebPlugin(), SerialPlugin(), SpyPlugin(), BluetoothPlugin(), USBPlugin()]
     }
 
     /// The registry behind these functions.

@@ -39,8 +39,9 @@ public final class Connection: Sendable {
     private struct State {
         var metadata: ConnectionMetadata
         /// Bytes read from the backend but not yet handed out (a chunk larger than `maxBytes`, the
-        /// rest of a message, bytes a framing helper read past a frame's end).
-        var leftover: ByteBuffer?
+        /// rest of a message, bytes a framing helper read past a frame's end), with the kind of
+        /// the message they came from.
+        var leftover: TransportMessage?
         var reading = false
         var closed = false
         /// The backend's close() returned: nothing is left for abort() to release.
@@ -154,10 +155,35 @@ public final class Connection: Sendable {
         return try await readChunk(maxBytes: nil, timeout: timeout)
     }
 
+    /// Reads one whole message with its kind (``TransportMessage/Kind/text`` or
+    /// ``TransportMessage/Kind/binary``) on a transport that carries messages; `nil` at the end.
+    /// Transports whose messages have no kind read `.binary`. If a byte read took only part of a
+    /// message, this returns the rest of it, with that message's kind.
+    ///
+    /// ```swift
+    /// let connection = try await Transport.connect(to: "ws://127.0.0.1:8765/")
+    /// while let message = try await connection.nextMessage() {
+    ///     if let text = message.text { print(text) } else { print("\(message.payload.readableBytes) bytes") }
+    /// }
+    /// ```
+    ///
+    /// - Throws: as ``readMessage(timeout:)``.
+    public func nextMessage(timeout: Duration? = nil) async throws -> TransportMessage? {
+        guard carriesMessages else {
+            throw TransportError(.unsupported, "\(url.scheme):// carries a byte stream without message boundaries; read bytes, or cut them with readFrame(_:)")
+        }
+        return try await readUnit(maxBytes: nil, timeout: timeout)
+    }
+
     /// The leftover, or the backend's next chunk; cut to `maxBytes` (nil: whole) with the rest kept.
     private func readChunk(maxBytes: Int?, timeout: Duration?) async throws -> ByteBuffer? {
+        try await readUnit(maxBytes: maxBytes, timeout: timeout)?.payload
+    }
+
+    /// ``readChunk(maxBytes:timeout:)`` with the kind of the message the bytes came from.
+    private func readUnit(maxBytes: Int?, timeout: Duration?) async throws -> TransportMessage? {
         // One lock: check the state, mark this task as the reader and take bytes put back earlier.
-        let leftover = try state.withLock { state -> ByteBuffer? in
+        let leftover = try state.withLock { state -> TransportMessage? in
             if state.closed { throw TransportError.misuse("read on a connection to \(url.shown) after close()") }
             if state.reading {
                 throw TransportError.misuse("two tasks read \(url.shown) at once; read from one task, and hand the bytes to others")
@@ -168,22 +194,29 @@ public final class Connection: Sendable {
         }
         defer { state.withLock { $0.reading = false } }
 
-        var chunk: ByteBuffer
+        var chunk: TransportMessage
         if let leftover {
             chunk = leftover
         } else if let timeout {
             guard let next = try await readWithTimeout(timeout) else { return nil }
             chunk = next
         } else {
-            guard let next = try await backend.read() else { return nil }
+            guard let next = try await readBackend() else { return nil }
             chunk = next
         }
-        if let maxBytes, chunk.readableBytes > maxBytes, let head = chunk.readSlice(length: maxBytes) {
-            state.withLock { $0.leftover = chunk }
-            chunk = head
+        if let maxBytes, chunk.payload.readableBytes > maxBytes, let head = chunk.payload.readSlice(length: maxBytes) {
+            let rest = chunk
+            state.withLock { $0.leftover = rest }
+            chunk.payload = head
         }
-        counters.read.add(chunk.readableBytes, ordering: .relaxed)
+        counters.read.add(chunk.payload.readableBytes, ordering: .relaxed)
         return chunk
+    }
+
+    /// The backend's next chunk; a message with its kind where the transport carries messages.
+    private func readBackend() async throws -> TransportMessage? {
+        if backend.carriesMessages { return try await backend.readMessage() }
+        return try await backend.read().map { TransportMessage(.binary, $0) }
     }
 
     /// Puts bytes back in front of the stream; the next read returns them first. Framing helpers
@@ -194,30 +227,30 @@ public final class Connection: Sendable {
         state.withLock { state in
             if var leftover = state.leftover {
                 var combined = bytes
-                combined.writeBuffer(&leftover)
-                state.leftover = combined
+                combined.writeBuffer(&leftover.payload)
+                leftover.payload = combined
+                state.leftover = leftover
             } else {
-                state.leftover = bytes
+                state.leftover = TransportMessage(.binary, bytes)
             }
         }
     }
 
     private enum TimedRead: Sendable {
-        case chunk(ByteBuffer?)
+        case chunk(TransportMessage?)
         case timerFired
     }
 
     /// Races a backend read against a timer. If both finish, the bytes win: a read that completed
     /// is never dropped for a timeout.
-    private func readWithTimeout(_ timeout: Duration) async throws -> ByteBuffer? {
-        let backend = self.backend
-        return try await withThrowingTaskGroup(of: TimedRead.self) { group in
-            group.addTask { .chunk(try await backend.read()) }
+    private func readWithTimeout(_ timeout: Duration) async throws -> TransportMessage? {
+        try await withThrowingTaskGroup(of: TimedRead.self) { group in
+            group.addTask { .chunk(try await self.readBackend()) }
             group.addTask {
                 try await Task.sleep(for: timeout)
                 return .timerFired
             }
-            var chunk: ByteBuffer??
+            var chunk: TransportMessage??
             var failure: (any Error)?
             var timerFired = false
             while let result = await group.nextResult() {
@@ -229,7 +262,9 @@ public final class Connection: Sendable {
                     timerFired = true
                     group.cancelAll()
                 case .failure(let error):
+                    // The read failed: the timer has nothing left to wait for.
                     if !(error is CancellationError), failure == nil { failure = error }
+                    group.cancelAll()
                 }
             }
             if let chunk { return chunk }
@@ -323,6 +358,20 @@ public final class Connection: Sendable {
 
     /// Sends a `ByteBuffer` as one message; see ``writeMessage(_:)-([UInt8])``.
     public func writeMessage(_ message: ByteBuffer) async throws {
+        try await writeMessage(TransportMessage(.binary, message))
+    }
+
+    /// Sends one message with its kind: a WebSocket text or binary message. Transports whose
+    /// messages have no kind send the payload.
+    ///
+    /// ```swift
+    /// try await connection.writeMessage(.text("hello"))
+    /// try await connection.writeMessage(.binary([0x01, 0x02]))
+    /// ```
+    ///
+    /// - Throws: as ``writeMessage(_:)-([UInt8])``.
+    public func writeMessage(_ typed: TransportMessage) async throws {
+        let message = typed.payload
         guard carriesMessages else {
             throw TransportError(.unsupported, "\(url.scheme):// carries a byte stream without message boundaries; write bytes, or frame them with writeFrame(_:prefix:)")
         }
@@ -331,7 +380,7 @@ public final class Connection: Sendable {
             if let limit = backend.maximumWriteSize, message.readableBytes > limit {
                 throw TransportError.misuse("a \(message.readableBytes)-byte message does not fit the \(limit)-byte MTU of \(url.shown); keep messages within metadata.mtu")
             }
-            try await backend.write(message)
+            try await backend.writeMessage(typed)
             counters.written.add(message.readableBytes, ordering: .relaxed)
         }
     }

@@ -51,6 +51,12 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     var maximumWriteSize: Int? { get }
     /// The application dropped its connection without closing it.
     func connectionDropped()
+    /// The next message with its kind, on a backend that ``carriesMessages``; `nil` at the end.
+    /// Backends whose messages have kinds (WebSocket) implement it; the default reads a
+    /// ``TransportMessage/Kind/binary`` message with ``read()``.
+    func readMessage() async throws -> TransportMessage?
+    /// Sends one message with its kind; the default sends the payload with ``write(_:)``.
+    func writeMessage(_ message: TransportMessage) async throws
 }
 
 extension ConnectionBackend {
@@ -58,6 +64,12 @@ extension ConnectionBackend {
     public var carriesMessages: Bool { false }
     public var maximumWriteSize: Int? { nil }
     public func connectionDropped() {}
+    public func readMessage() async throws -> TransportMessage? {
+        try await read().map { TransportMessage(.binary, $0) }
+    }
+    public func writeMessage(_ message: TransportMessage) async throws {
+        try await write(message.payload)
+    }
 }
 
 /// A transport-specific control call (serial line settings, modem lines, break, flush), as the
@@ -115,6 +127,14 @@ extension WrappingBackend {
     public var maximumWriteSize: Int? { wrapped.maximumWriteSize }
     public func willPerform(_ operation: ControlOperation) {}
     public func didPerform(_ operation: ControlOperation, outcome: Result<String?, any Error>) {}
+    /// The wrapped connection's next message, its kind kept.
+    public func readMessage() async throws -> TransportMessage? {
+        wrapped.carriesMessages ? try await wrapped.nextMessage() : try await read().map { TransportMessage(.binary, $0) }
+    }
+    /// Sends through the wrapped connection, its kind kept.
+    public func writeMessage(_ message: TransportMessage) async throws {
+        wrapped.carriesMessages ? try await wrapped.writeMessage(message) : try await write(message.payload)
+    }
 }
 
 /// What a transport knows about the other end, like CornucopiaStreams' `CC_meta`.

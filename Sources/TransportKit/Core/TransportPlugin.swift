@@ -292,12 +292,16 @@ public struct ListenerExposure: Sendable, Equatable {
     public var authenticated: Bool
     /// Who can connect, in words: "any machine that can reach 0.0.0.0 port 2000".
     public var who: String
+    /// Something else the operator should hear, whatever the reach: a WebSocket listener that any
+    /// web page in a browser can reach. `nil` when there is nothing.
+    public var caution: String?
 
     /// An exposure; see the properties.
-    public init(reach: Reach, authenticated: Bool, who: String) {
+    public init(reach: Reach, authenticated: Bool, who: String, caution: String? = nil) {
         self.reach = reach
         self.authenticated = authenticated
         self.who = who
+        self.caution = caution
     }
 
     /// `true` when strangers can connect: beyond this machine, with no proof of who they are.

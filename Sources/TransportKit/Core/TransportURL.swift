@@ -82,6 +82,27 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
         set { portText = newValue.map(String.init) }
     }
 
+    /// The path as written (percent-encoding kept; `/` when empty) and a query of `items`, as an
+    /// HTTP request target: what ws:// and http:// send to the server.
+    ///
+    /// ```swift
+    /// try TransportURL("ws://h/a%2Fb").requestTarget(query: [("token", "x y")])   // "/a%2Fb?token=x%20y"
+    /// ```
+    @_spi(Plugins)
+    public func requestTarget(query items: [(name: String, value: String)]) -> String {
+        let pathCharacters = URLParser.unreserved + "/:@!$&'()*+,;="
+        var target = writtenPath.map { URLParser.percentEncode($0, allowing: pathCharacters + "%") }
+            ?? URLParser.percentEncode(path, allowing: pathCharacters)
+        if target.isEmpty { target = "/" }
+        if !items.isEmpty {
+            target += "?" + items.map { name, value in
+                let name = URLParser.percentEncode(name, allowing: URLParser.unreserved)
+                return value.isEmpty ? name : name + "=" + URLParser.percentEncode(value, allowing: URLParser.unreserved + ":/")
+            }.joined(separator: "&")
+        }
+        return target
+    }
+
     /// The path's segments, percent-decoded each, split where the URL text has a `/` (not at a
     /// `%2F`, which stays inside its segment): `usb://1d50:6089/AB%2F12` has `["", "AB/12"]`, and
     /// `usb://1d50:6089/AB/12` has `["", "AB", "12"]`. Empty for an empty path.

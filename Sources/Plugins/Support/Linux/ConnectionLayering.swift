@@ -45,7 +45,9 @@ public enum ConnectionLayering {
         }
         do {
             top = try await DescriptorChannel.adoptSocket(FileDescriptor(rawValue: pair[1]), describing: describing, buffering: request.buffering,
-                                                          messages: layers.last?.messages ?? false) { channel in
+                                                          messages: layers.last?.messages ?? false,
+                                                          messageKinds: layers.last?.messageKinds ?? false,
+                                                          supportsHalfClose: layers.allSatisfy(\.supportsHalfClose)) { channel in
                 let made = try ProtocolLayer.install(layers, on: channel)
                 steps.withLock { $0 = made }
             }
@@ -199,6 +201,23 @@ final class LayeredBackend: WrappingBackend {
     func write(_ buffer: ByteBuffer) async throws {
         do {
             try await top.write(buffer)
+        } catch {
+            throw relay.innerFailure ?? error
+        }
+    }
+
+    /// The layers' next message, with its kind (the wrapped connection carries their bytes).
+    func readMessage() async throws -> TransportMessage? {
+        do {
+            return try await top.readMessage()
+        } catch {
+            throw relay.innerFailure ?? error
+        }
+    }
+
+    func writeMessage(_ message: TransportMessage) async throws {
+        do {
+            try await top.writeMessage(message)
         } catch {
             throw relay.innerFailure ?? error
         }

@@ -25,7 +25,8 @@ public enum DescriptorChannel {
     /// direction (the peer reads an end). A SOCK_SEQPACKET socket is refused: SwiftNIO's reads
     /// would cut records larger than its buffer; ``PacketSocketBackend`` carries those.
     public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String,
-                                   buffering: Buffering = .standard, messages: Bool = false,
+                                   buffering: Buffering = .standard, messages: Bool = false, messageKinds: Bool = false,
+                                   supportsHalfClose: Bool = true,
                                    configure: @escaping @Sendable (any Channel) throws -> Void = { _ in }) async throws -> ChannelBackend {
         // SwiftNIO traps on a descriptor it cannot use (EBADF); check first.
         var type: Int32 = 0
@@ -45,8 +46,8 @@ public enum DescriptorChannel {
                 .withConnectedSocket(fd.rawValue) { channel in
                     channel.eventLoop.makeCompletedFuture {
                         try configure(channel)
-                        return try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: true, messages: messages,
-                                                          buffering: buffering)
+                        return try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: supportsHalfClose, messages: messages,
+                                                          messageKinds: messageKinds, buffering: buffering)
                     }
                 }
         } catch {

@@ -19,6 +19,8 @@ import Synchronization
 /// backend's handler at the end of the pipeline, on the channel's event loop, before a byte can
 /// arrive. Handlers a plugin adds first (TLS, a WebSocket codec) sit in front of it; the backend
 /// reads and writes `ByteBuffer`s, and with `messages: true` each inbound `ByteBuffer` is a message.
+/// With `messageKinds: true` the handlers in front pass ``TransportMessage`` values both ways
+/// instead (a WebSocket codec: text and binary kept apart).
 ///
 /// ```swift
 /// let backend = try await ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton)
@@ -39,6 +41,16 @@ public final class ChannelBackend: ConnectionBackend {
     public let supportsHalfClose: Bool
     /// `true` when each `ByteBuffer` that reaches the handler is one message.
     public let carriesMessages: Bool
+    /// `true` when the handlers in front pass ``TransportMessage`` values (kind and payload).
+    public let carriesMessageKinds: Bool
+    /// The kinds of the messages in `inbound`, in the same order: the handler appends a kind just
+    /// before its payload, and the one reader takes one with each payload.
+    private let inboundKinds = KindQueue()
+
+    /// A class, so the handler can hold it without holding the backend.
+    private final class KindQueue: Sendable {
+        let kinds = Mutex(CircularBuffer<TransportMessage.Kind>())
+    }
     /// Names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
     public let describing: String
     private let inbound: InboundQueue
@@ -59,17 +71,18 @@ public final class ChannelBackend: ConnectionBackend {
         var failureReported = false
     }
 
-    private init(channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool,
+    private init(channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool, messageKinds: Bool,
                  buffering: Buffering) {
         self.channel = channel
         self.inFlightCap = buffering.inFlight.high
         self.inFlightResume = buffering.inFlight.low
         self.describing = describing
         self.supportsHalfClose = supportsHalfClose
-        self.carriesMessages = messages
+        self.carriesMessages = messages || messageKinds
+        self.carriesMessageKinds = messageKinds
         let executor = EventLoopTaskExecutor(channel.eventLoop)
         self.executor = executor
-        self.inbound = InboundQueue(watermarks: buffering.inbound, messages: messages, resumingInlineOn: executor) { [channel] in
+        self.inbound = InboundQueue(watermarks: buffering.inbound, messages: messages || messageKinds, resumingInlineOn: executor) { [channel] in
             channel.read()
         }
         self.writers = WriterGate()
@@ -84,18 +97,31 @@ public final class ChannelBackend: ConnectionBackend {
     ///   - describing: names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
     ///   - supportsHalfClose: `true` when `close(mode: .output)` sends an end of stream (sockets).
     ///   - messages: `true` when each `ByteBuffer` that reaches the handler is one message.
+    ///   - messageKinds: `true` when the handlers in front pass ``TransportMessage`` values both
+    ///     ways (implies `messages`).
     ///   - buffering: how much the backend holds each way (``ConnectRequest/buffering``).
     public static func install(on channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool = false,
-                               buffering: Buffering = .standard) throws -> ChannelBackend {
+                               messageKinds: Bool = false, buffering: Buffering = .standard) throws -> ChannelBackend {
         let backend = ChannelBackend(channel: channel, describing: describing, supportsHalfClose: supportsHalfClose,
-                                     messages: messages, buffering: buffering)
+                                     messages: messages, messageKinds: messageKinds, buffering: buffering)
         if let options = channel.syncOptions {
             try options.setOption(.writeBufferWaterMark, value: .init(low: buffering.outbound.low, high: buffering.outbound.high))
             try options.setOption(.maxMessagesPerRead, value: UInt(buffering.readsPerWakeup))
             try options.setOption(.recvAllocator, value: AdaptiveRecvByteBufferAllocator(minimum: 64, initial: min(2048, buffering.readSize),
                                                                                           maximum: buffering.readSize))
         }
-        try channel.pipeline.syncOperations.addHandler(Handler(backend: backend))
+        if messageKinds {
+            let kinds = backend.inboundKinds
+            let inbound = backend.inbound
+            try channel.pipeline.syncOperations.addHandler(Handler<TransportMessage>(backend: backend) { message in
+                // The kind first: a parked reader is resumed inside append and takes it at once.
+                kinds.kinds.withLock { $0.append(message.kind) }
+                inbound.append(message.payload)
+            })
+        } else {
+            let inbound = backend.inbound
+            try channel.pipeline.syncOperations.addHandler(Handler<ByteBuffer>(backend: backend) { inbound.append($0) })
+        }
         return backend
     }
 
@@ -105,18 +131,42 @@ public final class ChannelBackend: ConnectionBackend {
 
     /// The next chunk from the inbound queue.
     public func read() async throws -> ByteBuffer? {
-        try await inbound.next()
+        if carriesMessageKinds { return try await readMessage()?.payload }
+        return try await inbound.next()
+    }
+
+    /// The next message with its kind (``TransportMessage/Kind/binary`` without `messageKinds`).
+    public func readMessage() async throws -> TransportMessage? {
+        guard let payload = try await inbound.next() else { return nil }
+        guard carriesMessageKinds else { return TransportMessage(.binary, payload) }
+        return TransportMessage(inboundKinds.kinds.withLock { $0.popFirst() } ?? .binary, payload)
     }
 
     /// Hands `buffer` to the channel; waits while the channel is not writable, or while more than
-    /// ``inFlightCap`` bytes handed over are not yet written.
+    /// ``inFlightCap`` bytes handed over are not yet written. With `messageKinds`, a binary message.
     public func write(_ buffer: ByteBuffer) async throws {
+        if carriesMessageKinds {
+            try await send(TransportMessage(.binary, buffer), size: buffer.readableBytes)
+        } else {
+            try await send(buffer, size: buffer.readableBytes)
+        }
+    }
+
+    /// Sends `message` with its kind where the handlers in front take kinds; else its payload.
+    public func writeMessage(_ message: TransportMessage) async throws {
+        if carriesMessageKinds {
+            try await send(message, size: message.payload.readableBytes)
+        } else {
+            try await send(message.payload, size: message.payload.readableBytes)
+        }
+    }
+
+    private func send<Data: Sendable>(_ data: Data, size: Int) async throws {
         if let failure = takeUnreportedWriteFailure() { throw failure }
-        let size = buffer.readableBytes
         // Counted before the hand-over: on the event loop the write may complete inside it.
         let inFlightNow = inFlight.add(size, ordering: .relaxed).newValue
         let promise = channel.eventLoop.makePromise(of: Void.self)
-        channel.writeAndFlush(buffer, promise: promise)
+        channel.writeAndFlush(data, promise: promise)
         // Bookkeeping after handing the bytes over, so that on the event loop it is not between the
         // read that woke this task and the write syscall. A write that already completed runs the
         // callback at once, so nothing is missed.
@@ -229,23 +279,25 @@ public final class ChannelBackend: ConnectionBackend {
     /// The NIO side: feeds the inbound queue, holds `read()` while it is full, signals the writer
     /// gate when the channel becomes writable and fails it when the channel ends. It holds the queue and the gate, not the backend, so the backend does
     /// not keep itself.
-    private final class Handler: ChannelDuplexHandler, Sendable {
-        typealias InboundIn = ByteBuffer
-        typealias OutboundIn = ByteBuffer
-        typealias OutboundOut = ByteBuffer
+    private final class Handler<Inbound: Sendable>: ChannelDuplexHandler, Sendable {
+        typealias InboundIn = Inbound
+        typealias OutboundIn = Inbound
+        typealias OutboundOut = Inbound
 
         let inbound: InboundQueue
         let writers: WriterGate
         let describing: String
+        let deliver: @Sendable (Inbound) -> Void
 
-        init(backend: ChannelBackend) {
+        init(backend: ChannelBackend, deliver: @escaping @Sendable (Inbound) -> Void) {
             inbound = backend.inbound
             writers = backend.writers
             describing = backend.describing
+            self.deliver = deliver
         }
 
         func channelRead(context: ChannelHandlerContext, data: NIOAny) {
-            inbound.append(Self.unwrapInboundIn(data))
+            deliver(Self.unwrapInboundIn(data))
         }
 
         func read(context: ChannelHandlerContext) {

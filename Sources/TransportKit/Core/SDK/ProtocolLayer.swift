@@ -19,6 +19,13 @@ public struct ProtocolLayer: Sendable {
     /// `true` when the handlers pass whole messages on (each inbound `ByteBuffer` one message, each
     /// outbound one too). The outermost layer decides for the connection.
     public var messages: Bool
+    /// `true` when the handlers pass ``TransportMessage`` values (kind and payload) both ways
+    /// rather than `ByteBuffer`s: WebSocket's text and binary messages. Implies ``messages``.
+    public var messageKinds: Bool
+    /// `false` when the protocol has no half-close (WebSocket: its close frame ends both ways, and
+    /// a peer may drop what it had not sent yet); the connection's `closeWrite()` is then
+    /// unsupported. Any layer without it makes the whole connection so.
+    public var supportsHalfClose: Bool
     /// Adds the handlers to the channel, on its event loop, in front of the byte handler; returns
     /// the future of the layer's ready step (its handshake), or `nil` when it is ready at once.
     public var install: @Sendable (any Channel) throws -> EventLoopFuture<Void>?
@@ -29,12 +36,14 @@ public struct ProtocolLayer: Sendable {
     public var mapError: @Sendable (any Error) -> TransportError
 
     /// A layer named `name`; see the properties.
-    public init(name: String, messages: Bool = false,
+    public init(name: String, messages: Bool = false, messageKinds: Bool = false, supportsHalfClose: Bool = true,
                 metadata: @escaping @Sendable (any Channel) -> [String: String] = { _ in [:] },
                 mapError: @escaping @Sendable (any Error) -> TransportError = { TransportError.from($0, context: "the handshake") },
                 install: @escaping @Sendable (any Channel) throws -> EventLoopFuture<Void>?) {
         self.name = name
-        self.messages = messages
+        self.messages = messages || messageKinds
+        self.messageKinds = messageKinds
+        self.supportsHalfClose = supportsHalfClose
         self.install = install
         self.metadata = metadata
         self.mapError = mapError

@@ -1,0 +1,162 @@
+// ws:// and wss://: WebSocket clients and listeners, each message a message.
+//
+// Grammar:
+//   ws://HOST[:PORT][/PATH][?OPTIONS&SERVER-QUERY]      (port 80; wss:// 443, over TLS)
+//     Query items that are not options below go to the server unchanged; server.NAME=V sends
+//     NAME=V when NAME is also an option here.
+//   ws://ADDRESS:PORT[/PATH]?[OPTIONS] (listening: a connection per client that upgrades on PATH;
+//     wss:// needs cert= and key=)
+
+import FoundationEssentials
+import NIOCore
+import NIOHTTP1
+import NIOWebSocket
+@_spi(Plugins) import TransportKitCore
+import TransportKitLinux
+import TransportKitSockets
+import TransportKitTLS
+import TransportKitWebSocket
+
+/// The `ws` and `wss` schemes.
+///
+/// ```swift
+/// let connection = try await Transport.connect(to: "wss://example.com/feed?token=abc&subprotocols=json.v1")
+/// try await connection.writeMessage(.text("{\"subscribe\":\"ticks\"}"))
+/// while let message = try await connection.nextMessage() { print(message.text ?? "\(message.payload.readableBytes) bytes") }
+/// ```
+public struct WebPlugin: TransportPlugin {
+    /// The plugin; `Transport.builtInPlugins` has one.
+    public init() {}
+
+    /// Subprotocols: offered by a client, preferred first; spoken by a listener.
+    public static let subprotocols = URLOption.string("subprotocols", help: "WebSocket subprotocols, comma-separated: offered in this order (a listener: the ones it speaks)")
+    /// The Origin header a client sends.
+    public static let origin = URLOption.string("origin", help: "The Origin header to send, such as https://example.com")
+    /// The Authorization header a client sends.
+    public static let authorization = URLOption.string("authorization", help: "The Authorization header to send, such as 'Bearer TOKEN' (it appears in logs of the URL: prefer a file-free secret store where you can)")
+    /// The Cookie header a client sends.
+    public static let cookie = URLOption.string("cookie", help: "The Cookie header to send, such as session=abc")
+    /// Origins a listener lets in.
+    public static let origins = URLOption.string("origins", help: "Origins allowed to connect, comma-separated (a browser page on any other site is refused with 403); default: any")
+    /// The largest message taken from the peer.
+    public static let maxMessageSize = URLOption.integer("maxMessageSize", in: 125...(1 << 30), default: 1 << 20,
+                                                         help: "The largest message taken from the peer, in bytes; a larger one closes the connection with 1009")
+    /// How often a keepalive ping goes out.
+    public static let pingInterval = URLOption.timeLimit("pingInterval", seconds: 0...86400, default: 20,
+                                                         help: "Seconds between keepalive pings; 0: none")
+    /// How long a ping may go unanswered.
+    public static let pingTimeout = URLOption.timeLimit("pingTimeout", seconds: 0...86400, default: 20,
+                                                        help: "Seconds a keepalive ping may go unanswered before the peer counts as gone; 0: wait forever")
+    /// How long a close waits for the peer's close frame.
+    public static let closeTimeout = URLOption.duration("closeTimeout", seconds: 0.01...300, default: 10,
+                                                        help: "Seconds a close waits for the peer's close frame")
+    /// permessage-deflate offered (client) or accepted (listener).
+    public static let compression = URLOption.bool("compression", default: true,
+                                                   help: "Compress messages with permessage-deflate (RFC 7692) when the other side agrees; a listener accepts a client's offer")
+    /// How long an accepted client may take to upgrade.
+    public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
+                                                            help: "Seconds an accepted client has to finish its upgrade (and TLS handshake) before it is dropped")
+
+    static let session: [any OptionDeclaration] = [maxMessageSize, pingInterval, pingTimeout, closeTimeout, compression]
+    static let tcp: [any OptionDeclaration] = [SocketsPlugin.noDelay, SocketsPlugin.keepAlive, SocketsPlugin.keepAliveIdle]
+    static let clientOptions: [any OptionDeclaration] = [subprotocols, origin, authorization, cookie] + session + tcp
+    static let serverOptions: [any OptionDeclaration] = [subprotocols, origins, handshakeTimeout, SocketsPlugin.backlog] + session + tcp
+
+    /// `ws` and `wss`, connect and listen.
+    public var schemes: [Scheme] {
+        [webSocket(secure: false), webSocket(secure: true)]
+    }
+
+    private func webSocket(secure: Bool) -> Scheme {
+        let name = secure ? "wss" : "ws"
+        let client = Self.clientOptions + (secure ? TLSPlugin.clientLayerOptions : [])
+        let server = Self.serverOptions + (secure ? TLSPlugin.serverLayerOptions : [])
+        var all: [any OptionDeclaration] = []
+        for option in client + server where !all.contains(where: { $0.spec.name == option.spec.name }) { all.append(option) }
+        var descriptor = SchemeDescriptor(
+            scheme: name,
+            summary: secure ? "WebSocket over TLS: messages, text or binary (RFC 6455)" : "WebSocket: messages, text or binary (RFC 6455)",
+            grammar: "\(name)://HOST[:PORT][/PATH][?OPTIONS&SERVER-QUERY]",
+            examples: secure
+                ? ["wss://example.com/feed?token=abc", "wss://0.0.0.0:8443/tty?cert=cert.pem&key=key.pem (listening)"]
+                : ["ws://127.0.0.1:8765/", "ws://0.0.0.0:8080/tty?origins=http://localhost:8000 (listening)"],
+            host: .required, port: .optional, portRange: 0...65535, path: .optional,
+            options: all,
+            modes: [SchemeMode("\(name):// connection", form: "\(name)://HOST[:PORT][/PATH]", options: client),
+                    SchemeMode("\(name):// listener", role: .listen, form: "\(name)://ADDRESS:PORT[/PATH]", options: server)]
+        )
+        descriptor.serverQuery = true
+        return Scheme(descriptor, connect: { try await Self.connect($0, secure: secure) }, listen: { try await Self.listen($0, secure: secure) })
+    }
+
+    static func configuration(_ request: ConnectRequest, role: WebSocketConfiguration.Role, describing: String) -> WebSocketConfiguration {
+        WebSocketConfiguration(role: role, maxMessageSize: request[maxMessageSize], pingInterval: request[pingInterval],
+                               pingTimeout: request[pingTimeout], closeTimeout: request[closeTimeout], describing: describing)
+    }
+
+    static func list(_ text: String?) -> [String] {
+        (text ?? "").split(separator: ",").map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty }
+    }
+
+    @Sendable static func connect(_ request: ConnectRequest, secure: Bool) async throws -> Connection {
+        let host = request.host
+        let port = request.url.port ?? (secure ? 443 : 80)
+        let bracketed = host.contains(":") ? "[\(host)]" : host
+        let authority = port == (secure ? 443 : 80) ? bracketed : "\(bracketed):\(port)"
+        let target = request.url.requestTarget(query: request.serverQuery)
+        let describing = "\(secure ? "wss" : "ws")://\(authority)\(request.url.path.isEmpty ? "/" : request.url.path)"
+        var headers: [(String, String)] = []
+        if let origin = request[origin] { headers.append(("Origin", origin)) }
+        if let authorization = request[authorization] { headers.append(("Authorization", authorization)) }
+        if let cookie = request[cookie] { headers.append(("Cookie", cookie)) }
+        let upgrade = WebSocketClientHandshake.Request(target: target, host: authority, subprotocols: list(request[subprotocols]), headers: headers,
+                                                         compression: request[compression])
+        let configuration = configuration(request, role: .client, describing: describing)
+        var layers: [ProtocolLayer] = []
+        if secure { layers.append(try TLSPlugin.clientLayer(for: request, host: host, alpn: ["http/1.1"])) }
+        layers.append(ProtocolLayer(name: "ws", messageKinds: true, supportsHalfClose: false, metadata: metadata,
+                                    mapError: { mapError($0, describing) }) { channel in
+            let webSocket = WebSocketHandler(configuration)
+            return try WebSocketClientHandshake.install(on: channel, request: upgrade, webSocket: webSocket).progress.promise.futureResult
+        })
+        return try await TCPSocket.connect(request, host: host, port: port, layers: layers, name: describing)
+    }
+
+    @Sendable static func listen(_ request: ConnectRequest, secure: Bool) async throws -> Listener {
+        if let item = request.serverQuery.first {
+            throw TransportError(.invalidURL, "\(request.url.shown): '\(TransportError.printable(item.name))' is not an option of a \(secure ? "wss" : "ws"):// listener, and a listener has no server to pass it to")
+        }
+        guard request.url.port != nil else {
+            throw TransportError(.invalidURL, "\(request.url.shown): a listener needs a port (0 picks a free one)")
+        }
+        let policy = WebSocketServerHandshake.Policy(path: request.url.path, subprotocols: list(request[subprotocols]), origins: list(request[origins]),
+                                                     compression: request[compression])
+        var layers: [ProtocolLayer] = []
+        var authenticated = false
+        if secure {
+            let tls = try TLSPlugin.serverLayer(for: request)
+            layers.append(tls.layer)
+            authenticated = tls.authenticated
+        }
+        let configuration = configuration(request, role: .server, describing: "a \(secure ? "wss" : "ws") client")
+        layers.append(ProtocolLayer(name: "ws", messageKinds: true, supportsHalfClose: false, metadata: metadata) { channel in
+            let webSocket = WebSocketHandler(configuration)
+            return try WebSocketServerHandshake.install(on: channel, policy: policy, webSocket: webSocket).progress.promise.futureResult
+        })
+        // Browsers let any page open a WebSocket to any address: without origins=, a page on any
+        // site, in a browser on a machine that reaches the port, is a client like any other.
+        let caution = policy.origins.isEmpty
+            ? "any web page open in a browser that can reach it can connect (a WebSocket is not bound by the same-origin rule); origins= names the pages that may"
+            : nil
+        return try await TCPSocket.listen(request, layers: layers, handshakeTimeout: request[handshakeTimeout],
+                                          peerScheme: secure ? "wss" : "ws", authenticated: authenticated, caution: caution)
+    }
+
+    @Sendable static func metadata(_ channel: any Channel) -> [String: String] {
+        (try? channel.pipeline.syncOperations.handler(type: WebSocketHandler.self))?.facts ?? [:]
+    }
+
+    static func mapError(_ error: any Error, _ describing: String) -> TransportError {
+        TransportError.from(error, context: "the WebSocket upgrade to \(describing)")
+    }
+}
