@@ -141,7 +141,7 @@ let package = Package(
         ),
         .target(
             name: "TransportKitFoundation",
-            dependencies: ["TransportKitCore"],
+            dependencies: ["TransportKitCore", "TransportKitLoop"],
             path: "Sources/TransportKit/Foundation",
             swiftSettings: strict
         ),

@@ -4,8 +4,9 @@ import TestSupport
 import Testing
 import TransportKit
 
-/// The tool over WebSocket, against python websockets (Tests/TransportKitTests/Peers/ws_peer.py).
-@Suite("transportkit connect and bridge with ws://", .serialized)
+/// The tool over WebSocket and HTTP, against python websockets and aiohttp
+/// (Tests/TransportKitTests/Peers/ws_peer.py, http_peer.py).
+@Suite("transportkit connect and bridge with ws:// and http://", .serialized)
 struct WebSocketCLITests {
     static let peer = URL(fileURLWithPath: #filePath).deletingLastPathComponent()
         .appendingPathComponent("../TransportKitTests/Peers/ws_peer.py").standardized.path
@@ -42,6 +43,40 @@ struct WebSocketCLITests {
             let closed = try await CLI.run(["connect", "ws://127.0.0.1:\(port)/close4000"], stdin: [])
             #expect(closed.status == 1)
             #expect(closed.stderr.contains("4000") && closed.stderr.contains("custom reason"), "\(closed.stderr)")
+        }
+    }
+
+    @Test func connectStreamsStandardInputAsARequestBodyAndPrintsTheResponse() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = listener.url.port ?? 0
+        try await listener.close()
+        let server = Process()
+        server.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
+        server.arguments = [Self.peer.replacingOccurrences(of: "ws_peer.py", with: "http_peer.py"), "\(port)"]
+        server.standardOutput = FileHandle.nullDevice
+        server.standardError = FileHandle.nullDevice
+        try server.run()
+        defer { kill(server.processIdentifier, SIGKILL) }
+        #expect(await eventually(10) { portAccepts(port) })
+        let body = [UInt8](repeating: 0x41, count: 300_000)
+        let upload = try await CLI.run(["connect", "http://127.0.0.1:\(port)/ingest?contentType=text/plain"], stdin: body)
+        #expect(upload.status == 0, "\(upload.stderr)")
+        #expect(upload.text.contains("\"bytes\": 300000") && upload.text.contains("\"chunked\": true"), "\(upload.text)")
+        let refused = try await CLI.run(["connect", "http://127.0.0.1:\(port)/reject401"], stdin: Array("x".utf8))
+        #expect(refused.status == 1)
+        #expect(refused.stderr.contains("401 Unauthorized") && refused.stderr.contains("authorization="), "\(refused.stderr)")
+    }
+
+    @Test func aBridgeFrontsAWebSocketServiceForAPlainTCPClient() async throws {
+        try await withServer { port in
+            let bridge = try CLI.Running(["bridge", "--json", "--listen", "tcp://127.0.0.1:0", "ws://127.0.0.1:\(port)/echo"])
+            defer { bridge.signal(SIGTERM) }
+            let url = try #require(await HostileUseTests.listeningURL(of: bridge))
+            let client = try await Transport.connect(to: url)
+            try await client.write("bytes in, bytes out\n")
+            let echoed = try await client.readFrame(.delimiter("\n"), timeout: .seconds(10))
+            #expect(echoed.map { String(decoding: $0, as: UTF8.self) } == "bytes in, bytes out")
+            try await client.close()
         }
     }
 

@@ -41,6 +41,8 @@ struct OptionModeTests {
         "ws:// listener": "ws://127.0.0.1:0/",
         "wss:// connection": "wss://127.0.0.1:9/",
         "wss:// listener": "wss://127.0.0.1:0/",
+        "http:// request": "http://127.0.0.1:9/",
+        "https:// request": "https://127.0.0.1:9/",
     ]
 
     /// A value `spec` accepts, for URLs that give every option.

@@ -50,6 +50,20 @@ public struct LoopPlugin: TransportPlugin {
                               metadata: ConnectionMetadata(name: "loopback", mtu: mtu, extra: extra))
         }]
     }
+
+    /// A `loop://?buffer=BYTES` connection made at once, without a registry: what is written is
+    /// read back, at most `buffer` bytes wait in between. TransportKitFoundation's bound stream
+    /// pair is one.
+    ///
+    /// ```swift
+    /// let loop = LoopPlugin.makeConnection(buffer: 4096)
+    /// ```
+    public static func makeConnection(buffer: Int = 4096) -> Connection {
+        let capacity = min(max(1, buffer), 64 << 20)
+        let url = TransportURL(scheme: "loop", query: [("buffer", String(capacity))])
+        return Connection(url: url, backend: LoopBackend(capacity: capacity, messages: false, mtu: nil),
+                          metadata: ConnectionMetadata(name: "loopback", extra: ["buffer": String(capacity)]))
+    }
 }
 
 /// A bounded ring with one reader and any number of writers; each write's bytes stay together.

@@ -1,4 +1,5 @@
-// ws:// and wss://: WebSocket clients and listeners, each message a message.
+// ws:// and wss://: WebSocket clients and listeners, each message a message; http:// and https://:
+// a streamed request, the writes its body and the reads the response's.
 //
 // Grammar:
 //   ws://HOST[:PORT][/PATH][?OPTIONS&SERVER-QUERY]      (port 80; wss:// 443, over TLS)
@@ -6,6 +7,8 @@
 //     NAME=V when NAME is also an option here.
 //   ws://ADDRESS:PORT[/PATH]?[OPTIONS] (listening: a connection per client that upgrades on PATH;
 //     wss:// needs cert= and key=)
+//   http://HOST[:PORT][/PATH][?method=POST&contentType=T&length=N&idleTimeout=S&…&SERVER-QUERY]
+//     (port 80; https:// 443 over TLS)
 
 import FoundationEssentials
 import NIOCore
@@ -17,7 +20,7 @@ import TransportKitSockets
 import TransportKitTLS
 import TransportKitWebSocket
 
-/// The `ws` and `wss` schemes.
+/// The `ws`, `wss`, `http` and `https` schemes.
 ///
 /// ```swift
 /// let connection = try await Transport.connect(to: "wss://example.com/feed?token=abc&subprotocols=json.v1")
@@ -62,9 +65,67 @@ public struct WebPlugin: TransportPlugin {
     static let clientOptions: [any OptionDeclaration] = [subprotocols, origin, authorization, cookie] + session + tcp
     static let serverOptions: [any OptionDeclaration] = [subprotocols, origins, handshakeTimeout, SocketsPlugin.backlog] + session + tcp
 
-    /// `ws` and `wss`, connect and listen.
+    /// The request's method.
+    public static let method = URLOption.string("method", default: "POST", help: "The request's method: POST (default), PUT or another token")
+    /// The body's media type.
+    public static let contentType = URLOption.string("contentType", default: "application/octet-stream", help: "The Content-Type of the body")
+    /// The body's length, when known.
+    public static let length = URLOption.integer("length", in: 0...(1 << 53), help: "The body's length in bytes, sent as Content-Length (write exactly that many); without it the body is chunked")
+    /// The longest pause either way.
+    public static let idleTimeout = URLOption.timeLimit("idleTimeout", seconds: 0...86400, default: 120,
+                                                        help: "Seconds the request may go without a byte either way before it fails; 0: no limit. There is no limit on the whole request")
+
+    static let requestOptions: [any OptionDeclaration] = [method, contentType, length, idleTimeout, authorization, cookie] + tcp
+
+    /// `ws` and `wss` (connect and listen), `http` and `https` (connect).
     public var schemes: [Scheme] {
-        [webSocket(secure: false), webSocket(secure: true)]
+        [webSocket(secure: false), webSocket(secure: true), request(secure: false), request(secure: true)]
+    }
+
+    private func request(secure: Bool) -> Scheme {
+        let name = secure ? "https" : "http"
+        let options = Self.requestOptions + (secure ? TLSPlugin.clientLayerOptions : [])
+        var descriptor = SchemeDescriptor(
+            scheme: name,
+            summary: "A streamed HTTP request: writes are the body, reads the response's" + (secure ? " (over TLS)" : ""),
+            grammar: "\(name)://HOST[:PORT][/PATH][?OPTIONS&SERVER-QUERY]",
+            examples: ["\(name)://example.com/ingest", "\(name)://127.0.0.1:8080/upload?method=PUT&contentType=text/plain"],
+            host: .required, port: .optional, portRange: 0...65535, path: .optional,
+            options: options,
+            modes: [SchemeMode("\(name):// request", form: "\(name)://HOST[:PORT][/PATH]", options: options)]
+        )
+        descriptor.serverQuery = true
+        return Scheme(descriptor, connect: { try await Self.connectRequest($0, secure: secure) })
+    }
+
+    @Sendable static func connectRequest(_ request: ConnectRequest, secure: Bool) async throws -> Connection {
+        let host = request.host
+        let port = request.url.port ?? (secure ? 443 : 80)
+        let bracketed = host.contains(":") ? "[\(host)]" : host
+        let authority = port == (secure ? 443 : 80) ? bracketed : "\(bracketed):\(port)"
+        let methodName = request[method]
+        guard !methodName.isEmpty, methodName.utf8.allSatisfy({ (0x41...0x5A).contains($0) || $0 == 0x2D }) else {
+            throw TransportError(.invalidURL, "\(request.url.shown): method=\(TransportError.printable(methodName)) is not an HTTP method; write it in capitals, such as POST or PUT")
+        }
+        let target = request.url.requestTarget(query: request.serverQuery)
+        let describing = "\(methodName) \(secure ? "https" : "http")://\(authority)\(request.url.path.isEmpty ? "/" : request.url.path)"
+        let headers = [("Content-Type", try checkedHeader(request[contentType], request))] + (try credentialHeaders(request))
+        let plan = HTTPRequestPlan(method: HTTPMethod(rawValue: methodName), target: target, host: authority, headers: headers,
+                                   length: request[length], idleTimeout: request[idleTimeout], describing: describing)
+        let facts = ResponseFacts()
+        var layers: [ProtocolLayer] = []
+        if secure { layers.append(try TLSPlugin.clientLayer(for: request, host: host, alpn: ["http/1.1"])) }
+        layers.append(ProtocolLayer(name: "http", mapError: { TransportError.from($0, context: "sending the request head to \(describing)") }) { channel in
+            let sent = channel.eventLoop.makePromise(of: Void.self)
+            try channel.pipeline.syncOperations.addHandlers([
+                HTTPRequestEncoder(), ByteToMessageHandler(HTTPResponseDecoder(leftOverBytesStrategy: .dropBytes)),
+                HTTPUploadHandler(plan: plan, facts: facts, sent: sent),
+            ])
+            return sent.futureResult
+        })
+        let connection = try await TCPSocket.connect(request, host: host, port: port, layers: layers, name: describing)
+        facts.attach(connection)
+        return connection
     }
 
     private func webSocket(secure: Bool) -> Scheme {
@@ -89,6 +150,23 @@ public struct WebPlugin: TransportPlugin {
         return Scheme(descriptor, connect: { try await Self.connect($0, secure: secure) }, listen: { try await Self.listen($0, secure: secure) })
     }
 
+    /// Authorization and Cookie from the URL, checked.
+    static func credentialHeaders(_ request: ConnectRequest) throws -> [(String, String)] {
+        var headers: [(String, String)] = []
+        if let authorization = request[authorization] { headers.append(("Authorization", try checkedHeader(authorization, request))) }
+        if let cookie = request[cookie] { headers.append(("Cookie", try checkedHeader(cookie, request))) }
+        return headers
+    }
+
+    /// `value`, unless it holds a line break or NUL: those would end the header and start
+    /// another that the URL's author did not write (header injection).
+    static func checkedHeader(_ value: String, _ request: ConnectRequest) throws -> String {
+        guard !value.utf8.contains(where: { $0 == 0x0D || $0 == 0x0A || $0 == 0 }) else {
+            throw TransportError(.invalidURL, "\(request.url.shown): a header value holds a line break or NUL, which would end the header early")
+        }
+        return value
+    }
+
     static func configuration(_ request: ConnectRequest, role: WebSocketConfiguration.Role, describing: String) -> WebSocketConfiguration {
         WebSocketConfiguration(role: role, maxMessageSize: request[maxMessageSize], pingInterval: request[pingInterval],
                                pingTimeout: request[pingTimeout], closeTimeout: request[closeTimeout], describing: describing)
@@ -106,9 +184,8 @@ public struct WebPlugin: TransportPlugin {
         let target = request.url.requestTarget(query: request.serverQuery)
         let describing = "\(secure ? "wss" : "ws")://\(authority)\(request.url.path.isEmpty ? "/" : request.url.path)"
         var headers: [(String, String)] = []
-        if let origin = request[origin] { headers.append(("Origin", origin)) }
-        if let authorization = request[authorization] { headers.append(("Authorization", authorization)) }
-        if let cookie = request[cookie] { headers.append(("Cookie", cookie)) }
+        if let origin = request[origin] { headers.append(("Origin", try checkedHeader(origin, request))) }
+        headers += try credentialHeaders(request)
         let upgrade = WebSocketClientHandshake.Request(target: target, host: authority, subprotocols: list(request[subprotocols]), headers: headers,
                                                          compression: request[compression])
         let configuration = configuration(request, role: .client, describing: describing)

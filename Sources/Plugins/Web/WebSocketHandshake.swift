@@ -25,10 +25,40 @@ func headerTokens(_ headers: HTTPHeaders, _ name: String, lowercased: Bool = tru
     }
 }
 
+/// Holds back the peer's end of input (a FIN) while the HTTP decoder leaves the pipeline: seen by
+/// it, the end would make it drop the bytes that came after the handshake (a first message, a
+/// close frame). Released once the frame decoder has them.
+final class EndOfInputGate: ChannelInboundHandler, RemovableChannelHandler {
+    typealias InboundIn = NIOAny
+    var holding = false
+    private var held = false
+
+    func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        if holding, let end = event as? ChannelEvent, end == .inputClosed {
+            held = true
+            return
+        }
+        context.fireUserInboundEventTriggered(event)
+    }
+
+    /// Passes on a held end, and leaves the pipeline.
+    func release(_ context: ChannelHandlerContext) {
+        holding = false
+        let pipeline = context.pipeline.syncOperations
+        guard let own = try? pipeline.context(handler: self) else { return }
+        if held { own.fireUserInboundEventTriggered(ChannelEvent.inputClosed) }
+        pipeline.removeHandler(context: own, promise: nil)
+    }
+}
+
+@available(*, unavailable)
+extension EndOfInputGate: Sendable {}
+
 /// What both halves of the handshake share: the ready step's promise, and once the answer is
 /// settled, the bytes that follow it, kept until the frame decoder is in place.
 final class HandshakeProgress {
     let promise: EventLoopPromise<Void>
+    let gate = EndOfInputGate()
     private(set) var upgraded = false
     private var buffered: [NIOAny] = []
 
@@ -57,6 +87,7 @@ final class HandshakeProgress {
     func switchToFrames(_ context: ChannelHandlerContext, encoder: any RemovableChannelHandler,
                         decoder: any RemovableChannelHandler, webSocket: WebSocketHandler) {
         upgraded = true
+        gate.holding = true
         let pipeline = context.pipeline.syncOperations
         pipeline.removeHandler(encoder, promise: nil)
         let bound = NIOLoopBound((context, webSocket, self), eventLoop: context.eventLoop)
@@ -74,6 +105,7 @@ final class HandshakeProgress {
                 for data in buffered { context.fireChannelRead(data) }
                 if !buffered.isEmpty { context.fireChannelReadComplete() }
                 pipeline.removeHandler(context: context, promise: nil)
+                progress.gate.release(context)
             } catch {
                 progress.promise.fail(error)
                 context.close(promise: nil)
@@ -113,7 +145,7 @@ final class WebSocketClientHandshake: ChannelInboundHandler, RemovableChannelHan
     /// promise is the ready step.
     static func install(on channel: any Channel, request: Request, webSocket: WebSocketHandler) throws -> WebSocketClientHandshake {
         let handshake = WebSocketClientHandshake(request: request, webSocket: webSocket, progress: HandshakeProgress(on: channel))
-        try channel.pipeline.syncOperations.addHandlers([handshake.encoder, handshake.decoder, handshake, webSocket])
+        try channel.pipeline.syncOperations.addHandlers([handshake.progress.gate, handshake.encoder, handshake.decoder, handshake, webSocket])
         return handshake
     }
 
@@ -246,6 +278,14 @@ final class WebSocketClientHandshake: ChannelInboundHandler, RemovableChannelHan
         context.fireChannelInactive()
     }
 
+    func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        if let end = event as? ChannelEvent, end == .inputClosed, !progress.upgraded {
+            progress.ended("\(webSocket.configuration.describing) closed the connection during the WebSocket upgrade, before answering it")
+            return context.close(promise: nil)
+        }
+        context.fireUserInboundEventTriggered(event)
+    }
+
     func handlerRemoved(context: ChannelHandlerContext) {
         progress.ended("the WebSocket upgrade to \(webSocket.configuration.describing) ended before an answer")
     }
@@ -281,7 +321,7 @@ final class WebSocketServerHandshake: ChannelInboundHandler, RemovableChannelHan
 
     static func install(on channel: any Channel, policy: Policy, webSocket: WebSocketHandler) throws -> WebSocketServerHandshake {
         let handshake = WebSocketServerHandshake(policy: policy, webSocket: webSocket, progress: HandshakeProgress(on: channel))
-        try channel.pipeline.syncOperations.addHandlers([handshake.encoder, handshake.decoder, handshake, webSocket])
+        try channel.pipeline.syncOperations.addHandlers([handshake.progress.gate, handshake.encoder, handshake.decoder, handshake, webSocket])
         return handshake
     }
 
@@ -328,18 +368,18 @@ final class WebSocketServerHandshake: ChannelInboundHandler, RemovableChannelHan
         guard let key = headers.first(name: "Sec-WebSocket-Key"), let decoded = Data(base64Encoded: key), decoded.count == 16 else {
             return refuse(.badRequest, "Sec-WebSocket-Key must be 16 bytes in base64", context: context)
         }
+        // Browsers always send Origin, and a page cannot change it; a client without one is not a
+        // browser, which origins= does not keep out (Docs/Security.md).
         let origin = headers.first(name: "Origin")
-        if !policy.origins.isEmpty {
-            guard let origin, policy.origins.contains(origin) else {
-                return refuse(.forbidden, "the origin \(origin ?? "(none)") is not allowed here", context: context)
-            }
+        if !policy.origins.isEmpty, let origin, !policy.origins.contains(where: { $0.lowercased() == origin.lowercased() }) {
+            return refuse(.forbidden, "the origin \(origin) is not allowed here", context: context)
         }
         var answer = HTTPHeaders()
         answer.add(name: "Upgrade", value: "websocket")
         answer.add(name: "Connection", value: "Upgrade")
         answer.add(name: "Sec-WebSocket-Accept", value: webSocketAccept(for: key))
         let offered = headerTokens(headers, "Sec-WebSocket-Protocol", lowercased: false)
-        if let chosen = offered.first(where: { policy.subprotocols.contains($0) }) {
+        if let chosen = policy.subprotocols.first(where: { offered.contains($0) }) {
             answer.add(name: "Sec-WebSocket-Protocol", value: chosen)
             webSocket.facts["ws.subprotocol"] = chosen
         }
@@ -377,6 +417,14 @@ final class WebSocketServerHandshake: ChannelInboundHandler, RemovableChannelHan
     func channelInactive(context: ChannelHandlerContext) {
         progress.ended("the client left before finishing the WebSocket upgrade")
         context.fireChannelInactive()
+    }
+
+    func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        if let end = event as? ChannelEvent, end == .inputClosed, !progress.upgraded {
+            progress.ended("the client left before finishing the WebSocket upgrade")
+            return context.close(promise: nil)
+        }
+        context.fireUserInboundEventTriggered(event)
     }
 
     func handlerRemoved(context: ChannelHandlerContext) {

@@ -53,7 +53,9 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     func connectionDropped()
     /// The next message with its kind, on a backend that ``carriesMessages``; `nil` at the end.
     /// Backends whose messages have kinds (WebSocket) implement it; the default reads a
-    /// ``TransportMessage/Kind/binary`` message with ``read()``.
+    /// ``TransportMessage/Kind/binary`` message with ``read()``. A ``WrappingBackend`` that should
+    /// pass kinds on implements both (`spy+` does); with the defaults its `read()` and `write(_:)`
+    /// see every message, as binary.
     func readMessage() async throws -> TransportMessage?
     /// Sends one message with its kind; the default sends the payload with ``write(_:)``.
     func writeMessage(_ message: TransportMessage) async throws
@@ -127,14 +129,6 @@ extension WrappingBackend {
     public var maximumWriteSize: Int? { wrapped.maximumWriteSize }
     public func willPerform(_ operation: ControlOperation) {}
     public func didPerform(_ operation: ControlOperation, outcome: Result<String?, any Error>) {}
-    /// The wrapped connection's next message, its kind kept.
-    public func readMessage() async throws -> TransportMessage? {
-        wrapped.carriesMessages ? try await wrapped.nextMessage() : try await read().map { TransportMessage(.binary, $0) }
-    }
-    /// Sends through the wrapped connection, its kind kept.
-    public func writeMessage(_ message: TransportMessage) async throws {
-        wrapped.carriesMessages ? try await wrapped.writeMessage(message) : try await write(message.payload)
-    }
 }
 
 /// What a transport knows about the other end, like CornucopiaStreams' `CC_meta`.

@@ -128,7 +128,7 @@ public final class TransportRegistry: Sendable {
         // scheme; the other is the fallback, whose validation then explains the mistake.
         let keys = url.inner != nil ? [url.scheme + "+", url.scheme] : [url.scheme, url.scheme + "+"]
         guard let entry = table.withLock({ table in keys.compactMap { table.schemes[$0] }.first }) else {
-            let known = schemes.map { $0.scheme + "://" }.joined(separator: ", ")
+            let known = schemes.map { $0.wraps ? $0.scheme + "+URL" : $0.scheme + "://" }.joined(separator: ", ")
             throw TransportError(.unsupportedScheme, "no plugin handles \(URLParser.printable(url.scheme, limit: 40))://; registered schemes: \(known.isEmpty ? "none" : known)")
         }
         return entry

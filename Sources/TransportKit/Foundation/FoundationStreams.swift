@@ -4,6 +4,33 @@
 import Foundation
 import Synchronization
 import TransportKitCore
+import TransportKitLoop
+
+#if !canImport(Darwin)
+extension Stream {
+    /// A bound pair of streams: what is written to `outputStream` is read from `inputStream`, at
+    /// most `bufferSize` bytes in between. Apple's Foundation has this method and
+    /// swift-corelibs-foundation does not; this one takes the same call, so code written after
+    /// Apple's "Uploading streams of data" (a streamed `URLSession` upload fed through a bound
+    /// pair) builds and runs on Linux. The pair is a ``Connection/makeStreamPair(bufferSize:)``
+    /// over an in-memory `loop://` connection: the output's `write` blocks while the buffer is full
+    /// and its events say when there is room; the input's `read` blocks until bytes come, and
+    /// reads the end once the output is closed.
+    ///
+    /// ```swift
+    /// var inputOrNil: InputStream? = nil
+    /// var outputOrNil: OutputStream? = nil
+    /// Stream.getBoundStreams(withBufferSize: 4096, inputStream: &inputOrNil, outputStream: &outputOrNil)
+    /// // hand inputOrNil to URLSession in urlSession(_:task:needNewBodyStream:); write to outputOrNil
+    /// ```
+    public static func getBoundStreams(withBufferSize bufferSize: Int, inputStream: inout InputStream?,
+                                       outputStream: inout OutputStream?) {
+        let (input, output) = LoopPlugin.makeConnection(buffer: bufferSize).makeStreamPair(bufferSize: bufferSize)
+        inputStream = input
+        outputStream = output
+    }
+}
+#endif
 
 extension Connection {
     /// A bound (InputStream, OutputStream) pair over this connection, for code written for

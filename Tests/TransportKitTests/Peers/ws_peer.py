@@ -8,7 +8,7 @@ sockets for the frames no correct implementation sends (RFC 6455 case table).
   ws_peer.py client URL [CAFILE]        websockets client: text, binary, prints what comes back
   ws_peer.py rawclient PORT PATH CASE   raw client of our listener; prints "close CODE"
 """
-import asyncio, base64, hashlib, json, os, socket, ssl, struct, sys
+import asyncio, base64, hashlib, json, os, socket, ssl, struct, sys, zlib
 
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
@@ -147,7 +147,18 @@ RAW_SERVER_CASES = {
                    frame(2, b""), frame(8, struct.pack("!H", 1000) + b"done")],
     "nopong": [],
     "noclose": [],
+    # After the 101, in the same write: a message and a close (or only a FIN), then the socket ends.
+    "burst": [frame(1, b"first"), frame(8, struct.pack("!H", 1000))],
+    "finwithoutclose": [frame(1, b"first")],
+    "silentfin": [],
+    # permessage-deflate with each message a whole DEFLATE stream ending in a final block (BFINAL).
+    "bfinal": [],
 }
+
+
+def final_block(data):
+    compressor = zlib.compressobj(wbits=-15)
+    return compressor.compress(data) + compressor.flush(zlib.Z_FINISH)
 
 
 def raw_server(port, case):
@@ -160,11 +171,28 @@ def raw_server(port, case):
     request = b""
     while b"\r\n\r\n" not in request:
         request += conn.recv(4096)
+    if case == "silentfin":
+        conn.shutdown(socket.SHUT_WR)
+        log("eof" if not conn.recv(4096) else "data")
+        return
     key = [l.split(b":", 1)[1].strip() for l in request.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:")][0]
     accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
-    conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: "
-                 + accept + b"\r\n\r\n")
-    for data in RAW_SERVER_CASES[case]:
+    answer = (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: "
+              + accept + b"\r\n")
+    if case == "bfinal":
+        answer += b"Sec-WebSocket-Extensions: permessage-deflate\r\n"
+        frames = [frame(1, final_block(b"one " * 50), rsv=4), frame(1, final_block(b"two " * 50), rsv=4),
+                  frame(8, struct.pack("!H", 1000))]
+    else:
+        frames = RAW_SERVER_CASES[case]
+    if case in ("burst", "finwithoutclose"):
+        conn.sendall(answer + b"\r\n" + b"".join(frames))
+        conn.shutdown(socket.SHUT_WR)
+        report_frames(conn)
+        conn.close()
+        return
+    conn.sendall(answer + b"\r\n")
+    for data in frames:
         conn.sendall(data)
     if case == "nopong":
         # Reads (so the client's pings are taken) and never answers them.

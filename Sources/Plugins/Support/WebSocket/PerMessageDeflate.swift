@@ -123,16 +123,18 @@ package final class DeflateStream {
     }
 
     private init?(inflating: Bool, windowBits: Int, resetEachMessage: Bool) {
-        stream = .allocate(capacity: 1)
+        let stream = UnsafeMutablePointer<z_stream>.allocate(capacity: 1)
         stream.initialize(to: z_stream())
-        self.inflating = inflating
-        self.resetEachMessage = resetEachMessage
-        // Negative window bits: raw DEFLATE, without zlib's header and checksum.
+        // Negative window bits: raw DEFLATE, without zlib's header and checksum. Set up before
+        // the properties: a failed init then never runs deinit (which would end the stream).
         let status = inflating ? tk_inflate_init(stream, -Int32(windowBits)) : tk_deflate_init(stream, Z_DEFAULT_COMPRESSION, -Int32(windowBits))
         guard status == Z_OK else {
             stream.deallocate()
             return nil
         }
+        self.stream = stream
+        self.inflating = inflating
+        self.resetEachMessage = resetEachMessage
     }
 
     deinit {
@@ -202,7 +204,13 @@ package final class DeflateStream {
                     failure = .corrupt(reason)
                     return
                 }
-                if status == Z_STREAM_END { break }
+                if status == Z_STREAM_END {
+                    // A final block (BFINAL, RFC 7692 section 7.2.3.5) ends zlib's stream: what is
+                    // left is the appended 00 00 FF FF, not data. The next message starts a new
+                    // stream, with no window carried over.
+                    inflateReset(stream)
+                    break
+                }
             }
         }
         stream.pointee.next_in = nil

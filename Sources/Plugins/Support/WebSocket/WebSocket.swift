@@ -100,6 +100,11 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
     private var pinger: RepeatedTask?
     private var pongTimer: Scheduled<Void>?
     private var pingPayload: ByteBuffer?
+    /// The payload of the latest ping not answered yet because the channel was not writable.
+    private var pendingPong: ByteBuffer?
+    /// `false` between a read's end and the next read the backend asks for: the application is
+    /// not taking what arrives, so a pong may sit unread in the kernel.
+    private var reading = true
 
     package init(_ configuration: WebSocketConfiguration) {
         self.configuration = configuration
@@ -144,6 +149,12 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
     package func channelRead(context: ChannelHandlerContext, data: NIOAny) {
         let frame = Self.unwrapInboundIn(data)
         guard !closeReceived, !failed else { return }
+        // Anything from the peer shows it is alive: the keepalive's deadline is met.
+        if pingPayload != nil {
+            pingPayload = nil
+            pongTimer?.cancel()
+            pongTimer = nil
+        }
         switch configuration.role {
         case .server where frame.maskKey == nil:
             return fail(CloseCode.protocolError, "sent an unmasked frame, which a client must never do")
@@ -187,13 +198,15 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
             }
         case .ping:
             guard !closeSent else { return }
+            // A peer that pings faster than it reads gets an answer to its latest ping only
+            // (RFC 6455 section 5.5.3), so unsent pongs cannot pile up.
+            guard context.channel.isWritable else {
+                pendingPong = frame.unmaskedData
+                return
+            }
             send(WebSocketFrame(fin: true, opcode: .pong, maskKey: mask(), data: frame.unmaskedData), context: context)
         case .pong:
-            if let expected = pingPayload, frame.unmaskedData == expected {
-                pingPayload = nil
-                pongTimer?.cancel()
-                pongTimer = nil
-            }
+            break   // any frame met the keepalive's deadline, above
         case .connectionClose:
             receivedClose(frame.unmaskedData, context: context)
         default:
@@ -254,8 +267,7 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
         }
         closeReceived = true
         assembling = nil
-        if let code { facts["ws.closeCode"] = "\(code)" }
-        if !reason.isEmpty { facts["ws.closeReason"] = reason }
+        stopKeepalive()
         if closeSent {
             // Ours went first: the handshake is complete.
             finishClosing(context: context)
@@ -305,6 +317,7 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
     }
 
     private func armCloseTimer(context: ChannelHandlerContext) {
+        stopKeepalive()
         guard closeTimer == nil else { return }
         let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
         closeTimer = context.eventLoop.scheduleTask(in: TimeAmount(configuration.closeTimeout)) {
@@ -325,6 +338,7 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
         guard let context, !failed else { return }
         failed = true
         assembling = nil
+        stopKeepalive()
         let error = TransportError(.protocolError, "\(configuration.describing) \(what); closed with \(code) (\(CloseCode.name(code)))")
         failWith(error, code: code, context: context)
     }
@@ -353,6 +367,8 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
             }
             return
         }
+        // Anything else (the connection reset, TLS failed): no closing handshake to wait for.
+        if started { failed = true }
         context.fireErrorCaught(error)
     }
 
@@ -370,6 +386,40 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
             promise.succeed()
         }
         context.fireChannelInactive()
+    }
+
+    package func read(context: ChannelHandlerContext) {
+        reading = true
+        context.read()
+    }
+
+    package func channelReadComplete(context: ChannelHandlerContext) {
+        reading = false
+        context.fireChannelReadComplete()
+    }
+
+    package func channelWritabilityChanged(context: ChannelHandlerContext) {
+        if context.channel.isWritable, let payload = pendingPong, !closeSent {
+            pendingPong = nil
+            send(WebSocketFrame(fin: true, opcode: .pong, maskKey: mask(), data: payload), context: context)
+        }
+        context.fireChannelWritabilityChanged()
+    }
+
+    /// The peer's end of input (a FIN: sockets allow half-closure). After its close frame, the
+    /// closing handshake is over; before it, the connection ended abnormally (1006). Either way it
+    /// ends here: the backend hears the end from this handler (the inputClosed it sent on a normal
+    /// close, or the error).
+    package func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        guard started, let end = event as? ChannelEvent, end == .inputClosed else {
+            return context.fireUserInboundEventTriggered(event)
+        }
+        if closeReceived || failed { return finishClosing(context: context) }
+        failed = true
+        closeSent = true   // the peer reads nothing more: no close frame
+        stopKeepalive()
+        context.fireErrorCaught(TransportError(.disconnected, "\(configuration.describing) closed the TCP connection without a WebSocket close frame (1006, abnormal closure); messages it meant to send may be missing"))
+        finishClosing(context: context)
     }
 
     // MARK: Outbound
@@ -456,9 +506,18 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
         var payload = context.channel.allocator.buffer(capacity: 4)
         payload.writeInteger(UInt32.random(in: .min ... .max))
         pingPayload = payload
-        send(WebSocketFrame(fin: true, opcode: .ping, maskKey: mask(), data: payload), context: context)
-        guard let timeout = configuration.pingTimeout else { return }
         let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
+        // The deadline runs from when the ping went out, not from when it was queued behind a
+        // backlog of messages.
+        send(WebSocketFrame(fin: true, opcode: .ping, maskKey: mask(), data: payload), context: context).whenSuccess {
+            bound.value.armPongTimer()
+        }
+    }
+
+    private func armPongTimer() {
+        guard let context, let timeout = configuration.pingTimeout, pingPayload != nil, !failed, !closeSent else { return }
+        let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
+        pongTimer?.cancel()
         pongTimer = context.eventLoop.scheduleTask(in: TimeAmount(timeout)) {
             bound.value.keepaliveFailed()
         }
@@ -466,10 +525,24 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
 
     private func keepaliveFailed() {
         guard let context, !failed else { return }
+        guard reading else {
+            // The application holds reads: the answer may be waiting in the kernel. Wait again.
+            return armPongTimer()
+        }
         failed = true
         pongTimer = nil
         let error = TransportError(.timedOut, "\(configuration.describing) did not answer a keepalive ping within \(configuration.pingTimeout?.secondsText ?? "?"): the peer or the path to it is gone (pingInterval= and pingTimeout= change the keepalive)")
         failWith(error, code: CloseCode.internalError, context: context)
+    }
+
+    /// The keepalive ends when the closing handshake starts: a ping then could only turn an
+    /// orderly close into a timeout.
+    private func stopKeepalive() {
+        pinger?.cancel()
+        pinger = nil
+        pongTimer?.cancel()
+        pongTimer = nil
+        pingPayload = nil
     }
 
     private func stopTimers() {

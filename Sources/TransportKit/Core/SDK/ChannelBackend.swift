@@ -192,6 +192,7 @@ public final class ChannelBackend: ConnectionBackend {
     /// from the kernel if it was paused for them.
     public func discardBufferedInbound() {
         inbound.discardBuffered()
+        inboundKinds.kinds.withLock { $0.removeAll() }
     }
 
     /// Waits until every byte written so far has been handed to the kernel (or failed): until no
