@@ -11,20 +11,30 @@ struct WebSocketCLITests {
     static let peer = URL(fileURLWithPath: #filePath).deletingLastPathComponent()
         .appendingPathComponent("../TransportKitTests/Peers/ws_peer.py").standardized.path
 
-    /// Runs `body` with the port of a python websockets server (ws_peer.py serve).
-    func withServer(_ body: (Int) async throws -> Void) async throws {
-        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
-        let port = listener.url.port ?? 0
-        try await listener.close()
+    /// Runs `body` with the port of a python peer started with `arguments` and port 0; the peer
+    /// prints "ready PORT" once it listens on the port it chose.
+    static func withPeer(_ arguments: [String], _ body: (Int) async throws -> Void) async throws {
+        let log = temporaryPath("peer.out")
+        _ = FileManager.default.createFile(atPath: log, contents: nil)
         let server = Process()
         server.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
-        server.arguments = [Self.peer, "serve", "\(port)"]
-        server.standardOutput = FileHandle.nullDevice
+        server.arguments = arguments
+        server.standardOutput = try FileHandle(forWritingTo: URL(fileURLWithPath: log))
         server.standardError = FileHandle.nullDevice
         try server.run()
         defer { kill(server.processIdentifier, SIGKILL) }
-        #expect(await eventually(10) { portAccepts(port) })
-        try await body(port)
+        var port: Int?
+        #expect(await eventually(10, every: .milliseconds(20)) {
+            let text = (try? String(contentsOfFile: log, encoding: .utf8)) ?? ""
+            port = text.split(separator: "\n").first { $0.hasPrefix("ready ") }?.split(separator: " ").last.flatMap { Int($0) }
+            return port.map(portAccepts) ?? false
+        })
+        try await body(try #require(port))
+    }
+
+    /// Runs `body` with the port of a python websockets server (ws_peer.py serve).
+    func withServer(_ body: (Int) async throws -> Void) async throws {
+        try await Self.withPeer([Self.peer, "serve", "0"], body)
     }
 
     @Test func connectSendsLinesAsTextMessagesAndPrintsEachMessageOnALine() async throws {
@@ -47,17 +57,12 @@ struct WebSocketCLITests {
     }
 
     @Test func connectStreamsStandardInputAsARequestBodyAndPrintsTheResponse() async throws {
-        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
-        let port = listener.url.port ?? 0
-        try await listener.close()
-        let server = Process()
-        server.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
-        server.arguments = [Self.peer.replacingOccurrences(of: "ws_peer.py", with: "http_peer.py"), "\(port)"]
-        server.standardOutput = FileHandle.nullDevice
-        server.standardError = FileHandle.nullDevice
-        try server.run()
-        defer { kill(server.processIdentifier, SIGKILL) }
-        #expect(await eventually(10) { portAccepts(port) })
+        try await Self.withPeer([Self.peer.replacingOccurrences(of: "ws_peer.py", with: "http_peer.py"), "0"]) { port in
+            try await upload(port)
+        }
+    }
+
+    func upload(_ port: Int) async throws {
         let body = [UInt8](repeating: 0x41, count: 300_000)
         let upload = try await CLI.run(["connect", "http://127.0.0.1:\(port)/ingest?contentType=text/plain"], stdin: body)
         #expect(upload.status == 0, "\(upload.stderr)")

@@ -7,10 +7,9 @@ import Testing
 
 /// python3-aiohttp serving Peers/http_peer.py's paths; https with a trustme certificate.
 func httpPeer(secure: Bool = false) async throws -> (Peer, Int) {
-    let port = Peer.freePort()
-    var arguments = ["/usr/bin/python3", "\(WebSocketPeers.folder)/http_peer.py", "\(port)"]
+    var arguments = ["/usr/bin/python3", "\(WebSocketPeers.folder)/http_peer.py", "0"]
     if secure { arguments += [await Certificates.path("cert.pem"), await Certificates.path("key.pem")] }
-    let peer = try Peer(arguments)
+    let (peer, port) = try await WebSocketPeers.started(Peer(arguments))
     try await peer.waitForPort(port)
     return (peer, port)
 }
@@ -153,6 +152,54 @@ struct HTTPUploadTests {
         #expect(idle?.message.contains("nothing moved for 0.3 s") == true, "\(String(describing: idle))")
         #expect(ContinuousClock.now - started < .seconds(5))
         try? await stalled.close()
+    }
+
+    @Test func anEarlyRefusalReachesTheWriterAndASlowReaderGetsTheWholeBody() async throws {
+        let (server, port) = try await httpPeer()
+        defer { server.kill() }
+        // 4 MiB in one write to a server that reads 16 KiB at a time: it all arrives, in order.
+        let slow = try await Transport.connect(to: "http://127.0.0.1:\(port)/slowread")
+        try await slow.write([UInt8](repeating: 3, count: 4 << 20))
+        try await slow.closeWrite()
+        let fields = try #require(try JSONSerialization.jsonObject(with: Data(try await readAll(slow))) as? [String: Any])
+        #expect(fields["bytes"] as? Int == 4 << 20)
+        try await slow.close()
+
+        // 413 before the body ended: the writer learns the status, not a closed connection.
+        let refused = try await Transport.connect(to: "http://127.0.0.1:\(port)/early413")
+        let writing = await transportError {
+            for _ in 0..<4096 { try await refused.write([UInt8](repeating: 5, count: 65536)) }
+            try await refused.closeWrite()
+            _ = try await readAll(refused)
+        }
+        #expect(writing?.message.contains("413") == true, "\(String(describing: writing))")
+        try? await refused.close()
+    }
+
+    @Test func aServerThatClosesWithoutAnsweringIsAnErrorNotAnEmptyAnswer() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        let serving = Task {
+            guard let client = try await listener.accept() else { return }
+            // Takes the head and some body, then ends its side (a proxy's body timeout).
+            _ = try await client.read(timeout: .seconds(10))
+            try await client.closeWrite()
+            while try await client.read(timeout: .seconds(10)) != nil {}
+            try await client.close()
+        }
+        let connection = try await Transport.connect(to: "http://127.0.0.1:\(port)/ingest")
+        // The writer or the reader hears it, whichever comes after the server's end.
+        let ended = await transportError {
+            try await connection.write("data")
+            try await connection.closeWrite()
+            _ = try await readAll(connection)
+        }
+        #expect(ended?.kind == .disconnected)
+        #expect(ended?.message.contains("before answering") == true, "\(String(describing: ended))")
+        #expect(connection.metadata.extra["http.status"] == nil)
+        try? await connection.close()
+        _ = await serving.result
+        try await listener.close()
     }
 
     @Test func httpsChecksTheServerAndStreamsTheBody() async throws {

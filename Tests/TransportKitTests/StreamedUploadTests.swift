@@ -97,4 +97,31 @@ struct StreamedUploadTests {
         #expect(fields["bytes"] as? Int == expected.utf8.count)
         #expect(fields["chunked"] as? Bool == true, "a stream of unknown length goes chunked")
     }
+
+    @Test func closingTheInputOfABoundPairFailsTheWriterInsteadOfBlockingIt() async throws {
+        var inputOrNil: InputStream? = nil
+        var outputOrNil: OutputStream? = nil
+        Stream.getBoundStreams(withBufferSize: 1024, inputStream: &inputOrNil, outputStream: &outputOrNil)
+        let streams = UncheckedStreams(input: try #require(inputOrNil), output: try #require(outputOrNil))
+        let outcome = Mutex<Int?>(nil)
+        Thread {
+            streams.output.open()
+            streams.input.open()
+            let block = [UInt8](repeating: 1, count: 1024)
+            var total = 0
+            // Nothing reads: the buffers fill, then the input is closed from the test.
+            while true {
+                let count = block.withUnsafeBufferPointer { chunk in chunk.baseAddress.map { streams.output.write($0, maxLength: chunk.count) } ?? 0 }
+                if count <= 0 { break }
+                total += count
+            }
+            outcome.withLock { $0 = total }
+        }.start()
+        try await Task.sleep(for: .milliseconds(300))
+        #expect(outcome.withLock { $0 } == nil, "the writer waits for room")
+        streams.input.close()
+        #expect(await eventually(10) { outcome.withLock { $0 } != nil }, "the writer's next write fails once the input is closed")
+        #expect(streams.output.streamStatus == .error || streams.output.streamError != nil)
+        streams.output.close()
+    }
 }

@@ -12,19 +12,23 @@ enum WebSocketPeers {
 
     /// python3-websockets serving the paths ws_peer.py describes; wss with a trustme certificate.
     static func server(secure: Bool = false) async throws -> (Peer, Int) {
-        let port = Peer.freePort()
-        var arguments = ["/usr/bin/python3", "\(folder)/ws_peer.py", "serve", "\(port)"]
+        var arguments = ["/usr/bin/python3", "\(folder)/ws_peer.py", "serve", "0"]
         if secure { arguments += [await Certificates.path("cert.pem"), await Certificates.path("key.pem")] }
-        let peer = try Peer(arguments)
-        try await peer.waitForLine("ready")
-        return (peer, port)
+        return try await started(Peer(arguments))
     }
 
     /// A one-connection raw server that answers the upgrade and then sends `name`'s frames.
     static func raw(_ name: String) async throws -> (Peer, Int) {
-        let port = Peer.freePort()
-        let peer = try Peer(["/usr/bin/python3", "\(folder)/ws_peer.py", "raw", "\(port)", name])
-        try await peer.waitForLine("ready")
+        try await started(Peer(["/usr/bin/python3", "\(folder)/ws_peer.py", "raw", "0", name]))
+    }
+
+    /// The peer and the port it chose itself ("ready PORT"): no port freed by a test and taken by
+    /// another in between.
+    static func started(_ peer: Peer) async throws -> (Peer, Int) {
+        let line = try await peer.waitForLine("ready")
+        guard let port = line.split(separator: " ").last.flatMap({ Int($0) }) else {
+            throw TransportError(.protocolError, "the peer said '\(line)', not 'ready PORT'")
+        }
         return (peer, port)
     }
 }
@@ -368,10 +372,9 @@ struct WebSocketClientTests {
     }
 
     @Test func aNodeWsServerEchoesBothKindsCompressed() async throws {
-        let port = Peer.freePort()
-        let server = try Peer(["node", "\(WebSocketPeers.folder)/ws_server.js", "\(port)"], environment: ["NODE_PATH": "/usr/share/nodejs"])
+        let (server, port) = try await WebSocketPeers.started(
+            Peer(["node", "\(WebSocketPeers.folder)/ws_server.js", "0"], environment: ["NODE_PATH": "/usr/share/nodejs"]))
         defer { server.kill() }
-        try await server.waitForLine("ready")
         let connection = try await Transport.connect(to: "ws://127.0.0.1:\(port)/node?k=v")
         #expect(connection.metadata.extra["ws.extensions"]?.contains("server_no_context_takeover") == true, "\(connection.metadata.extra)")
         for round in 0..<3 {

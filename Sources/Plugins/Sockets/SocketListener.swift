@@ -23,7 +23,7 @@ final class SocketListener: ListenerBackend {
         var server: (any Channel)?
         /// Connections whose child initializer ran, by channel, until NIO passes them on, with
         /// their layers' ready steps.
-        var staged: [ObjectIdentifier: (connection: Connection, steps: [(ProtocolLayer, EventLoopFuture<Void>)])] = [:]
+        var staged: [ObjectIdentifier: (connection: Connection, steps: [ProtocolLayer.ReadyStep])] = [:]
         /// Accepted channels whose layers' handshakes are under way; closed with the listener.
         var handshaking: [ObjectIdentifier: any Channel] = [:]
         var ready: [Connection] = []
@@ -100,7 +100,7 @@ final class SocketListener: ListenerBackend {
         return SocketListener(server: server, accepted: accepted, onClose: onClose)
     }
 
-    private static func stage(_ connection: Connection, steps: [(ProtocolLayer, EventLoopFuture<Void>)], for child: any Channel,
+    private static func stage(_ connection: Connection, steps: [ProtocolLayer.ReadyStep], for child: any Channel,
                               in accepted: AsyncCondition<Accepted>) {
         let key = ObjectIdentifier(child)
         accepted.withLock { $0.staged[key] = (connection, steps) }
@@ -137,7 +137,7 @@ final class SocketListener: ListenerBackend {
     /// Runs an accepted connection's handshakes off the accept path: a slow or silent client
     /// holds neither accept() nor the clients behind it. It is handed out once ready; one that
     /// fails or takes longer than `timeout` is closed, and a waiting accept() asks for the next.
-    private static func handshake(_ connection: Connection, steps: [(ProtocolLayer, EventLoopFuture<Void>)], child: any Channel,
+    private static func handshake(_ connection: Connection, steps: [ProtocolLayer.ReadyStep], child: any Channel,
                                   in accepted: AsyncCondition<Accepted>, layers: [ProtocolLayer], timeout: Duration, logger: Logger?) {
         let key = ObjectIdentifier(child)
         let (refused, more) = accepted.update { state -> (Bool, Bool) in
@@ -153,10 +153,11 @@ final class SocketListener: ListenerBackend {
         if more, accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
         Task {
             do {
-                try await withTimeout(timeout, TransportError(.timedOut, "the client did not finish the handshake within \(timeout.secondsText)")) {
+                let told = try await withTimeout(timeout, TransportError(.timedOut, "the client did not finish the handshake within \(timeout.secondsText)")) {
                     try await ProtocolLayer.awaitReady(steps, on: child)
                 }
-                let extra = await ProtocolLayer.metadata(of: layers, on: child)
+                var extra = await ProtocolLayer.metadata(of: layers, on: child)
+                extra.merge(told) { _, new in new }
                 connection.updateMetadata { $0.extra.merge(extra) { _, new in new } }
                 let refused = accepted.update { state -> Bool in
                     state.handshaking[key] = nil

@@ -55,23 +55,28 @@ public enum TCPSocket {
                 steps.set(try ProtocolLayer.install(layers, on: channel), for: channel)
             },
             mapError: { mapConnectError($0, host: host, port: port, target: name ?? target) },
-            ready: { backend in try await ProtocolLayer.awaitReady(steps.take(for: backend.channel), on: backend.channel) }
+            ready: { backend in steps.told(try await ProtocolLayer.awaitReady(steps.take(for: backend.channel), on: backend.channel)) }
         ) { bootstrap, initializer in
             try await bootstrap.connect(host: host, port: port, channelInitializer: initializer)
         }
         var metadata = metadata(of: backend.channel, name: name ?? target)
         metadata.extra.merge(await ProtocolLayer.metadata(of: layers, on: backend.channel)) { _, new in new }
+        metadata.extra.merge(steps.facts) { _, new in new }
         return Connection(url: request.url, backend: backend, metadata: metadata)
     }
 
     /// The ready steps channel initializers made, by channel (Happy Eyeballs may initialize
     /// several), handed to the task that awaits the winner's.
     final class ReadySteps: Sendable {
-        private let steps = Mutex<[ObjectIdentifier: [(ProtocolLayer, EventLoopFuture<Void>)]]>([:])
-        func set(_ value: [(ProtocolLayer, EventLoopFuture<Void>)], for channel: any Channel) {
+        private let steps = Mutex<[ObjectIdentifier: [ProtocolLayer.ReadyStep]]>([:])
+        private let learned = Mutex<[String: String]>([:])
+        /// What the winning channel's steps told, once ready.
+        var facts: [String: String] { learned.withLock { $0 } }
+        func told(_ facts: [String: String]) { learned.withLock { $0 = facts } }
+        func set(_ value: [ProtocolLayer.ReadyStep], for channel: any Channel) {
             steps.withLock { $0[ObjectIdentifier(channel)] = value }
         }
-        func take(for channel: any Channel) -> [(ProtocolLayer, EventLoopFuture<Void>)] {
+        func take(for channel: any Channel) -> [ProtocolLayer.ReadyStep] {
             steps.withLock { steps in
                 defer { steps = [:] }
                 return steps[ObjectIdentifier(channel)] ?? []

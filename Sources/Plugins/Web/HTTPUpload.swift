@@ -70,7 +70,14 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
     private var errorBody: ByteBuffer?
     private var responseEnded = false
     private var failed = false
+    /// Why writes fail from now on: the server's refusal, or its complete answer before the body ended.
+    private var writeRefusal: TransportError?
     private var idleTimer: Scheduled<Void>?
+    /// `false` between a read's end and the next read the backend asks for: the application holds
+    /// its reads, which is not the server's idleness.
+    private var reading = true
+    /// Body parts go to NIO in pieces of at most this many bytes; each one written is progress.
+    static let piece = 64 * 1024
 
     init(plan: HTTPRequestPlan, facts: ResponseFacts, sent: EventLoopPromise<Void>) {
         self.plan = plan
@@ -115,7 +122,11 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
     // MARK: The body going out
 
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
-        let chunk = Self.unwrapOutboundIn(data)
+        var chunk = Self.unwrapOutboundIn(data)
+        if let writeRefusal {
+            promise?.fail(writeRefusal)
+            return
+        }
         if bodyEnded || failed {
             promise?.fail(TransportError.misuse("\(plan.describing): the request body has ended; nothing more can be sent"))
             return
@@ -126,13 +137,47 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
         }
         bodyBytes += chunk.readableBytes
         armIdleTimer(context)
-        context.write(Self.wrapOutboundOut(.body(.byteBuffer(chunk))), promise: promise)
+        // In pieces, each restarting the idle timer once the kernel took it: over a slow link a
+        // large write is progress long before it is all out.
+        let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
+        while let piece = chunk.readSlice(length: min(Self.piece, chunk.readableBytes)), piece.readableBytes > 0 {
+            let written = context.eventLoop.makePromise(of: Void.self)
+            written.futureResult.whenSuccess {
+                guard let context = bound.value.context else { return }
+                bound.value.armIdleTimer(context)
+            }
+            if chunk.readableBytes == 0 { written.futureResult.cascade(to: promise) }
+            context.write(Self.wrapOutboundOut(.body(.byteBuffer(piece))), promise: written)
+            if chunk.readableBytes == 0 { return }
+        }
+        promise?.succeed()
+    }
+
+    func channelWritabilityChanged(context: ChannelHandlerContext) {
+        armIdleTimer(context)
+        context.fireChannelWritabilityChanged()
+    }
+
+    func read(context: ChannelHandlerContext) {
+        reading = true
+        context.read()
+    }
+
+    func channelReadComplete(context: ChannelHandlerContext) {
+        reading = false
+        context.fireChannelReadComplete()
     }
 
     /// `.output` (the connection's closeWrite) ends the body; the response is read on.
     func close(context: ChannelHandlerContext, mode: CloseMode, promise: EventLoopPromise<Void>?) {
         guard mode == .output else { return context.close(mode: mode, promise: promise) }
-        guard !bodyEnded else {
+        guard !bodyEnded, writeRefusal == nil || responseEnded else {
+            promise?.succeed()
+            return
+        }
+        if responseEnded {
+            // The server answered before the body ended; there is nothing to end.
+            bodyEnded = true
             promise?.succeed()
             return
         }
@@ -160,7 +205,12 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
                 found[key] = found[key].map { "\($0), \(value)" } ?? value
             }
             facts.record(found)
-            if head.status.code >= 300 { errorBody = context.channel.allocator.buffer(capacity: 256) }
+            if head.status.code >= 300 {
+                errorBody = context.channel.allocator.buffer(capacity: 256)
+                // The server refuses: the body's writer hears why at once (the status; the body's
+                // start follows with the reader's error).
+                writeRefusal = refusal(head)
+            }
         case .body(var chunk):
             if var kept = errorBody {
                 if kept.readableBytes < 300, let slice = chunk.readSlice(length: min(chunk.readableBytes, 300 - kept.readableBytes)) {
@@ -177,6 +227,10 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
             if let response, response.status.code >= 300 {
                 fail(refusal(response), context: context)
             } else {
+                if !bodyEnded, let response {
+                    // A complete answer before the body ended (RFC 9112 section 9.6): stop sending.
+                    writeRefusal = TransportError(.disconnected, "\(plan.describing) answered \(response.status.code) \(response.status.reasonPhrase) before the body ended, after \(bodyBytes) bytes, and takes no more; read its answer")
+                }
                 context.fireUserInboundEventTriggered(ChannelEvent.inputClosed)
             }
         }
@@ -212,20 +266,39 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
     }
 
     func errorCaught(context: ChannelHandlerContext, error: any Error) {
-        if error is HTTPParserError {
+        if let response, response.status.code >= 300, !failed {
+            // A refusal was on its way (a reset after a 413's head): it says more than the reset.
+            return fail(refusal(response), context: context)
+        }
+        if let parser = error as? HTTPParserError {
+            if parser == .invalidEOFState { return endedEarly(context) }
             return fail(TransportError(.protocolError, "\(plan.describing): the server's answer is not HTTP/1.1 (\(error)); is it an HTTPS port (https://), or not a web server?"), context: context)
         }
         failed = true
         context.fireErrorCaught(error)
     }
 
+    /// The server's end of input (a FIN: sockets allow half-closure). The handler tells the
+    /// backend of the end itself (at the answer's end), so this one goes no further; before the
+    /// end of the answer it is an error.
+    func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        guard let end = event as? ChannelEvent, end == .inputClosed else {
+            return context.fireUserInboundEventTriggered(event)
+        }
+        if !responseEnded && !failed && headSent { endedEarly(context) }
+    }
+
     func channelInactive(context: ChannelHandlerContext) {
         idleTimer?.cancel()
-        if !responseEnded && !failed && headSent {
-            let when = response == nil ? "before answering" : "before the end of its answer"
-            fail(TransportError(.disconnected, "\(plan.describing): the server closed the connection \(when) (\(bodyBytes) bytes of the body went out\(bodyEnded ? ", all of it" : ""))"), context: context)
-        }
+        if !responseEnded && !failed && headSent { endedEarly(context) }
         context.fireChannelInactive()
+    }
+
+    /// The server closed before its answer was complete.
+    private func endedEarly(_ context: ChannelHandlerContext) {
+        if let response, response.status.code >= 300 { return fail(refusal(response), context: context) }
+        let when = response == nil ? "before answering" : "before the end of its answer"
+        fail(TransportError(.disconnected, "\(plan.describing): the server closed the connection \(when) (\(bodyBytes) bytes of the body went out\(bodyEnded ? ", all of it" : "")); the upload may not have been taken"), context: context)
     }
 
     // MARK: Idle timeout
@@ -239,6 +312,8 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
         idleTimer = context.eventLoop.scheduleTask(in: TimeAmount(limit)) {
             let handler = bound.value
             guard let context = handler.context else { return }
+            // The application holds its reads: the answer may be waiting unread. Wait again.
+            guard handler.reading else { return handler.armIdleTimer(context) }
             let waiting = handler.bodyEnded ? "the server's answer" : "the next byte of the body"
             handler.fail(TransportError(.timedOut, "\(handler.plan.describing): nothing moved for \(limit.secondsText) while waiting for \(waiting) (idleTimeout= changes the wait)"), context: context)
             context.close(promise: nil)

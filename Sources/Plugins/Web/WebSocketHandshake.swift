@@ -103,7 +103,12 @@ final class HandshakeProgress {
                 let buffered = progress.buffered
                 progress.buffered = []
                 for data in buffered { context.fireChannelRead(data) }
-                if !buffered.isEmpty { context.fireChannelReadComplete() }
+                if !buffered.isEmpty {
+                    context.fireChannelReadComplete()
+                    // NIO's own read for this cycle went by before these bytes: ask again, through
+                    // the backend, which holds it when its queue is full.
+                    context.channel.read()
+                }
                 pipeline.removeHandler(context: context, promise: nil)
                 progress.gate.release(context)
             } catch {

@@ -15,7 +15,11 @@ extension Stream {
     /// pair) builds and runs on Linux. The pair is a ``Connection/makeStreamPair(bufferSize:)``
     /// over an in-memory `loop://` connection: the output's `write` blocks while the buffer is full
     /// and its events say when there is room; the input's `read` blocks until bytes come, and
-    /// reads the end once the output is closed.
+    /// reads the end once the output is closed. Closing the input (URLSession does when its task
+    /// ends, failed or not) makes the output's writes fail, so a producer never waits forever.
+    /// Up to three times `bufferSize` bytes wait in between (each stream's buffer and the loop's).
+    /// URLSession reads the input on its own queue, blocking there until bytes come: feed it
+    /// steadily, or give each upload its own session.
     ///
     /// ```swift
     /// var inputOrNil: InputStream? = nil
@@ -25,7 +29,8 @@ extension Stream {
     /// ```
     public static func getBoundStreams(withBufferSize bufferSize: Int, inputStream: inout InputStream?,
                                        outputStream: inout OutputStream?) {
-        let (input, output) = LoopPlugin.makeConnection(buffer: bufferSize).makeStreamPair(bufferSize: bufferSize)
+        // The bytes wait in the loop; each stream's own buffer holds one read or write's worth.
+        let (input, output) = LoopPlugin.makeConnection(buffer: bufferSize).makeStreamPair(bufferSize: bufferSize, endsWithInput: true)
         inputStream = input
         outputStream = output
     }
@@ -104,7 +109,11 @@ extension Connection {
     /// Thread { print(exchange(over: connection)) }.start()   // "ping\n", echoed by loop://
     /// ```
     public func makeStreamPair(bufferSize: Int = 64 * 1024) -> (InputStream, OutputStream) {
-        let pair = StreamPairOwner(connection: self)
+        makeStreamPair(bufferSize: bufferSize, endsWithInput: false)
+    }
+
+    func makeStreamPair(bufferSize: Int, endsWithInput: Bool) -> (InputStream, OutputStream) {
+        let pair = StreamPairOwner(connection: self, endsWithInput: endsWithInput)
         let input = ConnectionInputStream(core: InboundCore(pair: pair, bufferSize: bufferSize))
         let output = ConnectionOutputStream(core: OutboundCore(pair: pair, bufferSize: bufferSize))
         return (input, output)
@@ -119,9 +128,21 @@ extension Connection {
 /// their tasks then.
 final class StreamPairOwner: Sendable {
     let connection: Connection
+    /// Closing the input ends the connection at once (a bound pair: nothing else reads its loop,
+    /// so a writer would otherwise wait forever for room).
+    let endsWithInput: Bool
     private let state = Mutex<(openSides: Int, tasks: [Task<Void, Never>])>((2, []))
 
-    init(connection: Connection) { self.connection = connection }
+    init(connection: Connection, endsWithInput: Bool = false) {
+        self.connection = connection
+        self.endsWithInput = endsWithInput
+    }
+
+    /// The input side closed: for a bound pair, the output's writer fails from now on.
+    func inputClosed() {
+        if endsWithInput { connection.abort() }
+        sideClosed()
+    }
 
     /// Keeps a side's task, to cancel it when the pair is done.
     func adopt(_ task: Task<Void, Never>) {
@@ -388,7 +409,7 @@ final class InboundCore: BridgeCoreBase, @unchecked Sendable {
         withExtendedLifetime(retained) {}
         guard previous != .closed else { return }
         task.withLock { $0 }?.cancel()
-        pair.sideClosed()
+        pair.inputClosed()
     }
 }
 

@@ -5,6 +5,7 @@ sockets for the frames no correct implementation sends (RFC 6455 case table).
   ws_peer.py serve PORT [CERT KEY]      websockets server (wss with CERT and KEY); paths below
   ws_peer.py raw PORT CASE              one-shot server: a correct 101, then CASE's frames;
                                         prints "close CODE" for the close frame it gets back
+  (servers print "ready PORT" once they listen; PORT 0 picks a free one, with no race)
   ws_peer.py client URL [CAFILE]        websockets client: text, binary, prints what comes back
   ws_peer.py rawclient PORT PATH CASE   raw client of our listener; prints "close CODE"
 """
@@ -59,8 +60,8 @@ async def serve(port, cert=None, key=None):
         context.load_cert_chain(cert, key)
     async with websockets.serve(handler, "127.0.0.1", port, process_request=process_request,
                                 subprotocols=["chat.v2", "chat.v1"], ssl=context,
-                                max_size=4 << 20, ping_interval=None):
-        log("ready")
+                                max_size=4 << 20, ping_interval=None) as server:
+        log("ready", server.sockets[0].getsockname()[1])
         await asyncio.Future()
 
 
@@ -166,7 +167,7 @@ def raw_server(port, case):
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", port))
     listener.listen(1)
-    log("ready")
+    log("ready", listener.getsockname()[1])
     conn, _ = listener.accept()
     request = b""
     while b"\r\n\r\n" not in request:

@@ -10,4 +10,4 @@ server.on('connection', (socket, request) => {
     socket.on('message', (data, isBinary) => socket.send(data, { binary: isBinary }));
     socket.on('close', (code) => console.log('closed', code));
 });
-server.on('listening', () => console.log('ready'));
+server.on('listening', () => console.log('ready', server.address().port));

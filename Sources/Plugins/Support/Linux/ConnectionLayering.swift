@@ -32,7 +32,7 @@ public enum ConnectionLayering {
             try? await inner.close()
             throw error
         }
-        let steps = Mutex<[(ProtocolLayer, EventLoopFuture<Void>)]>([])
+        let steps = Mutex<[ProtocolLayer.ReadyStep]>([])
         let wire: ChannelBackend
         let top: ChannelBackend
         do {
@@ -57,8 +57,9 @@ public enum ConnectionLayering {
             throw error
         }
         let relay = Relay(inner: inner, wire: wire, top: top)
+        let told: [String: String]
         do {
-            try await ProtocolLayer.awaitReady(steps.withLock { $0 }, on: top.channel)
+            told = try await ProtocolLayer.awaitReady(steps.withLock { $0 }, on: top.channel)
         } catch {
             // Nothing was acknowledged yet: the inner connection goes at once, without waiting on it.
             top.connectionDropped()
@@ -67,7 +68,8 @@ public enum ConnectionLayering {
             // The inner connection's own failure says more than the handshake's view of it.
             throw relay.innerFailure ?? error
         }
-        let extra = await ProtocolLayer.metadata(of: layers, on: top.channel)
+        var extra = await ProtocolLayer.metadata(of: layers, on: top.channel)
+        extra.merge(told) { _, new in new }
         inner.updateMetadata { $0.extra.merge(extra) { _, new in new } }
         return Connection(url: request.url, backend: LayeredBackend(top: top, wrapped: inner, relay: relay))
     }

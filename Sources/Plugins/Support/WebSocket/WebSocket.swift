@@ -105,6 +105,10 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
     /// `false` between a read's end and the next read the backend asks for: the application is
     /// not taking what arrives, so a pong may sit unread in the kernel.
     private var reading = true
+    /// The keepalive ping went out to the kernel; until then it may be queued behind messages.
+    private var pingSent = false
+    /// The channel drained below its low watermark since the pong deadline was set: bytes move.
+    private var drained = false
 
     package init(_ configuration: WebSocketConfiguration) {
         self.configuration = configuration
@@ -399,6 +403,7 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
     }
 
     package func channelWritabilityChanged(context: ChannelHandlerContext) {
+        if context.channel.isWritable { drained = true }
         if context.channel.isWritable, let payload = pendingPong, !closeSent {
             pendingPong = nil
             send(WebSocketFrame(fin: true, opcode: .pong, maskKey: mask(), data: payload), context: context)
@@ -506,18 +511,19 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
         var payload = context.channel.allocator.buffer(capacity: 4)
         payload.writeInteger(UInt32.random(in: .min ... .max))
         pingPayload = payload
+        pingSent = false
         let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
-        // The deadline runs from when the ping went out, not from when it was queued behind a
-        // backlog of messages.
         send(WebSocketFrame(fin: true, opcode: .ping, maskKey: mask(), data: payload), context: context).whenSuccess {
-            bound.value.armPongTimer()
+            bound.value.pingSent = true
         }
+        armPongTimer()
     }
 
     private func armPongTimer() {
         guard let context, let timeout = configuration.pingTimeout, pingPayload != nil, !failed, !closeSent else { return }
         let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
         pongTimer?.cancel()
+        drained = false
         pongTimer = context.eventLoop.scheduleTask(in: TimeAmount(timeout)) {
             bound.value.keepaliveFailed()
         }
@@ -525,10 +531,9 @@ package final class WebSocketHandler: ChannelDuplexHandler, RemovableChannelHand
 
     private func keepaliveFailed() {
         guard let context, !failed else { return }
-        guard reading else {
-            // The application holds reads: the answer may be waiting in the kernel. Wait again.
-            return armPongTimer()
-        }
+        // The ping still queued behind messages that are moving, or an application that holds its
+        // reads (the answer may be waiting in the kernel): not a dead peer yet. Wait again.
+        if (!pingSent && drained) || !reading { return armPongTimer() }
         failed = true
         pongTimer = nil
         let error = TransportError(.timedOut, "\(configuration.describing) did not answer a keepalive ping within \(configuration.pingTimeout?.secondsText ?? "?"): the peer or the path to it is gone (pingInterval= and pingTimeout= change the keepalive)")

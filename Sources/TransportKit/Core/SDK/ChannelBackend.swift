@@ -256,12 +256,13 @@ public final class ChannelBackend: ConnectionBackend {
     }
 
     /// Keeps the first write failure. A write that found the channel already closed knows no
-    /// errno; if a read error closed it (a reset, an unplugged device), that error is the cause.
+    /// errno; if a read error closed it (a reset, an unplugged device, a protocol's own verdict
+    /// such as an HTTP server that hung up before answering), that error is the cause.
     private func recordWriteFailure(_ error: TransportError) {
         let cause = inbound.failure
         writeState.withLock { state in
             guard state.failure == nil else { return }
-            if error.errno == nil, let cause, cause.errno != nil {
+            if error.errno == nil, let cause, cause.errno != nil || error.kind == .disconnected {
                 state.failure = cause
             } else {
                 state.failure = error

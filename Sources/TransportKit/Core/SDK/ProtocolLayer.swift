@@ -49,23 +49,36 @@ public struct ProtocolLayer: Sendable {
         self.mapError = mapError
     }
 
+    /// A layer's ready step: its handshake's future, which yields the layer's ``metadata`` as it
+    /// stood the moment the step completed.
+    public typealias ReadyStep = (layer: ProtocolLayer, ready: EventLoopFuture<[String: String]>)
+
     /// Installs `layers` in order (the first is nearest the wire) and returns their ready steps.
-    public static func install(_ layers: [ProtocolLayer], on channel: any Channel) throws -> [(ProtocolLayer, EventLoopFuture<Void>)] {
-        try layers.compactMap { layer in try layer.install(channel).map { (layer, $0) } }
+    /// Each step reads its layer's metadata as it completes, on the event loop, before anything
+    /// that came after the handshake runs: a peer that sends its first message and closes at once
+    /// does not take the handshake's facts (a subprotocol, an extension) with it.
+    public static func install(_ layers: [ProtocolLayer], on channel: any Channel) throws -> [ReadyStep] {
+        try layers.compactMap { layer in
+            try layer.install(channel).map { future in (layer, future.map { layer.metadata(channel) }) }
+        }
     }
 
-    /// Waits for each ready step in order (the wire's first) and maps the first failure with its
-    /// layer's ``mapError``. Cancelling the waiting task closes `channel`, which ends the steps.
-    public static func awaitReady(_ steps: [(ProtocolLayer, EventLoopFuture<Void>)], on channel: any Channel) async throws {
+    /// Waits for each ready step in order (the wire's first), maps the first failure with its
+    /// layer's ``mapError``, and returns what the steps told (``metadata`` entries). Cancelling the
+    /// waiting task closes `channel`, which ends the steps.
+    @discardableResult
+    public static func awaitReady(_ steps: [ReadyStep], on channel: any Channel) async throws -> [String: String] {
         try await withTaskCancellationHandler {
+            var facts: [String: String] = [:]
             for (layer, future) in steps {
                 do {
-                    try await future.get()
+                    facts.merge(try await future.get()) { _, new in new }
                 } catch {
                     if Task.isCancelled { throw CancellationError() }
                     throw layer.mapError(error)
                 }
             }
+            return facts
         } onCancel: {
             channel.close(promise: nil)
         }
