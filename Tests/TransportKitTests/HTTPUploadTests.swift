@@ -144,6 +144,18 @@ struct HTTPUploadTests {
         #expect(fields["bytes"] as? Int == 15, "1.2 s in all, each pause under the 1 s idle timeout")
         try await patient.close()
 
+        // A whole-request limit only when asked for: 0.8 s, with writes every 0.2 s (never idle).
+        let limited = try await Transport.connect(to: "http://127.0.0.1:\(port)/ingest?requestTimeout=0.8")
+        let overall = await transportError {
+            for _ in 0..<20 {
+                try await limited.write("tick\n")
+                try await Task.sleep(for: .milliseconds(200))
+            }
+        }
+        #expect(overall?.kind == .timedOut)
+        #expect(overall?.message.contains("requestTimeout=") == true, "\(String(describing: overall))")
+        try? await limited.close()
+
         let stalled = try await Transport.connect(to: "http://127.0.0.1:\(port)/ingest?idleTimeout=0.3")
         try await stalled.write("start")
         let started = ContinuousClock.now

@@ -19,6 +19,8 @@ struct HTTPRequestPlan: Sendable {
     var length: Int?
     /// No byte either way for this long fails the request; `nil`: none.
     var idleTimeout: Duration?
+    /// The whole request (from its head to the answer's end) may take this long; `nil`: no limit.
+    var requestTimeout: Duration?
     /// Names the request in messages: `POST http://host/ingest`.
     var describing: String
 }
@@ -73,6 +75,7 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
     /// Why writes fail from now on: the server's refusal, or its complete answer before the body ended.
     private var writeRefusal: TransportError?
     private var idleTimer: Scheduled<Void>?
+    private var requestTimer: Scheduled<Void>?
     /// `false` between a read's end and the next read the backend asks for: the application holds
     /// its reads, which is not the server's idleness.
     private var reading = true
@@ -92,6 +95,7 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
 
     func handlerRemoved(context: ChannelHandlerContext) {
         idleTimer?.cancel()
+        requestTimer?.cancel()
         self.context = nil
         sent.fail(TransportError(.disconnected, "\(plan.describing): the request ended before its head was sent"))
     }
@@ -117,6 +121,15 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
         let head = HTTPRequestHead(version: .http1_1, method: plan.method, uri: plan.target, headers: headers)
         context.writeAndFlush(Self.wrapOutboundOut(.head(head))).cascade(to: sent)
         armIdleTimer(context)
+        if let limit = plan.requestTimeout {
+            let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
+            requestTimer = context.eventLoop.scheduleTask(in: TimeAmount(limit)) {
+                let handler = bound.value
+                guard let context = handler.context, !handler.responseEnded else { return }
+                handler.fail(TransportError(.timedOut, "\(handler.plan.describing): the request took longer than \(limit.secondsText) in all (requestTimeout=); \(handler.bodyBytes) bytes of the body went out"), context: context)
+                context.close(promise: nil)
+            }
+        }
     }
 
     // MARK: The body going out
@@ -224,6 +237,7 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
         case .end:
             responseEnded = true
             idleTimer?.cancel()
+            requestTimer?.cancel()
             if let response, response.status.code >= 300 {
                 fail(refusal(response), context: context)
             } else {
@@ -261,6 +275,7 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
         guard !failed else { return }
         failed = true
         idleTimer?.cancel()
+        requestTimer?.cancel()
         sent.fail(error)
         context.fireErrorCaught(error)
     }
@@ -290,6 +305,7 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
 
     func channelInactive(context: ChannelHandlerContext) {
         idleTimer?.cancel()
+        requestTimer?.cancel()
         if !responseEnded && !failed && headSent { endedEarly(context) }
         context.fireChannelInactive()
     }

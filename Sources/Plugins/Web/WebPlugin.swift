@@ -73,9 +73,12 @@ public struct WebPlugin: TransportPlugin {
     public static let length = URLOption.integer("length", in: 0...(1 << 53), help: "The body's length in bytes, sent as Content-Length (write exactly that many); without it the body is chunked")
     /// The longest pause either way.
     public static let idleTimeout = URLOption.timeLimit("idleTimeout", seconds: 0...86400, default: 120,
-                                                        help: "Seconds the request may go without a byte either way before it fails; 0: no limit. There is no limit on the whole request")
+                                                        help: "Seconds the request may go without a byte either way before it fails; 0: no limit")
+    /// A limit on the whole request, only when asked for.
+    public static let requestTimeout = URLOption.timeLimit("requestTimeout", seconds: 0...31_536_000, default: 0,
+                                                           help: "Seconds the whole request may take, body and answer; 0 (default): no limit, for a stream that runs as long as its source")
 
-    static let requestOptions: [any OptionDeclaration] = [method, contentType, length, idleTimeout, authorization, cookie] + tcp
+    static let requestOptions: [any OptionDeclaration] = [method, contentType, length, idleTimeout, requestTimeout, authorization, cookie] + tcp
 
     /// `ws` and `wss` (connect and listen), `http` and `https` (connect).
     public var schemes: [Scheme] {
@@ -111,7 +114,8 @@ public struct WebPlugin: TransportPlugin {
         let describing = "\(methodName) \(secure ? "https" : "http")://\(authority)\(request.url.path.isEmpty ? "/" : request.url.path)"
         let headers = [("Content-Type", try checkedHeader(request[contentType], request))] + (try credentialHeaders(request))
         let plan = HTTPRequestPlan(method: HTTPMethod(rawValue: methodName), target: target, host: authority, headers: headers,
-                                   length: request[length], idleTimeout: request[idleTimeout], describing: describing)
+                                   length: request[length], idleTimeout: request[idleTimeout],
+                                   requestTimeout: request[requestTimeout], describing: describing)
         let facts = ResponseFacts()
         var layers: [ProtocolLayer] = []
         if secure { layers.append(try TLSPlugin.clientLayer(for: request, host: host, alpn: ["http/1.1"])) }
