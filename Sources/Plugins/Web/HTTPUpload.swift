@@ -75,6 +75,8 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
     /// Why writes fail from now on: the server's refusal, or its complete answer before the body ended.
     private var writeRefusal: TransportError?
     private var idleTimer: Scheduled<Void>?
+    /// When a byte last moved either way (or the application last wrote).
+    private var lastProgress = NIODeadline.now()
     private var requestTimer: Scheduled<Void>?
     /// `false` between a read's end and the next read the backend asks for: the application holds
     /// its reads, which is not the server's idleness.
@@ -152,6 +154,11 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
         armIdleTimer(context)
         // In pieces, each restarting the idle timer once the kernel took it: over a slow link a
         // large write is progress long before it is all out.
+        guard chunk.readableBytes > Self.piece else {
+            // One piece: the write itself was progress, and the channel draining will be.
+            context.write(Self.wrapOutboundOut(.body(.byteBuffer(chunk))), promise: promise)
+            return
+        }
         let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
         while let piece = chunk.readSlice(length: min(Self.piece, chunk.readableBytes)), piece.readableBytes > 0 {
             let written = context.eventLoop.makePromise(of: Void.self)
@@ -321,15 +328,25 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
 
     /// Restarted by every byte either way: a device that pauses for less than the idle timeout
     /// keeps the request alive however long it runs.
+    /// Notes progress. Cheap, as it runs for every piece written: it only records the time; the
+    /// one timer, when it fires, looks at how long ago that was and sleeps again for the rest.
     private func armIdleTimer(_ context: ChannelHandlerContext) {
-        guard let limit = plan.idleTimeout, !responseEnded, !failed else { return }
-        idleTimer?.cancel()
+        guard plan.idleTimeout != nil, !responseEnded, !failed else { return }
+        lastProgress = .now()
+        if idleTimer == nil { scheduleIdleCheck(context, in: plan.idleTimeout.map(TimeAmount.init) ?? .zero) }
+    }
+
+    private func scheduleIdleCheck(_ context: ChannelHandlerContext, in delay: TimeAmount) {
+        guard let limit = plan.idleTimeout else { return }
         let bound = NIOLoopBound(self, eventLoop: context.eventLoop)
-        idleTimer = context.eventLoop.scheduleTask(in: TimeAmount(limit)) {
+        idleTimer = context.eventLoop.scheduleTask(in: delay) {
             let handler = bound.value
-            guard let context = handler.context else { return }
+            handler.idleTimer = nil
+            guard let context = handler.context, !handler.responseEnded, !handler.failed else { return }
+            let quiet = NIODeadline.now() - handler.lastProgress
+            if quiet < TimeAmount(limit) { return handler.scheduleIdleCheck(context, in: TimeAmount(limit) - quiet) }
             // The application holds its reads: the answer may be waiting unread. Wait again.
-            guard handler.reading else { return handler.armIdleTimer(context) }
+            guard handler.reading else { return handler.scheduleIdleCheck(context, in: TimeAmount(limit)) }
             let waiting = handler.bodyEnded ? "the server's answer" : "the next byte of the body"
             handler.fail(TransportError(.timedOut, "\(handler.plan.describing): nothing moved for \(limit.secondsText) while waiting for \(waiting) (idleTimeout= changes the wait)"), context: context)
             context.close(promise: nil)
