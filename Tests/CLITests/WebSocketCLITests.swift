@@ -26,7 +26,9 @@ struct WebSocketCLITests {
         var port: Int?
         #expect(await eventually(10, every: .milliseconds(20)) {
             let text = (try? String(contentsOfFile: log, encoding: .utf8)) ?? ""
-            port = text.split(separator: "\n").first { $0.hasPrefix("ready ") }?.split(separator: " ").last.flatMap { Int($0) }
+            // Whole lines only: a print may reach the file in pieces.
+            let lines = text.split(separator: "\n", omittingEmptySubsequences: false).dropLast()
+            port = lines.first { $0.hasPrefix("ready ") }?.split(separator: " ").last.flatMap { Int($0) }
             return port.map(portAccepts) ?? false
         })
         try await body(try #require(port))

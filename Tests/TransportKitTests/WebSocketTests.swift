@@ -34,12 +34,15 @@ enum WebSocketPeers {
 }
 
 extension Peer {
-    /// Waits until the peer's output has a line that starts with `prefix`; returns that line.
+    /// Waits until the peer's output has a whole line (its newline written) that starts with
+    /// `prefix`; returns that line. A line still being written ("close" of "close 1002") is not
+    /// taken: python may write one print in several pieces.
     @discardableResult
     func waitForLine(_ prefix: String, seconds: Double = 10) async throws -> String {
         let limit = ContinuousClock.now + .seconds(seconds)
         while ContinuousClock.now < limit {
-            if let line = output.split(separator: "\n").first(where: { $0.hasPrefix(prefix) }) { return String(line) }
+            let complete = output.split(separator: "\n", omittingEmptySubsequences: false).dropLast()
+            if let line = complete.first(where: { $0.hasPrefix(prefix) }) { return String(line) }
             if !process.isRunning, !output.contains(prefix) { break }
             try await Task.sleep(for: .milliseconds(20))
         }

@@ -72,6 +72,8 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
     private var errorBody: ByteBuffer?
     private var responseEnded = false
     private var failed = false
+    /// The error the request failed with, for the writes that come after it.
+    private var failure: TransportError?
     /// Why writes fail from now on: the server's refusal, or its complete answer before the body ended.
     private var writeRefusal: TransportError?
     private var idleTimer: Scheduled<Void>?
@@ -142,7 +144,11 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
             promise?.fail(writeRefusal)
             return
         }
-        if bodyEnded || failed {
+        if let failure {
+            promise?.fail(failure)
+            return
+        }
+        if bodyEnded {
             promise?.fail(TransportError.misuse("\(plan.describing): the request body has ended; nothing more can be sent"))
             return
         }
@@ -281,6 +287,7 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
     private func fail(_ error: TransportError, context: ChannelHandlerContext) {
         guard !failed else { return }
         failed = true
+        failure = error
         idleTimer?.cancel()
         requestTimer?.cancel()
         sent.fail(error)
