@@ -213,10 +213,10 @@ public final class Connection: Sendable {
         return chunk
     }
 
-    /// The backend's next chunk; a message with its kind where the transport carries messages.
+    /// The backend's next chunk; a message with its kind where the transport carries messages
+    /// (the default `readMessage()` is `read()`'s chunk, as binary).
     private func readBackend() async throws -> TransportMessage? {
-        if backend.carriesMessages { return try await backend.readMessage() }
-        return try await backend.read().map { TransportMessage(.binary, $0) }
+        try await backend.readMessage()
     }
 
     /// Puts bytes back in front of the stream; the next read returns them first. Framing helpers

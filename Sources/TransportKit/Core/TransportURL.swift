@@ -90,17 +90,9 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
     /// ```
     @_spi(Plugins)
     public func requestTarget(query items: [(name: String, value: String)]) -> String {
-        let pathCharacters = URLParser.unreserved + "/:@!$&'()*+,;="
-        var target = writtenPath.map { URLParser.percentEncode($0, allowing: pathCharacters + "%") }
-            ?? URLParser.percentEncode(path, allowing: pathCharacters)
-        if target.isEmpty { target = "/" }
-        if !items.isEmpty {
-            target += "?" + items.map { name, value in
-                let name = URLParser.percentEncode(name, allowing: URLParser.unreserved)
-                return value.isEmpty ? name : name + "=" + URLParser.percentEncode(value, allowing: URLParser.unreserved + ":/")
-            }.joined(separator: "&")
-        }
-        return target
+        // Sub-delimiters stay as they are in a request's path, as servers route on them.
+        let target = URLParser.encodePath(written: writtenPath, decoded: path, keeping: "!$&'()*+,;=")
+        return (target.isEmpty ? "/" : target) + URLParser.encodeQuery(items)
     }
 
     /// The path's segments, percent-decoded each, split where the URL text has a `/` (not at a
@@ -168,20 +160,12 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
             }
         }
         if let portText = bottom.portText { text += ":" + portText }
-        // As written where it was parsed: re-encoding the decoded path would turn a "%2F" into a "/".
-        text += bottom.writtenPath.map { URLParser.percentEncode($0, allowing: URLParser.unreserved + "/:@%") }
-            ?? URLParser.percentEncode(bottom.path, allowing: URLParser.unreserved + "/:@")
-        var items = bottom.query.map { ($0.name, $0.value) }
+        text += URLParser.encodePath(written: bottom.writtenPath, decoded: bottom.path)
+        var items = bottom.query
         for layer in layers.dropLast() {
-            items += layer.query.map { (layer.scheme + "." + $0.name, $0.value) }
+            items += layer.query.map { (name: layer.scheme + "." + $0.name, value: $0.value) }
         }
-        if !items.isEmpty {
-            text += "?" + items.map { name, value in
-                let name = URLParser.percentEncode(name, allowing: URLParser.unreserved)
-                return value.isEmpty ? name : name + "=" + URLParser.percentEncode(value, allowing: URLParser.unreserved + ":/")
-            }.joined(separator: "&")
-        }
-        return text
+        return text + URLParser.encodeQuery(items)
     }
 
     /// The URL as a message shows it: control characters escaped, and past 160 characters cut in
@@ -445,6 +429,22 @@ enum URLParser {
         case UInt8(ascii: "A")...UInt8(ascii: "F"): byte - UInt8(ascii: "A") + 10
         default: nil
         }
+    }
+
+    /// A path for a URL's text: as written where it was parsed (re-encoding the decoded path would
+    /// turn a "%2F" into a "/"), else the decoded path encoded; `keeping` more characters as they are.
+    static func encodePath(written: String?, decoded: String, keeping extra: String = "") -> String {
+        let allowed = unreserved + "/:@" + extra
+        return written.map { percentEncode($0, allowing: allowed + "%") } ?? percentEncode(decoded, allowing: allowed)
+    }
+
+    /// `?name=value&…` with names and values encoded (a bare name for an empty value); `""` for none.
+    static func encodeQuery(_ items: [(name: String, value: String)]) -> String {
+        guard !items.isEmpty else { return "" }
+        return "?" + items.map { name, value in
+            let name = percentEncode(name, allowing: unreserved)
+            return value.isEmpty ? name : name + "=" + percentEncode(value, allowing: unreserved + ":/")
+        }.joined(separator: "&")
     }
 
     static func percentEncode(_ text: String, allowing allowed: String) -> String {
