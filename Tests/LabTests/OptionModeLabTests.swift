@@ -309,9 +309,27 @@ struct OptionModeLabTests {
         }
         #expect(high?.message.contains("an rfcomm:// listener takes security=low or medium") == true, "\(String(describing: high))")
         do {
-            let accepted = BlueZListenLabTests.acceptOne(medium)
-            let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText):27?adapter=hci0")
-            let server = try #require(try await accepted.value, "security=medium admits a Just Works link")
+            // One CI run (of about ten) saw the client's connect succeed and bluetoothd never hand
+            // the connection over, right after the previous test's paired connects to a plain
+            // kernel socket (the pairing oddity described at the top of the suite). A second
+            // attempt is made once, after the link is gone, and what the lab showed is printed.
+            var attempt = 0
+            var pair: (client: Connection, server: Connection)?
+            while pair == nil && attempt < 2 {
+                attempt += 1
+                let accepted = BlueZListenLabTests.acceptOne(medium, within: 10)
+                let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText):27?adapter=hci0")
+                if let server = try await accepted.value {
+                    pair = (client, server)
+                } else {
+                    let links = try await Lab.run("/usr/bin/hcitool", ["-i", "hci1", "con"])
+                    let log = try await Lab.run("/usr/bin/tail", ["-n", "20", "/run/labctl-bluetoothd.log"])
+                    print("lab: rfcomm listener attempt \(attempt): connected, not handed over; links: \(links.stdout) bluetoothd: \(log.stdout)")
+                    try? await client.close()
+                    try await Self.settleAndForget()
+                }
+            }
+            let (client, server) = try #require(pair, "security=medium admits a Just Works link")
             let link = try await Self.link(to: controllers.centralText, on: "hci1")
             #expect(link?.contains("AUTH ENCRYPT") == true, "\(link ?? "no link")")
             try await Self.bothWays(client: client, server: server, "medium")
