@@ -185,7 +185,7 @@ let package = Package(
             name: "TransportKitTests",
             // CUdev: the libudev reference enumeration the sysfs listing is checked against.
             dependencies: ["TransportKit", "TransportKitFoundation", "TransportKitLinux", "TransportKitUdev", "TransportKitSerial", "TransportKitDBus",
-                           "TransportKitUSB",
+                           "TransportKitUSB", "TransportKitBluetooth",
                            "CUdev", "TestSupport", nioPosix, system, logging],
             exclude: ["Peers"],
             swiftSettings: strict

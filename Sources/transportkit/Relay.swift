@@ -50,6 +50,9 @@ enum Relay {
 
     /// How long closing may wait for a peer to take the bytes still queued for it.
     static let closeLimit: Duration = .seconds(2)
+    /// How long a close with nothing left to send may go on releasing the transport (a Bluetooth
+    /// LE disconnect takes bluetoothd two seconds) before the tool stops waiting for it.
+    static let releaseLimit: Duration = .seconds(10)
 
     /// Runs `body`, then closes `connections` whether it succeeded, failed or was cancelled.
     static func closing(_ connections: [Connection], _ body: () async throws -> Void) async throws {
@@ -64,8 +67,9 @@ enum Relay {
 
     /// Closes `connections` side by side, each within ``closeLimit``: a peer that stopped reading
     /// (a client suspended with Ctrl-Z) would otherwise hold a close, and with it a tty's restore
-    /// and the tool's exit, forever. One that takes longer is aborted, its queued bytes dropped.
-    /// Returns the first failure.
+    /// and the tool's exit, forever. One that takes longer is aborted, its queued bytes dropped,
+    /// and that is the failure; one with nothing left to send gets ``releaseLimit`` more to release
+    /// its transport, and is then left with a warning, not a failure. Returns the first failure.
     static func close(_ connections: [Connection]) async -> (any Error)? {
         await withTaskGroup(of: (any Error)?.self) { group in
             for connection in connections {
@@ -81,8 +85,18 @@ enum Relay {
                     }
                     let timer = Task {
                         try await Task.sleep(for: closeLimit)
-                        // Settled first: the relay goes on even if releasing takes a while.
-                        outcome.settle(TransportError(.timedOut, "closing \(connection.url.shown) took longer than \(closeLimit): its peer is not taking the bytes queued for it; they were dropped"))
+                        let shown = connection.url.shown
+                        switch connection.unsentByteCount {
+                        case 0?:
+                            try await Task.sleep(for: releaseLimit)
+                            StandardError.write("transportkit: releasing \(shown) took longer than \(closeLimit + releaseLimit) (nothing was left to send); not waiting for it\n")
+                            outcome.settle(nil)
+                        case let unsent?:
+                            // Settled first: the relay goes on even if releasing takes a while.
+                            outcome.settle(TransportError(.timedOut, "closing \(shown) took longer than \(closeLimit): its peer did not take the last \(unsent) bytes queued for it; they were dropped"))
+                        case nil:
+                            outcome.settle(TransportError(.timedOut, "closing \(shown) took longer than \(closeLimit): its peer is not taking the bytes queued for it; those not yet delivered were dropped"))
+                        }
                         connection.abort()
                     }
                     let result = await outcome.value()

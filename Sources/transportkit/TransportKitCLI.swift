@@ -9,7 +9,7 @@ struct TransportKitCLI: AsyncParsableCommand {
         commandName: "transportkit",
         abstract: "Connect to devices and peers by URL: tcp://, unix://, tty://, pty://, loop://, spy+URL, …",
         discussion: "Run 'transportkit schemes' for every URL form and its options. spy+URL traces a connection on standard error.",
-        subcommands: [Schemes.self, List.self, Watch.self, Connect.self, Bridge.self]
+        subcommands: [Schemes.self, List.self, Watch.self, Connect.self, Bridge.self, Gatt.self]
     )
 
     static func main() async {

@@ -79,6 +79,29 @@ struct GattLabTests {
         try await connection.close()
     }
 
+    /// Issue 27's false failure: the tool closed a GATT connection within its 2-s close limit,
+    /// which bluetoothd's Disconnect (it waits two seconds for profiles) always exceeded, and said
+    /// bytes were dropped though nothing was left to send. The transfer is whole and exits 0.
+    @Test func theToolEchoesTwoKiBThroughGattAndExitsZero() async throws {
+        let (controllers, _) = try await Self.setUp()
+        let input = BlueZLabTests.pattern(2048)
+        let folder = FileManager.default.temporaryDirectory.appendingPathComponent("gatt-cli-\(getpid())")
+        try FileManager.default.createDirectory(at: folder, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: folder) }
+        try Data(input).write(to: folder.appendingPathComponent("in"))
+        let url = "ble://nus/\(controllers.peripheralText)?adapter=hci0"
+        let command = "'\(Lab.cli)' connect --linger 3 '\(url)' < '\(folder.path)/in' > '\(folder.path)/out'"
+        let started = ContinuousClock.now
+        let result = try await Lab.run("/bin/sh", ["-c", command])
+        let took = ContinuousClock.now - started
+        let output = try Data(contentsOf: folder.appendingPathComponent("out"))
+        #expect(result.status == 0, "exit \(result.status) after \(took): \(result.stderr)")
+        #expect(!result.stderr.contains("dropped"), "\(result.stderr)")
+        #expect(Array(output) == input, "\(output.count) of \(input.count) bytes came back")
+        #expect(took < .seconds(15), "\(took)")
+        print("lab: transportkit connect ble://nus 2 KiB echo took \(took)")
+    }
+
     @Test func errorsNameWhatTheDeviceOffers() async throws {
         let (controllers, _) = try await Self.setUp()
         let absent = await expectLabError(.notFound) { try await Transport.connect(to: "ble://FFF1/\(controllers.peripheralText)?adapter=hci0") }
@@ -134,6 +157,12 @@ func expectLabError(_ kind: TransportError.Kind, _ body: () async throws -> Conn
 /// The same for a listen that must fail (a listener it got is closed).
 func expectLabError(_ kind: TransportError.Kind, _ body: () async throws -> Listener) async -> TransportError? {
     await expectLabError(kind, what: "a listener", release: { try? await $0.close() }, body)
+}
+
+/// The same for a call that returns nothing.
+@discardableResult
+func expectLabFailure(_ kind: TransportError.Kind, _ body: () async throws -> Void) async -> TransportError? {
+    await expectLabError(kind, what: "success", release: { (_: Void) in }, body)
 }
 
 private func expectLabError<Value>(_ kind: TransportError.Kind, what: String, release: (Value) async -> Void,

@@ -6,7 +6,9 @@ import TransportKitDBus
 
 /// The tests' own BLE peripheral on hci1, served by the lab's bluetoothd: a GATT application with
 /// a Nordic-UART-like service (the central writes 6e400002, the peripheral notifies on 6e400003)
-/// that echoes every write back as a notification, and a connectable advertisement naming it.
+/// that echoes every write back as a notification, a Battery service (2a19: read and notify, with
+/// a User Description descriptor), a service of its own with a characteristic that keeps what is
+/// written to it and one that needs encryption to be read, and a connectable advertisement naming it.
 /// BlueZ's GattManager1.RegisterApplication and LEAdvertisingManager1.RegisterAdvertisement
 /// (doc/gatt-api.txt, doc/advertising-api.txt at 5.66) on a D-Bus connection of its own.
 final class LabPeripheral: Sendable {
@@ -20,6 +22,16 @@ final class LabPeripheral: Sendable {
     /// Under the test company id 0xFFFF.
     static let manufacturerData: [UInt8] = [0x54, 0x4b]
     static let characteristic = "org.bluez.GattCharacteristic1"
+    static let batteryServicePath = root + "/service1"
+    static let batteryLevelPath = batteryServicePath + "/char0"
+    static let batteryDescriptionPath = batteryLevelPath + "/desc0"
+    static let customServicePath = root + "/service2"
+    static let storedPath = customServicePath + "/char0"
+    static let encryptedPath = customServicePath + "/char1"
+    static let customService = "a0c1f000-7b2d-4a0e-9d4c-5e7a1b2c3d40"
+    static let stored = "a0c1f001-7b2d-4a0e-9d4c-5e7a1b2c3d40"
+    static let encrypted = "a0c1f002-7b2d-4a0e-9d4c-5e7a1b2c3d40"
+    static let batteryLevel: UInt8 = 87
 
     let connection: DBusConnection
     /// Scan events a test collects.
@@ -32,6 +44,11 @@ final class LabPeripheral: Sendable {
         let writes = Mutex<[Int]>([])
     }
     let log = Log()
+    /// What the central last wrote to the storing characteristic.
+    final class Stored: Sendable {
+        let value = Mutex<[UInt8]>([0x00])
+    }
+    let stored = Stored()
     private let exports = Mutex<[DBusExport]>([])
     private let outbound: AsyncStream<[UInt8]>.Continuation
     private let sender: Task<Void, Never>
@@ -52,6 +69,7 @@ final class LabPeripheral: Sendable {
             }
         }
         let log = self.log
+        let stored = self.stored
         let objects = Self.objects()
         let application = try await connection.export(path: Self.root, subtree: true) { call in
             switch (call.interface, call.member) {
@@ -69,6 +87,9 @@ final class LabPeripheral: Sendable {
                     return .error(name: "org.freedesktop.DBus.Error.InvalidArgs", message: "no such property")
                 }
                 return .reply([.variant(value)])
+            case (Self.characteristic, "WriteValue") where call.path == Self.storedPath:
+                stored.value.withLock { $0 = call.arguments.first?.bytes ?? [] }
+                return .reply([])
             case (Self.characteristic, "WriteValue"):
                 let value = call.arguments.first?.bytes ?? []
                 log.bytes.withLock { $0 += value }
@@ -76,7 +97,14 @@ final class LabPeripheral: Sendable {
                 if echo { outbound.yield(value) }
                 return .reply([])
             case (Self.characteristic, "ReadValue"):
-                return .reply([.bytes([])])
+                switch call.path {
+                case Self.batteryLevelPath: return .reply([.bytes([Self.batteryLevel])])
+                case Self.storedPath: return .reply([.bytes(stored.value.withLock { $0 })])
+                case Self.encryptedPath: return .reply([.bytes([0x5e])])
+                default: return .reply([.bytes([])])
+                }
+            case ("org.bluez.GattDescriptor1", "ReadValue"):
+                return .reply([.bytes(Array("Battery level".utf8))])
             case (Self.characteristic, "StartNotify"), (Self.characteristic, "StopNotify"), ("org.bluez.LEAdvertisement1", "Release"):
                 return .reply([])
             default:
@@ -101,6 +129,17 @@ final class LabPeripheral: Sendable {
                                          "Flags": .array(element: "s", [.string("write-without-response"), .string("write")])]],
             notifyPath: [characteristic: ["UUID": .string("6e400003-b5a3-f393-e0a9-e50e24dcca9e"), "Service": .objectPath(servicePath),
                                           "Flags": .array(element: "s", [.string("notify")])]],
+            batteryServicePath: ["org.bluez.GattService1": ["UUID": .string("0000180f-0000-1000-8000-00805f9b34fb"), "Primary": .bool(true)]],
+            batteryLevelPath: [characteristic: ["UUID": .string("00002a19-0000-1000-8000-00805f9b34fb"), "Service": .objectPath(batteryServicePath),
+                                                "Flags": .array(element: "s", [.string("read"), .string("notify")])]],
+            batteryDescriptionPath: ["org.bluez.GattDescriptor1": ["UUID": .string("00002901-0000-1000-8000-00805f9b34fb"),
+                                                                   "Characteristic": .objectPath(batteryLevelPath),
+                                                                   "Flags": .array(element: "s", [.string("read")])]],
+            customServicePath: ["org.bluez.GattService1": ["UUID": .string(customService), "Primary": .bool(true)]],
+            storedPath: [characteristic: ["UUID": .string(stored), "Service": .objectPath(customServicePath),
+                                          "Flags": .array(element: "s", [.string("read"), .string("write"), .string("write-without-response")])]],
+            encryptedPath: [characteristic: ["UUID": .string(encrypted), "Service": .objectPath(customServicePath),
+                                             "Flags": .array(element: "s", [.string("encrypt-read")])]],
             advertisementPath: ["org.bluez.LEAdvertisement1": ["Type": .string("peripheral"), "ServiceUUIDs": .array(element: "s", [.string(service)]),
                                                                 "LocalName": .string(name), "Discoverable": .bool(true),
                                                                 // Changes bluetoothd reports on every advertisement (DuplicateData), so a
@@ -117,6 +156,12 @@ final class LabPeripheral: Sendable {
             outbound.yield(Array(bytes[offset..<end]))
             offset = end
         }
+    }
+
+    /// Notifies `level` on the Battery Level characteristic (to a central that started notifications).
+    func notifyBatteryLevel(_ level: UInt8) async throws {
+        try await connection.emitSignal(path: Self.batteryLevelPath, interface: "org.freedesktop.DBus.Properties", member: "PropertiesChanged",
+                                        [.string(Self.characteristic), .dictionary(["Value": .bytes([level])]), .array(element: "s", [])])
     }
 
     /// Stops advertising (the device then expires from scans), keeping the GATT application.

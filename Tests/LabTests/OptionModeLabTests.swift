@@ -108,6 +108,21 @@ struct OptionModeLabTests {
         }
     }
 
+    /// Connects to a bluetoothd profile listener that demands security=medium. With no agent, the
+    /// lab's Just Works pairing was refused ("pairing failed", EACCES from connect) in about one CI
+    /// run in five, after other tests' pairings (see the suite's note), though each test passes
+    /// alone: the connect is tried once more after the links are gone and the keys cleared, and
+    /// the refusal is printed. A second refusal fails the test.
+    static func connectPairing(_ url: String) async throws -> Connection {
+        do {
+            return try await BlueZLabTests.connect(url)
+        } catch let error as TransportError where error.errno == .permissionDenied {
+            print("lab: \(url): \(error.message); trying once more after clearing the links and keys")
+            try await settleAndForget()
+            return try await BlueZLabTests.connect(url)
+        }
+    }
+
     /// Forgets every device once hci0 has no BR/EDR link left (up to 15 s): every socket closed,
     /// the link dropped by itself, so RemoveDevice tears down no link under an open socket (the
     /// kernel race described at the top of the suite).
@@ -249,7 +264,7 @@ struct OptionModeLabTests {
             #expect(ours.allSatisfy { $0.contains("UUID 128: \(service)") && $0.contains("Channel: 24") }, "\(ours)")
 
             let accepted = BlueZListenLabTests.acceptOne(listener)
-            let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText):24?adapter=hci0")
+            let client = try await Self.connectPairing("rfcomm://\(controllers.peripheralText):24?adapter=hci0")
             let server = try #require(try await accepted.value, "the listener got no connection")
             #expect(server.metadata.extra["adapter"] == "hci1")
             #expect(server.metadata.remoteAddress == controllers.centralText)
@@ -318,7 +333,7 @@ struct OptionModeLabTests {
             while pair == nil && attempt < 2 {
                 attempt += 1
                 let accepted = BlueZListenLabTests.acceptOne(medium, within: 10)
-                let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText):27?adapter=hci0")
+                let client = try await Self.connectPairing("rfcomm://\(controllers.peripheralText):27?adapter=hci0")
                 if let server = try await accepted.value {
                     pair = (client, server)
                 } else {

@@ -101,6 +101,11 @@ struct DBusTests {
         #expect(echoed == values)
         #expect(echoed[15].dictionary?["RSSI"]?.integer == -60)
         #expect(echoed[12].bytes == [0, 1, 2, 255])
+        #expect(echoed[12] == .byteArray([0, 1, 2, 255]), "an ay comes back as bytes, not one value per byte: \(echoed[12])")
+        let large = (0..<65_536).map { UInt8(truncatingIfNeeded: $0 &* 7) }
+        let big = try await client.call(destination: name, path: "/org/transportkit/Test", interface: "org.transportkit.Test", member: "Echo", [.bytes(large)])
+        #expect(big.first?.bytes == large)
+        #expect(big.first?.elements?.count == large.count, "elements still lists a byte array's bytes")
 
         let refused = await expectTransportError(.io) {
             try await client.call(destination: name, path: "/org/transportkit/Test", interface: "org.transportkit.Test", member: "Refuse")
@@ -173,7 +178,7 @@ struct DBusTests {
         let sender = try DBusConnection(.address(daemon.address))
         let listener = try DBusConnection(.address(daemon.address))
         let name = try await sender.uniqueName()
-        let signals = try await listener.signals(DBusMatch(sender: name, interface: "org.freedesktop.DBus.ObjectManager"))
+        let signals = try await listener.signals(DBusMatch(sender: name, interface: "org.freedesktop.DBus.ObjectManager"), buffering: .all(limit: 16))
         try await sender.emitSignal(path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "InterfacesAdded",
                                     [.objectPath("/org/bluez/hci0/dev_00_AA_01_01_00_01"), .array(element: "{sa{sv}}", [])])
         try await sender.emitSignal(path: "/", interface: "org.freedesktop.DBus.Unrelated", member: "Ignored")
@@ -200,6 +205,124 @@ struct DBusTests {
         await expectTransportError(.disconnected) { try await listener.uniqueName() }
         await listener.close()
         await sender.close()
+    }
+
+    /// Each subscription says what happens when its reader falls behind: `.all` keeps every signal
+    /// up to its limit and then ends with an error that says so; `.newest` keeps the last few.
+    @Test func aSubscriptionWhoseReaderFallsBehindEndsWithAnErrorOrKeepsTheNewest() async throws {
+        let daemon = try PrivateBus()
+        let sender = try DBusConnection(.address(daemon.address))
+        let listener = try DBusConnection(.address(daemon.address))
+        let name = try await sender.uniqueName()
+        let rule = DBusMatch(sender: name, interface: "org.transportkit.Count")
+        let all = try await listener.signals(rule, buffering: .all(limit: 3))
+        let newest = try await listener.signals(rule, buffering: .newest(2))
+        let roomy = try await listener.signals(rule, buffering: .all(limit: 16))
+        for number in 0..<5 {
+            try await sender.emitSignal(path: "/", interface: "org.transportkit.Count", member: "Tick", [.uint32(UInt32(number))])
+        }
+        // Nothing else is read until all five have reached the listener: its bus thread hands each
+        // signal to every matching subscription at once, so once `roomy` has five, so has each.
+        var seen = 0
+        for try await _ in roomy {
+            seen += 1
+            if seen == 5 { break }
+        }
+        var received: [UInt32] = []
+        do {
+            for try await signal in all { if case .uint32(let number)? = signal.values.first { received.append(number) } }
+            Issue.record("an .all subscription past its limit ended without an error")
+        } catch let error as TransportError {
+            #expect(error.kind == .io, "\(error)")
+            #expect(error.message.contains("more than 3 D-Bus signals") && error.message.contains("fell behind"), "\(error)")
+        }
+        #expect(received == [0, 1, 2], "the signals before the limit are delivered first, in order")
+        var iterator = newest.makeAsyncIterator()
+        let kept = [try await iterator.next(), try await iterator.next()].compactMap { $0?.values.first }
+        #expect(kept == [.uint32(3), .uint32(4)], "\(kept)")
+        await listener.close()
+        await sender.close()
+    }
+
+    /// Several rules feed one stream in the bus's order, and a signal that matches two rules comes once.
+    @Test func severalRulesFeedOneStreamInOrderAndASignalMatchingTwoComesOnce() async throws {
+        let daemon = try PrivateBus()
+        let sender = try DBusConnection(.address(daemon.address))
+        let listener = try DBusConnection(.address(daemon.address))
+        let name = try await sender.uniqueName()
+        let events = try await listener.signals(matchingAnyOf: [
+            DBusMatch(sender: name, interface: "org.transportkit.A"),
+            DBusMatch(sender: name, interface: "org.transportkit.B", member: "Changed"),
+            DBusMatch(sender: name, member: "Added"),
+        ], buffering: .all(limit: 16))
+        let emitted: [(String, String)] = [("org.transportkit.A", "Added"), ("org.transportkit.C", "Other"), ("org.transportkit.B", "Changed"),
+                                           ("org.transportkit.B", "Ignored"), ("org.transportkit.C", "Added"), ("org.transportkit.A", "Removed")]
+        for (index, (interface, member)) in emitted.enumerated() {
+            try await sender.emitSignal(path: "/", interface: interface, member: member, [.uint32(UInt32(index))])
+        }
+        var iterator = events.makeAsyncIterator()
+        var received: [UInt32] = []
+        for _ in 0..<4 {
+            if case .uint32(let number)? = try await iterator.next()?.values.first { received.append(number) }
+        }
+        #expect(received == [0, 2, 4, 5], "A.Added once (it matches two rules), B.Changed, C.Added, A.Removed: \(received)")
+        await #expect(throws: TransportError.self) { try await listener.signals(matchingAnyOf: [], buffering: .all(limit: 1)) }
+        await listener.close()
+        await sender.close()
+    }
+
+    /// An exported object whose handler awaits: its reply goes out when it returns, while the bus
+    /// goes on serving other calls; a call it does not handle gets UnknownMethod.
+    @Test func anAsynchronousHandlerAnswersLaterWithoutHoldingUpTheBus() async throws {
+        let daemon = try PrivateBus()
+        let server = try DBusConnection(.address(daemon.address))
+        let client = try DBusConnection(.address(daemon.address))
+        // "Slow" waits until the test opens `slowGate`; "Owed" until `owedGate`, opened only after
+        // the server's connection has closed.
+        let slowGate = AsyncCondition(false)
+        let owedGate = AsyncCondition(false)
+        let export = try await server.export(path: "/org/transportkit/Later", answering: { call in
+            switch call.member {
+            case "Slow":
+                try? await slowGate.wait { $0 ? () : nil }
+                return .reply([.string("slow"), .bytes([1, 2, 3])])
+            case "Owed":
+                try? await owedGate.wait { $0 ? () : nil }
+                return .reply([.bytes([9])])
+            case "Fast": return .reply([.string("fast")])
+            case "Refuse": return .error(name: "org.transportkit.Error.Refused", message: "not now")
+            default: return .notHandled
+            }
+        })
+        let name = try await server.uniqueName()
+        let call = { @Sendable (member: String) in
+            try await client.call(destination: name, path: "/org/transportkit/Later", interface: "org.transportkit.Later", member: member,
+                                  timeout: .seconds(20))
+        }
+        async let slow = call("Slow")
+        try await Task.sleep(for: .milliseconds(100))
+        // Answered while "Slow" still waits: a handler that held the bus thread would time this out.
+        #expect(try await call("Fast") == [.string("fast")])
+        slowGate.update { $0 = true }
+        #expect(try await slow == [.string("slow"), .byteArray([1, 2, 3])])
+        let refused = await expectTransportError(.io) { try await call("Refuse") }
+        #expect(refused?.code == "org.transportkit.Error.Refused", "\(String(describing: refused))")
+        let unknown = await expectTransportError(.io) { try await call("Nope") }
+        #expect(unknown?.code == "org.freedesktop.DBus.Error.UnknownMethod", "\(String(describing: unknown))")
+        // A reply still owed when the server's connection closes: the caller gets an error, not a
+        // hang, and the handler that answers after the close finds nobody to answer.
+        let owed = Task { try await call("Owed") }
+        try await Task.sleep(for: .milliseconds(100))
+        await server.close()
+        do {
+            _ = try await owed.value
+            Issue.record("a call whose server closed returned")
+        } catch let error as TransportError {
+            #expect(error.code != nil, "\(error)")
+        }
+        owedGate.update { $0 = true }
+        await export.remove()
+        await client.close()
     }
 
     @Test func slowRepliesTimeOutAndCancellationAndCloseEndWaitingCalls() async throws {

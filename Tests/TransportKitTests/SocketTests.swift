@@ -295,9 +295,15 @@ struct AbortTests {
         let connection = try await Transport.connect(to: "tcp://127.0.0.1:\(raw.port)")
         let peer = await raw.accept()
         defer { _ = Glibc.close(peer) }
+        #expect(connection.unsentByteCount == 0, "nothing written, nothing unsent")
         // The peer never reads: the kernel's buffers fill, then NIO's queue up to its bound.
         let writer = Task { try await connection.write([UInt8](repeating: 1, count: 32 << 20)) }
         try await Task.sleep(for: .milliseconds(300))
+        let stalled = await eventually(10) { (connection.unsentByteCount ?? 0) > 0 }
+        #expect(stalled, "bytes wait in NIO's queue for a peer that does not read: \(String(describing: connection.unsentByteCount))")
+        let spied = try await Transport.connect(to: "spy+loop://")
+        #expect(spied.unsentByteCount == 0, "a wrapper reports what the connection it wraps holds")
+        try await spied.close()
         let closing = Task { try await connection.close() }
         try await Task.sleep(for: .milliseconds(300))
         connection.abort()

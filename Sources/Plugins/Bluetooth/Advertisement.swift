@@ -57,7 +57,8 @@ final class Advertisement: Sendable {
             _ = try? await bluez.call(adapter.path, manager, "UnregisterAdvertisement", [.objectPath(path)], about: "withdrawing an advertisement")
             await export.remove()
             guard let error = error as? TransportError else { throw error }
-            if error.code == "org.bluez.Error.NotPermitted" || error.message.contains("Maximum") {
+            // advertising.c answers NotPermitted "Maximum advertisements reached" when no slot is left.
+            if error.code == "org.bluez.Error.NotPermitted" {
                 throw TransportError(.busy, "\(describing): \(adapter.name) has no advertising slot left (other advertisers); stop one, "
                                      + "or listen with advertise=false while something else advertises this adapter. \(error.message)")
             }

@@ -47,6 +47,60 @@ public struct BluetoothDevice: Sendable, Hashable, Codable {
     public var serviceData: [String: [UInt8]]
 }
 
+/// bluetoothd's objects (path → interface → properties) as one GetManagedObjects reported them,
+/// kept current with the ObjectManager and PropertiesChanged signals that came after it.
+struct BlueZObjects: Sendable {
+    private(set) var interfaces: [String: [String: [String: DBusValue]]] = [:]
+
+    init(managed reply: DBusValue?) {
+        for (path, value) in reply?.dictionary ?? [:] {
+            var byInterface: [String: [String: DBusValue]] = [:]
+            for (interface, properties) in value.dictionary ?? [:] { byInterface[interface] = properties.dictionary ?? [:] }
+            interfaces[path] = byInterface
+        }
+    }
+
+    /// Applies an InterfacesAdded, InterfacesRemoved or PropertiesChanged signal; others change nothing.
+    mutating func apply(_ signal: DBusSignal) {
+        switch signal.member {
+        case "InterfacesAdded":
+            guard let path = signal.values.first?.text, let added = signal.values.dropFirst().first?.dictionary else { return }
+            for (interface, properties) in added { interfaces[path, default: [:]][interface] = properties.dictionary ?? [:] }
+        case "InterfacesRemoved":
+            guard let path = signal.values.first?.text, let removed = signal.values.dropFirst().first?.strings else { return }
+            for interface in removed { interfaces[path]?[interface] = nil }
+            if interfaces[path]?.isEmpty == true { interfaces[path] = nil }
+        case "PropertiesChanged":
+            // Only for objects already known: their InterfacesAdded carried every property.
+            guard let interface = signal.values.first?.text, interfaces[signal.path]?[interface] != nil,
+                  let changed = signal.values.dropFirst().first?.dictionary else { return }
+            interfaces[signal.path]?[interface]?.merge(changed) { $1 }
+            for name in signal.values.dropFirst(2).first?.strings ?? [] { interfaces[signal.path]?[interface]?[name] = nil }
+        default:
+            return
+        }
+    }
+
+    /// The properties of `interface` on the object at `path`.
+    func properties(_ path: String, _ interface: String) -> [String: DBusValue]? { interfaces[path]?[interface] }
+
+    /// The adapters, by index.
+    var adapters: [BluetoothAdapter] {
+        interfaces.compactMap { path, byInterface in byInterface[BlueZ.adapterInterface].map { BlueZ.adapter(path: path, $0) } }
+            .sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }
+    }
+
+    /// Every device's Device1 properties by object path.
+    var devices: [String: [String: DBusValue]] {
+        interfaces.compactMapValues { $0[BlueZ.deviceInterface] }
+    }
+
+    /// The device at `path`, if bluetoothd has it.
+    func device(at path: String) -> BluetoothDevice? {
+        properties(path, BlueZ.deviceInterface).map { BlueZ.device(path: path, $0) }
+    }
+}
+
 /// The BlueZ client the Bluetooth plugins share: one D-Bus connection per process, opened on first
 /// use and opened again after it was lost (bluetoothd or dbus-daemon restarted).
 final class BlueZ: Sendable {
@@ -58,6 +112,11 @@ final class BlueZ: Sendable {
     let bus: DBusConnection
     /// This client's discovery sessions, shared by every scan and search in the process.
     let discoveries = DiscoverySessions()
+    /// One LE connect at a time per adapter, in this process (GattCentral.swift's header).
+    let connectTurns = KeyedTurns()
+    /// Notification sessions per characteristic path: bluetoothd keeps one per D-Bus client, and
+    /// every user in this process shares the one connection.
+    let notifySessions = NotifySessions()
 
     private init(bus: DBusConnection) { self.bus = bus }
 
@@ -94,6 +153,53 @@ final class BlueZ: Sendable {
         }
     }
 
+    /// The adapters, without walking every device bluetoothd knows: the nodes under /org/bluez
+    /// (Introspect) and each one's Adapter1 properties.
+    func adapters() async throws -> [BluetoothAdapter] {
+        let xml = try await call("/org/bluez", "org.freedesktop.DBus.Introspectable", "Introspect", about: "listing Bluetooth adapters").first?.text ?? ""
+        var adapters: [BluetoothAdapter] = []
+        for name in Self.childNodes(inIntrospection: xml) {
+            let path = "/org/bluez/" + name
+            do {
+                let reply = try await bus.call(destination: Self.service, path: path, interface: "org.freedesktop.DBus.Properties", member: "GetAll",
+                                               [.string(Self.adapterInterface)])
+                if let properties = reply.first?.dictionary { adapters.append(Self.adapter(path: path, properties)) }
+            } catch let error as TransportError where error.code == "org.freedesktop.DBus.Error.UnknownObject"
+                        || error.code == "org.freedesktop.DBus.Error.InvalidArgs" || error.code == "org.freedesktop.DBus.Error.UnknownInterface" {
+                continue   // removed in between, or not an adapter
+            }
+        }
+        return adapters.sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }
+    }
+
+    /// The names of the child nodes in D-Bus introspection XML (`<node name="hci0"/>`).
+    static func childNodes(inIntrospection xml: String) -> [String] {
+        var names: [String] = []
+        var rest = Substring(xml)
+        while let start = rest.firstRange(of: "<node name=\"") {
+            rest = rest[start.upperBound...]
+            guard let end = rest.firstIndex(of: "\"") else { break }
+            let name = String(rest[..<end])
+            if !name.isEmpty && !name.contains("/") { names.append(name) }
+            rest = rest[end...]
+        }
+        return names
+    }
+
+    /// The device at `path`, or nil when bluetoothd has no such object (Properties.GetAll).
+    func device(at path: String) async throws -> BluetoothDevice? {
+        do {
+            let reply = try await bus.call(destination: Self.service, path: path, interface: "org.freedesktop.DBus.Properties", member: "GetAll",
+                                           [.string(Self.deviceInterface)])
+            return reply.first?.dictionary.map { Self.device(path: path, $0) }
+        } catch let error as TransportError where error.code == "org.freedesktop.DBus.Error.UnknownObject"
+                    || error.code == "org.freedesktop.DBus.Error.UnknownMethod" || error.code == "org.freedesktop.DBus.Error.InvalidArgs" {
+            return nil
+        } catch let error as TransportError {
+            throw Self.explain(error, about: "reading Bluetooth device \(Self.address(inDevicePath: path))")
+        }
+    }
+
     /// Every adapter and device bluetoothd manages.
     func objects() async throws -> (adapters: [BluetoothAdapter], devices: [BluetoothDevice]) {
         let managed = try await managedObjects(about: "listing Bluetooth adapters and devices")
@@ -102,19 +208,14 @@ final class BlueZ: Sendable {
 
     /// The adapters, and every device's Device1 properties by object path, from one GetManagedObjects.
     func managedObjects(about what: String) async throws -> (adapters: [BluetoothAdapter], devices: [String: [String: DBusValue]]) {
-        let reply = try await call("/", Self.objectManager, "GetManagedObjects", about: what)
-        var adapters: [BluetoothAdapter] = []
-        var devices: [String: [String: DBusValue]] = [:]
-        for (path, interfaces) in reply.first?.dictionary ?? [:] {
-            guard let interfaces = interfaces.dictionary else { continue }
-            if let properties = interfaces[Self.adapterInterface]?.dictionary {
-                adapters.append(Self.adapter(path: path, properties))
-            }
-            if let properties = interfaces[Self.deviceInterface]?.dictionary {
-                devices[path] = properties
-            }
-        }
-        return (adapters.sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }, devices)
+        let tree = try await objectTree(about: what)
+        return (tree.adapters, tree.devices)
+    }
+
+    /// Every object bluetoothd manages, from one GetManagedObjects (the whole tree: each call costs
+    /// bluetoothd a walk over every device it knows, so a connect makes one and follows signals).
+    func objectTree(about what: String) async throws -> BlueZObjects {
+        BlueZObjects(managed: try await call("/", Self.objectManager, "GetManagedObjects", about: what).first)
     }
 
     static func adapter(path: String, _ properties: [String: DBusValue]) -> BluetoothAdapter {
@@ -223,7 +324,7 @@ final class BlueZ: Sendable {
         if message.contains("le-connection-abort-by-local") || message.contains("page-timeout") || message.contains("br-connection-page-timeout") {
             return TransportError(.timedOut, "\(what): the device did not answer (out of range, switched off, or not connectable). \(message)")
         }
-        if error.kind == .notFound && message.contains("ServiceUnknown") {
+        if error.code == "org.freedesktop.DBus.Error.ServiceUnknown" || error.code == "org.freedesktop.DBus.Error.NameHasNoOwner" {
             return TransportError(.notFound, "\(what): bluetoothd is not running (org.bluez has no owner on the system bus): "
                                   + "`systemctl start bluetooth`, or start /usr/libexec/bluetooth/bluetoothd")
         }
@@ -232,6 +333,10 @@ final class BlueZ: Sendable {
         }
         return error
     }
+
+    /// How many ObjectManager or device signals may wait unread for a reader that must see each
+    /// (a device added or removed): a scan in a crowded room adds hundreds.
+    static let objectSignalLimit = 4096
 
     /// How long a search inside a connect without a timeout looks (a device that is not there is
     /// otherwise searched for until the application gives up).
@@ -248,10 +353,12 @@ final class BlueZ: Sendable {
     func discover(address: String, on adapter: BluetoothAdapter, transport: String, deadline: ContinuousClock.Instant?,
                   timeout: Duration?, freshSighting: Bool = false) async throws -> BluetoothDevice {
         let wanted = address.uppercased()
-        let signals = try await bus.signals(DBusMatch(sender: Self.service, interface: Self.objectManager, member: "InterfacesAdded"))
+        let signals = try await bus.signals(DBusMatch(sender: Self.service, interface: Self.objectManager, member: "InterfacesAdded"),
+                                            buffering: .all(limit: Self.objectSignalLimit))
         let devicePath = Self.devicePath(on: adapter, address: wanted)
+        // Any change is a sighting: the newest few say as much as all of them.
         let updates = try await bus.signals(DBusMatch(sender: Self.service, path: devicePath, interface: "org.freedesktop.DBus.Properties",
-                                                      member: "PropertiesChanged"))
+                                                      member: "PropertiesChanged"), buffering: .newest(16))
         let session = try await discoveries.start(self, adapter: adapter, filter: ["Transport": .string(transport), "DuplicateData": .bool(false)])
         do {
             let found = try await discover(wanted, on: adapter, deadline: deadline, timeout: timeout, freshSighting: freshSighting,
@@ -268,8 +375,9 @@ final class BlueZ: Sendable {
                           signals: AsyncThrowingStream<DBusSignal, any Error>, updates: AsyncThrowingStream<DBusSignal, any Error>) async throws -> BluetoothDevice {
         let started = ContinuousClock.now
         let limit = ConnectRequest.searchLimit(before: deadline, from: started) ?? started + Self.searchWithoutDeadline
-        // The device may have appeared between the first look and the subscription.
-        let known = Self.device(wanted, onAdapter: adapter.path, among: try await objects().devices)
+        // The device may have appeared between the first look and the subscription: ask for it
+        // alone (UnknownObject when bluetoothd does not have it), not for the whole tree.
+        let known = try await device(at: Self.devicePath(on: adapter, address: wanted))
         if let known, !freshSighting { return known }
         var searches: [@Sendable () async throws -> BluetoothDevice?] = [{
             for try await signal in signals {
@@ -301,6 +409,35 @@ final class BlueZ: Sendable {
                                  + "and advertising (LE) or discoverable (classic)? Give more time with timeout=SECONDS")
         }
         return found
+    }
+}
+
+/// The notification sessions of one BlueZ client, counted: bluetoothd keeps one StartNotify per
+/// D-Bus client and characteristic (a second StartNotify does nothing; the first StopNotify ends it
+/// for every user), so the first user starts it and the last one stops it.
+actor NotifySessions {
+    private var users: [String: Int] = [:]
+
+    /// Starts notifications on `path` unless another user in this process has.
+    func start(_ bluez: BlueZ, path: String, about what: String) async throws {
+        users[path, default: 0] += 1
+        guard users[path] == 1 else { return }
+        do {
+            _ = try await bluez.call(path, "org.bluez.GattCharacteristic1", "StartNotify", about: what)
+        } catch {
+            users[path] = nil
+            throw error
+        }
+    }
+
+    /// Leaves; the last user stops them. Runs to the end even when the caller is cancelled.
+    func stop(_ bluez: BlueZ, path: String) async {
+        guard let count = users[path] else { return }
+        users[path] = count > 1 ? count - 1 : nil
+        guard count == 1 else { return }
+        await uncancellable {
+            _ = try? await bluez.call(path, "org.bluez.GattCharacteristic1", "StopNotify", about: "stopping notifications")
+        }
     }
 }
 

@@ -163,7 +163,9 @@ enum AdapterEvents {
         let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream()
         let task = Task {
             do {
-                let signals = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager))
+                // Every object bluetoothd adds or removes (a scan's devices too), read as they come.
+                let signals = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
+                                                          buffering: .all(limit: BlueZ.objectSignalLimit))
                 // Known adapters, so a removal can say what went away.
                 var known: [String: BluetoothAdapter] = [:]
                 if let adapters = try? await bluez.objects().adapters {
@@ -262,7 +264,7 @@ enum BluetoothConnector {
         let device = try deviceAddress(request.host, request)
         let service = url.port == nil ? try serviceUUID(request) : ServiceDiscovery.serialPort
         let security = request[BluetoothPlugin.security]
-        let (_, adapter, local, known) = try await resolve(request, bus: bus, device: device)
+        let (adapter, local, known, _) = try await resolve(request, bluez: try BlueZ.shared(bus), device: device)
         let describing = url.description
         let channel: Int
         let fd: SystemPackage.FileDescriptor
@@ -312,7 +314,8 @@ enum BluetoothConnector {
         guard let psm = url.port else {
             return try await GattSerial.connect(request, bus: bus, device: device)
         }
-        let (bluez, adapter, local, seen) = try await resolve(request, bus: bus, device: device)
+        let bluez = try BlueZ.shared(bus)
+        let (adapter, local, seen, _) = try await resolve(request, bluez: bluez, device: device)
         var known = seen
         let addressType: String
         switch request[BluetoothPlugin.addressType] {
@@ -379,13 +382,14 @@ enum BluetoothConnector {
 
     /// The shared BlueZ client, the adapter the URL asks for (with its address) and what bluetoothd
     /// knows of `device` on it, from one GetManagedObjects.
-    static func resolve(_ request: ConnectRequest, bus: DBusConnection.Bus, device: BluetoothAddress) async throws
-        -> (bluez: BlueZ, adapter: BluetoothAdapter, local: BluetoothAddress, known: BluetoothDevice?) {
-        let bluez = try BlueZ.shared(bus)
-        let objects = try await bluez.objects()
+    /// The adapter the request names and what bluetoothd knows of `device` on it, from one look at
+    /// bluetoothd's objects (returned too, for a caller that follows them with signals).
+    static func resolve(_ request: ConnectRequest, bluez: BlueZ, device: BluetoothAddress) async throws
+        -> (adapter: BluetoothAdapter, local: BluetoothAddress, known: BluetoothDevice?, objects: BlueZObjects) {
+        let objects = try await bluez.objectTree(about: "listing Bluetooth adapters and devices")
         let adapter = try BlueZ.adapter(named: try adapterName(request), among: objects.adapters)
-        let known = BlueZ.device(device.description, onAdapter: adapter.path, among: objects.devices)
-        return (bluez, adapter, try localAddress(of: adapter, request), known)
+        let known = objects.device(at: BlueZ.devicePath(on: adapter, address: device.description))
+        return (adapter, try localAddress(of: adapter, request), known, objects)
     }
 
     /// The adapter's own address, for binding sockets to it.

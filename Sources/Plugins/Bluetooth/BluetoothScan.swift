@@ -20,6 +20,12 @@ import TransportKitDBus
 /// for try await event in BluetoothPlugin().scan(scan) {
 ///     if case .discovered(let device) = event { print(device.name ?? "?", device.url) }
 /// }
+///
+/// // Bluejay's ScanAction: skip devices without a name, stop at the first thermometer.
+/// let pick = BluetoothScan(end: .never) { device in
+///     guard let name = device.name else { return .ignore }
+///     return name.hasPrefix("Thermo") ? .stop : .continue
+/// }
 /// ```
 public struct BluetoothScan: Sendable {
     /// The radio a scan listens on.
@@ -50,6 +56,13 @@ public struct BluetoothScan: Sendable {
         case updated(BluetoothDiscovery)
         /// A device reported earlier has not been seen for ``BluetoothScan/expiry`` (Bluejay's `expired`).
         case expired(BluetoothDiscovery)
+
+        /// The device the event is about.
+        public var device: BluetoothDiscovery {
+            switch self {
+            case .discovered(let device), .updated(let device), .expired(let device): device
+            }
+        }
     }
 
     /// Service UUIDs a device must advertise one of (`FFE0`, a 128-bit UUID, or a short name such as
@@ -69,6 +82,23 @@ public struct BluetoothScan: Sendable {
     public var expiry: Duration?
     /// The adapter to scan with (`hci0`, or its address); nil for the first powered one.
     public var adapter: String?
+    /// With ``duplicates``: an update only when the RSSI moved by at least this many dBm since the
+    /// last one reported, or the device's data or name changed; nil for every sighting.
+    public var rssiThreshold: Int?
+    /// A decision on each device when it is about to be reported as discovered (Bluejay's
+    /// ScanAction; again after it expired and came back): report it and go on, ignore it for the
+    /// rest of the scan, or report it and stop. Runs on the scan's task; keep it quick.
+    public var decide: (@Sendable (BluetoothDiscovery) -> Action)?
+
+    /// What ``decide`` answers for a device.
+    public enum Action: Sendable {
+        /// Report it (``Event/discovered(_:)``) and go on scanning.
+        case `continue`
+        /// Do not report it, now or later in this scan.
+        case ignore
+        /// Report it and end the scan: the device to connect to (``BluetoothPeripheral/connect(to:adapter:timeout:bus:)``).
+        case stop
+    }
 
     /// A scan; every parameter is also a property.
     ///
@@ -81,8 +111,13 @@ public struct BluetoothScan: Sendable {
     ///   - end: a duration (10 s by default), the first match, or never.
     ///   - expiry: how long a device may go unseen before it is reported gone (15 s by default).
     ///   - adapter: the adapter to scan with.
+    ///   - rssiThreshold: with duplicates, the RSSI change in dBm an update needs.
+    ///   - decide: a decision on each new device: report it, ignore it, or stop with it.
     public init(services: [String] = [], minimumRSSI: Int? = nil, namePrefix: String? = nil, bearer: Bearer = .le,
-                duplicates: Bool = false, end: End = .after(.seconds(10)), expiry: Duration? = .seconds(15), adapter: String? = nil) {
+                duplicates: Bool = false, end: End = .after(.seconds(10)), expiry: Duration? = .seconds(15), adapter: String? = nil,
+                rssiThreshold: Int? = nil, decide: (@Sendable (BluetoothDiscovery) -> Action)? = nil) {
+        self.rssiThreshold = rssiThreshold
+        self.decide = decide
         self.services = services
         self.minimumRSSI = minimumRSSI
         self.namePrefix = namePrefix
@@ -143,20 +178,124 @@ extension BluetoothPlugin {
     ///
     /// - Parameter scan: what to look for and when to stop.
     /// - Returns: the events; the sequence fails with `TransportError` when there is no bus,
-    ///   no bluetoothd, no (powered) adapter, or a service given is not a UUID.
-    public func scan(_ scan: BluetoothScan) -> AsyncThrowingStream<BluetoothScan.Event, any Error> {
-        let (stream, continuation) = AsyncThrowingStream<BluetoothScan.Event, any Error>.makeStream()
+    ///   no bluetoothd, no (powered) adapter, or a service given is not a UUID. While the
+    ///   application does not read, a device's newest ``BluetoothScan/Event/updated(_:)`` replaces
+    ///   the one before it (each discovery and expiry is kept), so a slow reader costs no memory
+    ///   per advertisement.
+    public func scan(_ scan: BluetoothScan) -> BluetoothScanEvents {
+        let events = BluetoothScanEvents()
+        // The task holds the feed, not the sequence: the scan stops when the sequence is dropped.
+        let feed = events.feed
         let bus = self.bus
         let task = Task {
             do {
-                try await Scanner(scan: scan, bus: bus, continuation: continuation).run()
-                continuation.finish()
+                try await Scanner(scan: scan, bus: bus, continuation: feed).run()
+                feed.finish(nil)
             } catch {
-                continuation.finish(throwing: error)
+                feed.finish(error)
             }
         }
-        continuation.onTermination = { _ in task.cancel() }
-        return stream
+        feed.onTermination { task.cancel() }
+        return events
+    }
+}
+
+/// The events of a scan (``BluetoothPlugin/scan(_:)``), in order, with a device's unread update
+/// replaced by its newer one. Ending the iteration (or cancelling its task) stops the scan.
+public struct BluetoothScanEvents: AsyncSequence, Sendable {
+    public typealias Element = BluetoothScan.Event
+    let feed = Feed()
+    /// Held by the sequence and its iterator: when both are gone, the scan stops.
+    private let lifetime: Lifetime
+
+    init() { lifetime = Lifetime(feed) }
+
+    public struct AsyncIterator: AsyncIteratorProtocol {
+        fileprivate let lifetime: Lifetime
+        public mutating func next() async throws -> BluetoothScan.Event? { try await lifetime.feed.next() }
+    }
+
+    public func makeAsyncIterator() -> AsyncIterator { AsyncIterator(lifetime: lifetime) }
+
+    fileprivate final class Lifetime: Sendable {
+        let feed: Feed
+        init(_ feed: Feed) { self.feed = feed }
+        deinit { feed.finish(nil) }
+    }
+
+    /// The buffer between the scanner and the reader.
+    final class Feed: Sendable {
+        private struct State {
+            var events: [BluetoothScan.Event] = []
+            var reader: CheckedContinuation<BluetoothScan.Event?, any Error>?
+            var end: Result<Void, any Error>?
+            var onTermination: (@Sendable () -> Void)?
+        }
+        /// Guards the events, the one parked reader and the end.
+        private let state = Mutex(State())
+
+        /// Hands `event` to the reader, or queues it; an update replaces the same device's unread update.
+        func yield(_ event: BluetoothScan.Event) {
+            let reader = state.withLock { state -> CheckedContinuation<BluetoothScan.Event?, any Error>? in
+                guard state.end == nil else { return nil }
+                if let reader = state.reader {
+                    state.reader = nil
+                    return reader
+                }
+                // Replaces the device's last unread event only when that is an update: an update
+                // never moves before the same device's expiry or rediscovery.
+                if case .updated(let device) = event, let index = state.events.lastIndex(where: { $0.device.address == device.address }),
+                   case .updated = state.events[index] {
+                    state.events[index] = event
+                } else {
+                    state.events.append(event)
+                }
+                return nil
+            }
+            reader?.resume(returning: event)
+        }
+
+        /// Ends the sequence after the queued events, with `error` or normally.
+        func finish(_ error: (any Error)?) {
+            let (reader, termination) = state.withLock { state -> (CheckedContinuation<BluetoothScan.Event?, any Error>?, (@Sendable () -> Void)?) in
+                guard state.end == nil else { return (nil, nil) }
+                state.end = error.map { .failure($0) } ?? .success(())
+                defer { state.reader = nil; state.onTermination = nil }
+                return (state.events.isEmpty ? state.reader : nil, state.onTermination)
+            }
+            if let reader {
+                if let error { reader.resume(throwing: error) } else { reader.resume(returning: nil) }
+            }
+            termination?()
+        }
+
+        func onTermination(_ body: @escaping @Sendable () -> Void) {
+            state.withLock { $0.onTermination = body }
+        }
+
+        func next() async throws -> BluetoothScan.Event? {
+            try await withTaskCancellationHandler {
+                try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<BluetoothScan.Event?, any Error>) in
+                    let ready = state.withLock { state -> Result<BluetoothScan.Event?, any Error>? in
+                        if !state.events.isEmpty { return .success(state.events.removeFirst()) }
+                        switch state.end {
+                        case .success?: return .success(nil)
+                        case .failure(let error)?: return .failure(error)
+                        case nil:
+                            guard state.reader == nil else {
+                                return .failure(TransportError(.misuse, "a scan's events have one reader; this one was being read already"))
+                            }
+                            state.reader = continuation
+                            return nil
+                        }
+                    }
+                    if let ready { continuation.resume(with: ready) }
+                }
+            } onCancel: {
+                // The reader stops (its next() returns nil), and the scan with it.
+                finish(nil)
+            }
+        }
     }
 }
 
@@ -164,7 +303,7 @@ extension BluetoothPlugin {
 private struct Scanner {
     let scan: BluetoothScan
     let bus: DBusConnection.Bus
-    let continuation: AsyncThrowingStream<BluetoothScan.Event, any Error>.Continuation
+    let continuation: BluetoothScanEvents.Feed
 
     enum Input: Sendable {
         case added(String, [String: DBusValue])
@@ -188,9 +327,11 @@ private struct Scanner {
         let managed = try await bluez.managedObjects(about: "scanning")
         let adapter = try BlueZ.adapter(named: scan.adapter, among: managed.adapters)
         let (inputs, feed) = AsyncStream<Input>.makeStream()
-        let manager = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager))
+        let manager = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
+                                                  buffering: .all(limit: BlueZ.objectSignalLimit))
         let properties = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, pathNamespace: adapter.path,
-                                                               interface: "org.freedesktop.DBus.Properties", member: "PropertiesChanged"))
+                                                               interface: "org.freedesktop.DBus.Properties", member: "PropertiesChanged"),
+                                                     buffering: .all(limit: BlueZ.objectSignalLimit))
         var filter: [String: DBusValue] = [
             "Transport": .string(scan.bearer == .le ? "le" : scan.bearer == .classic ? "bredr" : "auto"),
             // Every advertisement, so that a present device keeps being seen (see the header).
@@ -254,6 +395,8 @@ private struct Scanner {
 
         var known = devices
         var reported: [String: BluetoothDiscovery] = [:]
+        /// Devices the scan's `decide` turned away: not reported again in this scan.
+        var ignored: Set<String> = []
         var lastSeen: [String: ContinuousClock.Instant] = [:]
         for await input in inputs {
             try Task.checkCancellation()
@@ -283,12 +426,22 @@ private struct Scanner {
             }
             guard lastSeen[path] != nil, let properties = known[path] else { continue }
             let discovery = Self.discovery(path: path, properties, adapter: adapter, services: services)
-            guard matches(discovery, services: services) else { continue }
+            guard !ignored.contains(path), matches(discovery, services: services) else { continue }
             if reported[path] == nil {
-                reported[path] = discovery
-                continuation.yield(.discovered(discovery))
-                if case .firstMatch = scan.end { return }
+                switch scan.decide?(discovery) ?? .continue {
+                case .ignore:
+                    ignored.insert(path)
+                    continue
+                case .stop:
+                    continuation.yield(.discovered(discovery))
+                    return
+                case .continue:
+                    reported[path] = discovery
+                    continuation.yield(.discovered(discovery))
+                    if case .firstMatch = scan.end { return }
+                }
             } else if scan.duplicates {
+                if let previous = reported[path], !Self.isChange(from: previous, to: discovery, threshold: scan.rssiThreshold) { continue }
                 reported[path] = discovery
                 continuation.yield(.updated(discovery))
             } else {
@@ -296,6 +449,18 @@ private struct Scanner {
             }
         }
         try Task.checkCancellation()
+    }
+
+    /// Whether a sighting is worth an update: its data or name changed, or its RSSI moved by at
+    /// least `threshold` dBm from the last one reported (any move without a threshold).
+    static func isChange(from previous: BluetoothDiscovery, to next: BluetoothDiscovery, threshold: Int?) -> Bool {
+        guard let threshold else { return true }
+        if previous.manufacturerData != next.manufacturerData || previous.serviceData != next.serviceData || previous.name != next.name
+            || previous.serviceUUIDs != next.serviceUUIDs {
+            return true
+        }
+        guard let before = previous.rssi, let now = next.rssi else { return previous.rssi != next.rssi }
+        return abs(now - before) >= threshold
     }
 
     func matches(_ device: BluetoothDiscovery, services: [String]) -> Bool {

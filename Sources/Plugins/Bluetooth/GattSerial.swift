@@ -96,6 +96,9 @@ enum GattSerial {
     static let serviceInterface = "org.bluez.GattService1"
     static let characteristicInterface = "org.bluez.GattCharacteristic1"
     static let properties = "org.freedesktop.DBus.Properties"
+    /// How many notifications (PropertiesChanged signals) may wait unread once the inbound queue
+    /// is full, before a StartNotify connection fails: GATT cannot ask the device to pause.
+    static let unreadNotificationLimit = 4096
     /// BlueZ before 5.69 loses acquired writes longer than this (shared/PLATFORM-NOTES.md).
     static let blueZWriteLimit = 510
 
@@ -129,34 +132,14 @@ enum GattSerial {
         let wanted = try service(request)
         let rxOption = try characteristicOption(request, BluetoothPlugin.rx) ?? wanted.rx
         let txOption = try characteristicOption(request, BluetoothPlugin.tx) ?? wanted.tx
-        let (bluez, adapter, _, known) = try await BluetoothConnector.resolve(request, bus: bus, device: address)
-        var device: BluetoothDevice
-        if let known, known.connected {
-            device = known
-        } else {
-            // Seen over LE right now, so that Connect takes LE (see the header).
-            device = try await bluez.discover(address: address.description, on: adapter, transport: "le", deadline: request.deadline,
-                                              timeout: request.timeout, freshSighting: known != nil)
-        }
-        let wasConnected = device.connected
+        let session = try await GattSession.open(bus: bus, address: address, adapterName: try BluetoothConnector.adapterName(request),
+                                                 deadline: request.deadline, timeout: request.timeout, what: url.shown)
+        let (link, objects, device, adapter, events) = (session.link, session.objects, session.device, session.adapter, session.events)
         let describing = url.description
-        let linkEvents = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, path: device.path, interface: properties, member: "PropertiesChanged"))
-        let removals = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager, member: "InterfacesRemoved"))
-        if !wasConnected {
-            _ = try await bluez.call(device.path, BlueZ.deviceInterface, "Connect", timeout: remaining(request),
-                                     about: "connecting to Bluetooth device \(address) over LE")
-        }
-        let link = GattLink(bluez: bluez, device: device, address: address, disconnectOnClose: !wasConnected)
         do {
-            try await waitForServices(device, bluez: bluez, events: linkEvents, url: url)
-            // One look at the device (its name and RSSI once connected) and its services.
-            let objects = try await bluez.call("/", BlueZ.objectManager, "GetManagedObjects", about: "reading \(address)'s GATT services").first?.dictionary ?? [:]
-            if let properties = objects[device.path]?.dictionary?[BlueZ.deviceInterface]?.dictionary {
-                device = BlueZ.device(path: device.path, properties)
-            }
             let (rx, tx) = try pick(in: objects, device: device, service: wanted.uuid, rx: rxOption, tx: txOption, url: url)
             let backend = try await GattBackend.open(link: link, rx: rx, tx: tx, acquire: request[BluetoothPlugin.acquire] == .auto,
-                                                     events: linkEvents, removals: removals, describing: describing)
+                                                     events: events, describing: describing)
             var metadata = BluetoothConnector.metadata(device: device, address: address, adapter: adapter)
             metadata.mtu = backend.maximumWriteSize
             metadata.extra["addressType"] = device.addressType
@@ -173,35 +156,16 @@ enum GattSerial {
         }
     }
 
-    static func remaining(_ request: ConnectRequest) -> Duration? {
-        request.deadline.map { max($0 - ContinuousClock.now, .milliseconds(1)) }
-    }
-
-    /// Waits until bluetoothd has read the device's services (ServicesResolved), or the link drops.
-    static func waitForServices(_ device: BluetoothDevice, bluez: BlueZ, events: AsyncThrowingStream<DBusSignal, any Error>, url: TransportURL) async throws {
-        if let now = try await bluez.objects().devices.first(where: { $0.path == device.path }), now.servicesResolved { return }
-        for try await signal in events {
-            guard let changed = signal.values.dropFirst().first?.dictionary else { continue }
-            if changed["ServicesResolved"]?.boolValue == true { return }
-            if changed["Connected"]?.boolValue == false {
-                throw TransportError(.disconnected, "\(url.shown): Bluetooth device \(device.address) disconnected before its services were read")
-            }
-        }
-        try Task.checkCancellation()
-        throw TransportError(.disconnected, "\(url.shown): Bluetooth device \(device.address) went away before its services were read")
-    }
-
     /// The receive and transmit characteristics in `service` on `device`.
-    static func pick(in objects: [String: DBusValue], device: BluetoothDevice, service uuid: String, rx wantedRx: String?, tx wantedTx: String?,
+    static func pick(in objects: BlueZObjects, device: BluetoothDevice, service uuid: String, rx wantedRx: String?, tx wantedTx: String?,
                      url: TransportURL) throws -> (rx: GattCharacteristic, tx: GattCharacteristic) {
         var services: [(path: String, uuid: String)] = []
         var characteristics: [(service: String, characteristic: GattCharacteristic)] = []
-        for (path, interfaces) in objects where path.hasPrefix(device.path + "/") {
-            guard let interfaces = interfaces.dictionary else { continue }
-            if let properties = interfaces[serviceInterface]?.dictionary {
+        for (path, interfaces) in objects.interfaces where path.hasPrefix(device.path + "/") {
+            if let properties = interfaces[serviceInterface] {
                 services.append((path, properties["UUID"]?.text?.lowercased() ?? ""))
             }
-            if let properties = interfaces[characteristicInterface]?.dictionary {
+            if let properties = interfaces[characteristicInterface] {
                 characteristics.append((properties["Service"]?.text ?? "", GattCharacteristic(path: path, properties)))
             }
         }
@@ -264,8 +228,12 @@ final class GattLink: Sendable {
 
     func release() async {
         guard released.withLock({ flag in defer { flag = true }; return !flag }) else { return }
-        if disconnectOnClose {
-            _ = try? await bluez.call(device.path, BlueZ.deviceInterface, "Disconnect", about: "disconnecting \(address)")
+        guard disconnectOnClose else { return }
+        // Also when the caller was cancelled (a connect's deadline, Ctrl-C): a call from a cancelled
+        // task would not be sent, and the device would stay connected.
+        let (bluez, path, address) = (bluez, device.path, address)
+        await uncancellable {
+            _ = try? await bluez.call(path, BlueZ.deviceInterface, "Disconnect", about: "disconnecting \(address)")
         }
     }
 
@@ -319,11 +287,10 @@ final class GattBackend: ConnectionBackend {
     }
 
     /// Opens both halves on `rx` and `tx`, acquiring descriptors where `acquire` allows and BlueZ
-    /// offers them; `events` (the device's PropertiesChanged) and `removals` (InterfacesRemoved:
-    /// the device or its adapter gone) tell when the link drops.
+    /// offers them; `events` (bluetoothd's PropertiesChanged and InterfacesRemoved: the device's
+    /// link dropped, or the device or its adapter went away) tell when the link drops.
     static func open(link: GattLink, rx: GattCharacteristic, tx: GattCharacteristic, acquire: Bool,
-                     events: AsyncThrowingStream<DBusSignal, any Error>, removals: AsyncThrowingStream<DBusSignal, any Error>,
-                     describing: String) async throws -> GattBackend {
+                     events: AsyncThrowingStream<DBusSignal, any Error>, describing: String) async throws -> GattBackend {
         let bluez = link.bluez
         let interface = GattSerial.characteristicInterface
         let hangUp: @Sendable (Errno?) -> TransportError = { errno in link.disconnected(errno: errno, syscall: errno == nil ? nil : "recv") }
@@ -335,15 +302,30 @@ final class GattBackend: ConnectionBackend {
             attMTU = mtu
             receiver = .socket(PacketSocketBackend(adopting: fd, describing: describing, receiveSize: max(mtu, 23), maximumWriteSize: nil, hangUp: hangUp))
         } else {
-            let queue = InboundQueue(messages: true)
-            let values = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, path: rx.path, interface: GattSerial.properties, member: "PropertiesChanged"))
-            _ = try await bluez.call(rx.path, interface, "StartNotify", about: "starting notifications from \(BluetoothUUID.short(rx.uuid)) on \(link.address)")
+            // GATT has no flow control: while the application does not read, values wait in the
+            // queue up to its high watermark, then (the feeder paused) in the subscription, up to
+            // its limit; one more ends the connection with an error that says so.
+            let producing = AsyncCondition(true)
+            let queue = InboundQueue(messages: true) { producing.update { $0 = true } }
+            let limit = GattSerial.unreadNotificationLimit
+            let values = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, path: rx.path, interface: GattSerial.properties, member: "PropertiesChanged"),
+                                                     buffering: .all(limit: limit))
+            try await bluez.notifySessions.start(bluez, path: rx.path, about: "starting notifications from \(BluetoothUUID.short(rx.uuid)) on \(link.address)")
             let feeder = Task {
                 do {
                     for try await signal in values {
                         guard let value = signal.values.dropFirst().first?.dictionary?["Value"]?.bytes else { continue }
-                        _ = queue.append(ByteBuffer(bytes: value))
+                        if queue.append(ByteBuffer(bytes: value)) == .pause {
+                            producing.update { $0 = false }
+                            if queue.shouldProduce() { producing.update { $0 = true } }
+                            try await producing.wait { $0 ? () : nil }
+                        }
                     }
+                } catch is CancellationError {
+                } catch let error as TransportError where error.kind == .io {
+                    queue.fail(TransportError(.io, "\(describing): more than \(limit) notifications waited unread after \(queue.watermarks.high) bytes: "
+                                              + "GATT has no flow control, so the application must read as fast as the device sends "
+                                              + "(with acquire=auto, where the device offers it, the kernel's socket buffer holds them instead)"))
                 } catch {
                     queue.fail(link.disconnected())
                 }
@@ -373,23 +355,11 @@ final class GattBackend: ConnectionBackend {
         let backend = GattBackend(link: link, receiver: receiver, sender: sender, maximumWriteSize: writeSize, attMTU: attMTU, writeType: writeType)
         let devicePath = link.device.path
         let watcher = Task { [weak backend] in
-            await withTaskGroup(of: Void.self) { group in
-                group.addTask {
-                    do {
-                        for try await signal in events where signal.values.dropFirst().first?.dictionary?["Connected"]?.boolValue == false { return }
-                    } catch {}
+            do {
+                for try await signal in events where GattSession.endsLink(signal, devicePath: devicePath) {
+                    if await GattSession.linkIsDown(bluez, devicePath: devicePath) { break }
                 }
-                group.addTask {
-                    do {
-                        for try await signal in removals {
-                            // The device, or the adapter with it, went away.
-                            if case .objectPath(let path)? = signal.values.first, devicePath == path || devicePath.hasPrefix(path + "/") { return }
-                        }
-                    } catch {}
-                }
-                await group.next()
-                group.cancelAll()
-            }
+            } catch {}
             // The link dropped (or bluetoothd went away): unless this side is closing, say so.
             if !Task.isCancelled { backend?.linkEnded() }
         }
@@ -442,11 +412,22 @@ final class GattBackend: ConnectionBackend {
                                               about: "writing to \(link.address)")
             } catch let error as TransportError {
                 if let ended = ended.withLock({ $0 }) { throw ended }
-                if error.code == "org.bluez.Error.NotConnected" || error.message.contains("Not connected") {
+                // BlueZ answers NotConnected, or Failed with the reason "Not connected" (gatt-client.c,
+                // when the GATT client is gone): BlueZ's reasons come only as text.
+                if error.code == "org.bluez.Error.NotConnected" || (error.code == "org.bluez.Error.Failed" && error.message.contains("Not connected")) {
                     throw link.disconnected()
                 }
                 throw error
             }
+        }
+    }
+
+    /// WriteValue returns once bluetoothd has the value; an acquired socket says what bluetoothd
+    /// has not read from it yet.
+    var unsentByteCount: Int? {
+        switch sender {
+        case .socket(let socket): socket.unsentByteCount
+        case .writeValue: 0
         }
     }
 
@@ -469,7 +450,7 @@ final class GattBackend: ConnectionBackend {
         case .notifications(let queue, let path, let feeder):
             feeder.cancel()
             queue.finish()
-            _ = try? await bluez.call(path, GattSerial.characteristicInterface, "StopNotify", about: "stopping notifications")
+            await bluez.notifySessions.stop(bluez, path: path)
         }
     }
 

@@ -146,7 +146,7 @@ final class RFCOMMListener: ListenerBackend {
         // owner is read, so that nothing in between is missed.
         let ownerChanges = try await bluez.bus.signals(DBusMatch(sender: "org.freedesktop.DBus", path: "/org/freedesktop/DBus",
                                                                  interface: "org.freedesktop.DBus", member: "NameOwnerChanged",
-                                                                 arg0: BlueZ.service))
+                                                                 arg0: BlueZ.service), buffering: .all(limit: 64))
         let owner = try await bluez.bus.call(destination: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
                                              member: "GetNameOwner", [.string(BlueZ.service)]).first?.text ?? ""
         var bound = url

@@ -74,6 +74,8 @@ final class LoopBackend: ConnectionBackend {
     let supportsHalfClose = true
     let carriesMessages: Bool
     let maximumWriteSize: Int?
+    /// A write returns once its bytes are in the buffer the reader reads: none wait to be sent.
+    let unsentByteCount: Int? = 0
     private let inbound: InboundQueue
     private let writers: WriterGate
     private let turn = Mutex(Turn())

@@ -474,6 +474,17 @@ public final class Connection: Sendable {
     /// `true` once ``close()`` was called.
     public var isClosed: Bool { state.withLock { $0.closed } }
 
+    /// Bytes written that the transport has not passed on yet, and that ``abort()`` would drop:
+    /// 0 when none, `nil` when the transport cannot tell. A ``close()`` that takes long while this
+    /// is 0 is releasing the transport (a Bluetooth disconnect), not waiting for the peer.
+    ///
+    /// ```swift
+    /// let closing = Task { try await connection.close() }
+    /// try await Task.sleep(for: .seconds(2))
+    /// if connection.unsentByteCount != 0 { connection.abort() }   // the peer stopped reading
+    /// ```
+    public var unsentByteCount: Int? { backend.unsentByteCount }
+
     func setLogger(_ logger: Logger) {
         state.withLock { $0.logger = logger }
     }

@@ -51,6 +51,10 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     var maximumWriteSize: Int? { get }
     /// The application dropped its connection without closing it.
     func connectionDropped()
+    /// Bytes ``write(_:)`` accepted that the transport has not passed on yet, which a
+    /// ``close()`` cut short would drop: 0 when none, `nil` when the backend cannot tell (the
+    /// default). A close that takes long with 0 here is releasing, not delivering.
+    var unsentByteCount: Int? { get }
     /// The next message with its kind, on a backend that ``carriesMessages``; `nil` at the end.
     /// Backends whose messages have kinds (WebSocket) implement it; the default reads a
     /// ``TransportMessage/Kind/binary`` message with ``read()``. A ``WrappingBackend`` that should
@@ -66,6 +70,7 @@ extension ConnectionBackend {
     public var carriesMessages: Bool { false }
     public var maximumWriteSize: Int? { nil }
     public func connectionDropped() {}
+    public var unsentByteCount: Int? { nil }
     public func readMessage() async throws -> TransportMessage? {
         try await read().map { TransportMessage(.binary, $0) }
     }
@@ -127,6 +132,8 @@ extension WrappingBackend {
     /// The wrapped connection's limit: the outer connection chunks, so each chunk passes through
     /// the wrapper as it will go out.
     public var maximumWriteSize: Int? { wrapped.maximumWriteSize }
+    /// The wrapped connection's: a wrapper that queues bytes of its own says so itself.
+    public var unsentByteCount: Int? { wrapped.unsentByteCount }
     public func willPerform(_ operation: ControlOperation) {}
     public func didPerform(_ operation: ControlOperation, outcome: Result<String?, any Error>) {}
 }

@@ -147,15 +147,32 @@ public final class DBusConnection: Sendable {
 
     /// Subscribes to signals that match `rule`; returns once the bus has installed the match, so
     /// every matching signal sent after this returns is delivered. The stream ends with an error
-    /// when the connection ends; ending its iteration removes the match.
+    /// when the connection ends, or when more signals wait unread than `buffering` allows;
+    /// ending its iteration removes the match.
     ///
     /// ```swift
-    /// let added = try await bus.signals(DBusMatch(sender: "org.bluez", interface: "org.freedesktop.DBus.ObjectManager"))
+    /// let added = try await bus.signals(DBusMatch(sender: "org.bluez", interface: "org.freedesktop.DBus.ObjectManager"),
+    ///                                   buffering: .all(limit: 1024))
     /// for try await signal in added { print(signal.member, signal.values) }
     /// ```
-    public func signals(_ rule: DBusMatch) async throws -> AsyncThrowingStream<DBusSignal, any Error> {
-        let (stream, continuation) = AsyncThrowingStream<DBusSignal, any Error>.makeStream()
-        let subscription = Subscription(rule: rule.description, continuation: continuation)
+    public func signals(_ rule: DBusMatch, buffering: DBusSignalBuffering) async throws -> AsyncThrowingStream<DBusSignal, any Error> {
+        try await signals(matchingAnyOf: [rule], buffering: buffering)
+    }
+
+    /// Subscribes to signals that match any of `rules`, in one stream in the order the bus sent
+    /// them (a device's PropertiesChanged and the InterfacesAdded of its services, for one). A
+    /// signal that matches several rules comes once. Otherwise as ``signals(_:buffering:)``.
+    ///
+    /// ```swift
+    /// let events = try await bus.signals(matchingAnyOf: [
+    ///     DBusMatch(sender: "org.bluez", interface: "org.freedesktop.DBus.ObjectManager"),
+    ///     DBusMatch(sender: "org.bluez", path: device, interface: "org.freedesktop.DBus.Properties"),
+    /// ], buffering: .all(limit: 1024))
+    /// ```
+    public func signals(matchingAnyOf rules: [DBusMatch], buffering: DBusSignalBuffering) async throws -> AsyncThrowingStream<DBusSignal, any Error> {
+        guard !rules.isEmpty else { throw TransportError(.misuse, "a D-Bus subscription needs at least one match rule") }
+        let (stream, continuation) = AsyncThrowingStream<DBusSignal, any Error>.makeStream(bufferingPolicy: buffering.policy)
+        let subscription = Subscription(rules: rules.map(\.description), buffering: buffering, continuation: continuation)
         let loop = self.loop
         continuation.onTermination = { _ in
             loop.submit { state in state.remove(subscription) } orElse: { _ in }
@@ -182,7 +199,28 @@ public final class DBusConnection: Sendable {
     /// ```
     public func export(path: String, subtree: Bool = false,
                        _ handler: @escaping @Sendable (DBusMethodCall) -> DBusMethodResult) async throws -> DBusExport {
-        let object = ExportedObject(path: path, subtree: subtree, handler: handler)
+        try await export(ExportedObject(path: path, subtree: subtree, handler: .immediate(handler), loop: loop))
+    }
+
+    /// Serves method calls on `path` (and, with `subtree`, every path below it) with an
+    /// asynchronous `handler`: each call runs in a task of its own, and its result is sent as the
+    /// reply when it returns, so a handler may wait (for the application, for a device) without
+    /// holding up the bus. Calls not handled get `org.freedesktop.DBus.Error.UnknownMethod`. The
+    /// caller's own timeout (25 s for most) still bounds how long it waits.
+    ///
+    /// ```swift
+    /// let characteristic = try await bus.export(path: "/org/transportkit/app/service0/char0") { call in
+    ///     guard call.member == "ReadValue" else { return .notHandled }
+    ///     return .reply([.bytes(await sensor.currentValue())])
+    /// }
+    /// ```
+    public func export(path: String, subtree: Bool = false,
+                       answering handler: @escaping @Sendable (DBusMethodCall) async -> DBusMethodResult) async throws -> DBusExport {
+        try await export(ExportedObject(path: path, subtree: subtree, handler: .later(handler), loop: loop))
+    }
+
+    private func export(_ object: ExportedObject) async throws -> DBusExport {
+        let path = object.path
         let loop = self.loop
         try await perform { state in try object.register(on: state) }
         return DBusExport(path: path) {
@@ -235,7 +273,7 @@ public final class DBusConnection: Sendable {
     }
 }
 
-/// A match rule for ``DBusConnection/signals(_:)`` (dbus-specification, "Match Rules").
+/// A match rule for ``DBusConnection/signals(_:buffering:)`` (dbus-specification, "Match Rules").
 public struct DBusMatch: Sendable, CustomStringConvertible {
     public var sender: String?
     public var path: String?
@@ -269,7 +307,31 @@ private extension String {
     func replacingQuotes() -> String { String(filter { $0 != "'" }) }
 }
 
-/// A signal received through ``DBusConnection/signals(_:)``.
+/// How many signals a subscription keeps while its reader is busy: there is no flow control on a
+/// bus (bluetoothd sends every notification, every advertisement), so each subscription says what
+/// happens when its reader falls behind.
+public enum DBusSignalBuffering: Sendable {
+    /// Every signal, in order, up to `limit` waiting unread; one more ends the stream with an
+    /// `.io` error that says the reader fell behind. For signals that must not be lost: a GATT
+    /// value, a device that went away.
+    case all(limit: Int)
+    /// The newest `count` signals: older ones unread are dropped. For state where the latest
+    /// signal says everything (a property's current value).
+    case newest(Int)
+
+    /// The ``TransportKitCore/TransportError/code`` of the error that ends an `.all` subscription
+    /// whose reader fell behind.
+    public static let overflowCode = "org.transportkit.Error.SignalsOverflowed"
+
+    var policy: AsyncThrowingStream<DBusSignal, any Error>.Continuation.BufferingPolicy {
+        switch self {
+        case .all(let limit): .bufferingOldest(max(limit, 1))
+        case .newest(let count): .bufferingNewest(max(count, 1))
+        }
+    }
+}
+
+/// A signal received through ``DBusConnection/signals(_:buffering:)``.
 public struct DBusSignal: Sendable {
     public let sender: String
     public let path: String
@@ -457,6 +519,21 @@ final class BusState: @unchecked Sendable {
     let hasEnded = Atomic<Bool>(false)
     /// Keeps each record alive while sd-bus may call back into it.
     private var records: [ObjectIdentifier: any SlotRecord] = [:]
+    /// Method calls whose reply an asynchronous handler will send: a reference each, released by
+    /// the reply, or by the connection's end.
+    private var held: [Int: OpaquePointer] = [:]
+    private var nextHeld = 0
+
+    /// Keeps a referenced call message for a reply sent later; returns its number.
+    func hold(_ message: OpaquePointer) -> Int {
+        nextHeld += 1
+        held[nextHeld] = message
+        return nextHeld
+    }
+
+    /// The held message, handed back with its reference (nil when the connection ended and
+    /// released it).
+    func release(held number: Int) -> OpaquePointer? { held.removeValue(forKey: number) }
 
     init(bus: OpaquePointer, describing: String) {
         self.bus = bus
@@ -465,13 +542,16 @@ final class BusState: @unchecked Sendable {
 
     func keep(_ record: any SlotRecord) { records[ObjectIdentifier(record)] = record }
 
-    /// Releases the record's slot (no callback after this) and forgets it.
+    /// Releases the record's slots (no callback after this) and forgets it.
     func remove(_ record: any SlotRecord) {
-        if let slot = record.slot {
-            record.slot = nil
-            sd_bus_slot_unref(slot)
-        }
+        release(record)
         records[ObjectIdentifier(record)] = nil
+    }
+
+    private func release(_ record: any SlotRecord) {
+        let slots = record.slots
+        record.slots = []
+        for slot in slots { sd_bus_slot_unref(slot) }
     }
 
     /// Lets sd-bus do everything it can without waiting; notices a lost connection.
@@ -505,27 +585,26 @@ final class BusState: @unchecked Sendable {
         let all = records.values
         records = [:]
         for record in all {
-            if let slot = record.slot {
-                record.slot = nil
-                sd_bus_slot_unref(slot)
-            }
+            release(record)
             record.connectionEnded(error)
         }
+        for message in held.values { sd_bus_message_unref(message) }
+        held = [:]
         sd_bus_flush_close_unref(bus)
     }
 }
 
-/// Something that holds an sd-bus slot and hears about the connection's end.
+/// Something that holds sd-bus slots and hears about the connection's end.
 protocol SlotRecord: AnyObject {
     /// Touched only on the bus thread.
-    var slot: OpaquePointer? { get set }
+    var slots: [OpaquePointer] { get set }
     func connectionEnded(_ error: TransportError)
 }
 
 /// One method call in flight.
 private final class PendingCall: SlotRecord, @unchecked Sendable {
-    // @unchecked Sendable: `slot` is touched only on the bus thread; the continuation is behind its Mutex.
-    var slot: OpaquePointer?
+    // @unchecked Sendable: `slots` is touched only on the bus thread; the continuation is behind its Mutex.
+    var slots: [OpaquePointer] = []
     private let continuation = Mutex<(finished: Bool, waiting: CheckedContinuation<[DBusValue], any Error>?)>((false, nil))
     let describing: String
 
@@ -578,7 +657,7 @@ private final class PendingCall: SlotRecord, @unchecked Sendable {
                 call.owner?.remove(call)
                 return 0
             }, Unmanaged.passUnretained(self).toOpaque(), timeoutMicros), "sd_bus_call_async", describing)
-            self.slot = slot
+            if let slot { slots = [slot] }
             owner = state
             state.keep(self)
         } catch {
@@ -596,17 +675,27 @@ private final class PendingCall: SlotRecord, @unchecked Sendable {
     }
 }
 
-/// One signal match.
+/// One subscription: one or more match rules feeding one stream, in the order the bus delivered
+/// the signals.
 private final class Subscription: SlotRecord, @unchecked Sendable {
-    // @unchecked Sendable: `slot` and `installed` are touched only on the bus thread (the
-    // continuation is set before the install job is queued); the stream continuation is Sendable.
-    var slot: OpaquePointer?
-    let rule: String
+    // @unchecked Sendable: `slots`, `pendingInstalls`, `lastDelivered` and `installed` are touched
+    // only on the bus thread (the continuation is set before the install job is queued); the
+    // stream continuation is Sendable.
+    var slots: [OpaquePointer] = []
+    let rules: [String]
+    private let buffering: DBusSignalBuffering
     private let continuation: AsyncThrowingStream<DBusSignal, any Error>.Continuation
     private var installed: CheckedContinuation<Void, any Error>?
+    /// Matches whose AddMatch the bus has not answered yet.
+    private var pendingInstalls = 0
+    /// The last signal delivered (a message that matches two of the rules comes once).
+    private var lastDelivered: (sender: String, cookie: UInt64)?
 
-    init(rule: String, continuation: AsyncThrowingStream<DBusSignal, any Error>.Continuation) {
-        self.rule = rule
+    var describing: String { rules.joined(separator: " or ") }
+
+    init(rules: [String], buffering: DBusSignalBuffering, continuation: AsyncThrowingStream<DBusSignal, any Error>.Continuation) {
+        self.rules = rules
+        self.buffering = buffering
         self.continuation = continuation
     }
 
@@ -626,37 +715,66 @@ private final class Subscription: SlotRecord, @unchecked Sendable {
 
     /// On the bus thread.
     func install(on state: BusState) {
-        var slot: OpaquePointer?
         let userdata = Unmanaged.passUnretained(self).toOpaque()
-        let result = sd_bus_add_match_async(state.bus, &slot, rule, { message, userdata, _ in
-            guard let message, let userdata else { return 0 }
-            Unmanaged<Subscription>.fromOpaque(userdata).takeUnretainedValue().received(message)
-            return 0
-        }, { reply, userdata, _ in
-            guard let userdata else { return 0 }
-            let subscription = Unmanaged<Subscription>.fromOpaque(userdata).takeUnretainedValue()
-            if let reply, let error = SDBus.error(in: reply, call: "AddMatch \(subscription.rule)") {
-                subscription.installFinished(.failure(error))
-            } else {
-                subscription.installFinished(.success(()))
+        pendingInstalls = rules.count
+        for rule in rules {
+            var slot: OpaquePointer?
+            let result = sd_bus_add_match_async(state.bus, &slot, rule, { message, userdata, _ in
+                guard let message, let userdata else { return 0 }
+                Unmanaged<Subscription>.fromOpaque(userdata).takeUnretainedValue().received(message)
+                return 0
+            }, { reply, userdata, _ in
+                guard let userdata else { return 0 }
+                Unmanaged<Subscription>.fromOpaque(userdata).takeUnretainedValue().answered(reply)
+                return 0
+            }, userdata)
+            guard result >= 0 else {
+                state.remove(self)
+                return installFinished(.failure(TransportError.posix("sd_bus_add_match_async", errno: Errno(rawValue: -result), what: rule)))
             }
-            return 0
-        }, userdata)
-        guard result >= 0 else {
-            return installFinished(.failure(TransportError.posix("sd_bus_add_match_async", errno: Errno(rawValue: -result), what: rule)))
+            if let slot { slots.append(slot) }
+            state.keep(self)
         }
-        self.slot = slot
-        state.keep(self)
+    }
+
+    /// The bus answered one AddMatch: the stream is ready when it has answered all of them.
+    private func answered(_ reply: OpaquePointer?) {
+        if let reply, let error = SDBus.error(in: reply, call: "AddMatch \(describing)") {
+            return installFinished(.failure(error))
+        }
+        pendingInstalls -= 1
+        if pendingInstalls == 0 { installFinished(.success(())) }
     }
 
     private func received(_ message: OpaquePointer) {
+        // sd-bus runs every matching rule's callback for one message, one after the other: a
+        // sender's serial numbers its messages, so (sender, serial) names one.
+        var cookie: UInt64 = 0
+        _ = sd_bus_message_get_cookie(message, &cookie)
+        let sender = SDBus.string(sd_bus_message_get_sender(message))
+        guard lastDelivered?.sender != sender || lastDelivered?.cookie != cookie else { return }
+        lastDelivered = (sender, cookie)
         let text = SDBus.string
         do {
             let values = try DBusReader(message: message, what: "a signal").readAll()
             let signal = DBusSignal(sender: text(sd_bus_message_get_sender(message)), path: text(sd_bus_message_get_path(message)),
                                     interface: text(sd_bus_message_get_interface(message)), member: text(sd_bus_message_get_member(message)),
                                     values: values)
-            if case .dropped(let dropped) = continuation.yield(signal) { DBusValue.closeDescriptors(in: dropped.values) }
+            switch continuation.yield(signal) {
+            case .enqueued:
+                break
+            case .terminated:
+                DBusValue.closeDescriptors(in: values)
+            case .dropped(let dropped):
+                DBusValue.closeDescriptors(in: dropped.values)
+                if case .all(let limit) = buffering {
+                    continuation.finish(throwing: TransportError(.io, "more than \(limit) D-Bus signals (\(describing)) waited unread: "
+                                                                 + "their reader fell behind, and these may not be dropped",
+                                                                 code: DBusSignalBuffering.overflowCode))
+                }
+            @unknown default:
+                DBusValue.closeDescriptors(in: values)
+            }
         } catch {
             continuation.finish(throwing: error)
         }
@@ -665,16 +783,28 @@ private final class Subscription: SlotRecord, @unchecked Sendable {
 
 /// One exported object (or subtree).
 private final class ExportedObject: SlotRecord, @unchecked Sendable {
-    // @unchecked Sendable: `slot` is touched only on the bus thread; the rest is immutable.
-    var slot: OpaquePointer?
+    // @unchecked Sendable: `slots` and `owner` are touched only on the bus thread; the rest is immutable.
+    var slots: [OpaquePointer] = []
+    /// The state that keeps this object (bus thread only).
+    private weak var owner: BusState?
     let path: String
     let subtree: Bool
-    let handler: @Sendable (DBusMethodCall) -> DBusMethodResult
+    let handler: Handler
+    /// For replies sent later: they go out on the bus thread.
+    private let loop: BusLoop
 
-    init(path: String, subtree: Bool, handler: @escaping @Sendable (DBusMethodCall) -> DBusMethodResult) {
+    enum Handler {
+        /// Answers on the bus thread, before the next message is read.
+        case immediate(@Sendable (DBusMethodCall) -> DBusMethodResult)
+        /// Answers from a task of its own; the reply goes out when it returns.
+        case later(@Sendable (DBusMethodCall) async -> DBusMethodResult)
+    }
+
+    init(path: String, subtree: Bool, handler: Handler, loop: BusLoop) {
         self.path = path
         self.subtree = subtree
         self.handler = handler
+        self.loop = loop
     }
 
     func connectionEnded(_ error: TransportError) {}
@@ -690,7 +820,8 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
         let result = subtree ? sd_bus_add_fallback(state.bus, &slot, path, callback, userdata)
                              : sd_bus_add_object(state.bus, &slot, path, callback, userdata)
         try SDBus.check(result, subtree ? "sd_bus_add_fallback" : "sd_bus_add_object", "the D-Bus object \(path)")
-        self.slot = slot
+        if let slot { slots = [slot] }
+        owner = state
         state.keep(self)
     }
 
@@ -707,25 +838,69 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
         }
         let call = DBusMethodCall(sender: text(sd_bus_message_get_sender(message)), path: path,
                                   interface: text(sd_bus_message_get_interface(message)), member: member, arguments: arguments)
-        switch handler(call) {
+        switch handler {
+        case .immediate(let handler):
+            let result = handler(call)
+            if case .notHandled = result {
+                DBusValue.closeDescriptors(in: arguments)
+                return 0
+            }
+            return Self.answer(message, with: result, describing: "\(member) on \(path)")
+        case .later(let handler):
+            // The call message stays alive, held by the bus state, until the reply is built from
+            // it; only the bus thread touches it (its reference count is not atomic).
+            guard let state = owner, let reference = sd_bus_message_ref(message) else { return -ENOMEM }
+            let held = state.hold(reference)
+            let loop = self.loop
+            Task {
+                let result = await handler(call)
+                if case .notHandled = result { DBusValue.closeDescriptors(in: arguments) }
+                loop.submit { state in
+                    guard let message = state.release(held: held) else {
+                        if case .reply(let values) = result { DBusValue.closeDescriptors(in: values) }
+                        return
+                    }
+                    _ = Self.answer(message, with: result, describing: "\(member) on \(path)")
+                    sd_bus_message_unref(message)
+                } orElse: { _ in
+                    // The connection ended (and released the message): nobody to answer.
+                    if case .reply(let values) = result { DBusValue.closeDescriptors(in: values) }
+                }
+            }
+            return 1
+        }
+    }
+
+    /// Sends `result` as the reply to `message` (on the bus thread): 1 once sent, else -errno.
+    private static func answer(_ message: OpaquePointer, with result: DBusMethodResult, describing: String) -> Int32 {
+        switch result {
         case .notHandled:
-            DBusValue.closeDescriptors(in: arguments)
-            return 0
+            return replyError(message, "org.freedesktop.DBus.Error.UnknownMethod", "no method \(describing)")
         case .error(let name, let text):
-            return sd_bus_error_set(replyError, name, text)
+            return replyError(message, name, text)
         case .reply(let values):
+            // The reply takes the handler's descriptors: sd-bus has its own duplicates once appended.
+            defer { DBusValue.closeDescriptors(in: values) }
             var reply: OpaquePointer?
             guard sd_bus_message_new_method_return(message, &reply) >= 0, let reply else { return -ENOMEM }
             defer { sd_bus_message_unref(reply) }
-            // The reply takes the handler's descriptors: sd-bus has its own duplicates once appended.
-            defer { DBusValue.closeDescriptors(in: values) }
             do {
-                try DBusWriter(message: reply, what: "the reply to \(member) on \(path)").append(values)
+                try DBusWriter(message: reply, what: "the reply to \(describing)").append(values)
             } catch {
-                return sd_bus_error_set(replyError, "org.freedesktop.DBus.Error.Failed", "\(error)")
+                return replyError(message, "org.freedesktop.DBus.Error.Failed", "\(error)")
             }
             let sent = sd_bus_send(sd_bus_message_get_bus(message), reply, nil)
             return sent < 0 ? sent : 1
         }
     }
+
+    private static func replyError(_ message: OpaquePointer, _ name: String, _ text: String) -> Int32 {
+        var error = sd_bus_error(name: nil, message: nil, _need_free: 0)
+        defer { sd_bus_error_free(&error) }
+        _ = sd_bus_error_set(&error, name, text)
+        let sent = sd_bus_reply_method_error(message, &error)
+        return sent < 0 ? sent : 1
+    }
 }
+
+

@@ -34,7 +34,11 @@ public indirect enum DBusValue: Sendable, Hashable {
     /// owns and must close. Passed as a call's argument: borrowed (sd-bus sends a duplicate). In a
     /// handler's reply: taken (closed once sent).
     case unixFD(Int32)
+    /// A byte array (`ay`: a characteristic's value, manufacturer data), carried as bytes. Messages
+    /// read give every `ay` in this form; ``bytes(_:)`` builds one.
+    case byteArray([UInt8])
     /// An array of values of the type `element` (a signature: `"s"`, `"{sv}"`, `"(oa{sv})"`).
+    /// For bytes use ``byteArray(_:)``: one value per byte costs a boxed value each.
     case array(element: String, [DBusValue])
     /// One entry of a dictionary (an array whose element is `{KV}`).
     case dictEntry(DBusValue, DBusValue)
@@ -47,7 +51,7 @@ public indirect enum DBusValue: Sendable, Hashable {
     }
 
     /// A byte array (`ay`).
-    public static func bytes(_ bytes: [UInt8]) -> DBusValue { .array(element: "y", bytes.map { .byte($0) }) }
+    public static func bytes(_ bytes: [UInt8]) -> DBusValue { .byteArray(bytes) }
 
     /// The value's type signature.
     public var signature: String {
@@ -65,6 +69,7 @@ public indirect enum DBusValue: Sendable, Hashable {
         case .objectPath: "o"
         case .signature: "g"
         case .unixFD: "h"
+        case .byteArray: "ay"
         case .array(let element, _): "a" + element
         case .dictEntry(let key, let value): "{" + key.signature + value.signature + "}"
         case .structure(let fields): "(" + fields.map(\.signature).joined() + ")"
@@ -106,16 +111,22 @@ public indirect enum DBusValue: Sendable, Hashable {
         }
     }
 
-    /// The elements of an array (inside variants too).
+    /// The elements of an array (inside variants too); a byte array's as ``byte(_:)`` values.
     public var elements: [DBusValue]? {
-        if case .array(_, let items) = unwrapped { return items }
-        return nil
+        switch unwrapped {
+        case .array(_, let items): items
+        case .byteArray(let bytes): bytes.map { .byte($0) }
+        default: nil
+        }
     }
 
     /// The bytes of an `ay` (inside variants too).
     public var bytes: [UInt8]? {
-        guard case .array(element: "y", let items) = unwrapped else { return nil }
-        return items.compactMap { if case .byte(let byte) = $0 { byte } else { nil } }
+        switch unwrapped {
+        case .byteArray(let bytes): bytes
+        case .array(element: "y", let items): items.compactMap { if case .byte(let byte) = $0 { byte } else { nil } }
+        default: nil
+        }
     }
 
     /// The strings of an `as` or `ao` (inside variants too).
@@ -172,11 +183,10 @@ struct DBusWriter {
             // For string types sd-bus takes the string itself, not a pointer to it.
             let type: UInt8 = switch value { case .objectPath: UInt8(ascii: "o"); case .signature: UInt8(ascii: "g"); default: UInt8(ascii: "s") }
             try check("sd_bus_message_append_basic") { text.withCString { sd_bus_message_append_basic(message, CChar(bitPattern: type), $0) } }
+        case .byteArray(let bytes):
+            try appendBytes(bytes)
         case .array(element: "y", let items):
-            let bytes = items.compactMap { if case .byte(let byte) = $0 { byte } else { nil } }
-            try check("sd_bus_message_append_array") {
-                bytes.withUnsafeBytes { sd_bus_message_append_array(message, CChar(UInt8(ascii: "y")), $0.baseAddress, $0.count) }
-            }
+            try appendBytes(items.compactMap { if case .byte(let byte) = $0 { byte } else { nil } })
         case .array(let element, let items):
             try container("a", element) { try append(items) }
         case .dictEntry(let key, let entryValue):
@@ -185,6 +195,13 @@ struct DBusWriter {
             try container("r", fields.map(\.signature).joined()) { try append(fields) }
         case .variant(let inner):
             try container("v", inner.signature) { try append(inner) }
+        }
+    }
+
+    /// An `ay` in one copy (sd_bus_message_append_array).
+    private func appendBytes(_ bytes: [UInt8]) throws {
+        try check("sd_bus_message_append_array") {
+            bytes.withUnsafeBytes { sd_bus_message_append_array(message, CChar(UInt8(ascii: "y")), $0.baseAddress, $0.count) }
         }
     }
 

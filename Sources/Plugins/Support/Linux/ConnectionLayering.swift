@@ -191,6 +191,8 @@ final class LayeredBackend: WrappingBackend {
     var carriesMessages: Bool { top.carriesMessages }
     var maximumWriteSize: Int? { nil }
     var preferredExecutor: (any TaskExecutor)? { top.preferredExecutor }
+    /// Not known: the relay between the layers and the wrapped connection holds bytes of its own.
+    var unsentByteCount: Int? { nil }
 
     func read() async throws -> ByteBuffer? {
         do {

@@ -37,6 +37,8 @@ public final class PacketSocketBackend: ConnectionBackend {
     private let users = AsyncCondition<(count: Int, closed: Bool)>((0, false))
     private let reader = AsyncCondition<Task<Void, Never>?>(nil)
     private let hangUp: @Sendable (Errno?) -> TransportError
+    /// The socket is AF_UNIX (read once, at adoption).
+    private let isUnixSocket: Bool
 
     /// Takes ownership of a connected SOCK_SEQPACKET socket and starts reading it.
     ///
@@ -54,6 +56,9 @@ public final class PacketSocketBackend: ConnectionBackend {
         self.receiveSize = max(receiveSize, 1)
         self.maximumWriteSize = maximumWriteSize
         self.hangUp = hangUp
+        var domain: Int32 = 0
+        var size = socklen_t(MemoryLayout<Int32>.size)
+        isUnixSocket = getsockopt(fd.rawValue, SOL_SOCKET, SO_DOMAIN, &domain, &size) == 0 && domain == AF_UNIX
         let producing = self.producing
         inbound = InboundQueue(watermarks: watermarks, messages: true) { producing.update { $0 = true } }
         let task = Task { [self] in await self.readLoop() }
@@ -64,6 +69,19 @@ public final class PacketSocketBackend: ConnectionBackend {
     static let hangUps: [Errno] = [.connectionReset, .socketNotConnected, .hostIsDown, .timedOut, .connectionAbort, .brokenPipe]
 
     public func read() async throws -> ByteBuffer? { try await inbound.next() }
+
+    /// For an AF_UNIX socket, the bytes sent that its peer has not received yet (SIOCOUTQ, unix(7)),
+    /// and 0 once it is closed (AF_UNIX keeps what was sent in the receiver's queue, so closing
+    /// drops nothing); `nil` for other families, whose SIOCOUTQ means something else (Bluetooth's
+    /// reports the free space) or nothing.
+    public var unsentByteCount: Int? {
+        guard isUnixSocket else { return nil }
+        guard enter() else { return 0 }
+        defer { leave() }
+        var queued: Int32 = 0
+        guard ioctl(fd.rawValue, UInt(TIOCOUTQ), &queued) == 0 else { return nil }
+        return Int(queued)
+    }
 
     public func write(_ buffer: ByteBuffer) async throws {
         guard enter() else { throw TransportError(.misuse, "\(describing) is closed") }
@@ -126,6 +144,9 @@ public final class PacketSocketBackend: ConnectionBackend {
                 leave()
                 if inbound.append(ByteBuffer(bytes: buffer.prefix(count))) == .pause {
                     producing.update { $0 = false }
+                    // The reader may have drained the queue (and called onResume) before the line
+                    // above: ask again, or the reader would wait for records never read.
+                    if inbound.shouldProduce() { producing.update { $0 = true } }
                 }
             case .failure(.resourceTemporarilyUnavailable):
                 do {

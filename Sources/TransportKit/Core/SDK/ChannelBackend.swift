@@ -188,6 +188,10 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
+    /// Bytes handed to the channel that it has not yet written to the kernel (what the kernel
+    /// holds is sent after a close too).
+    public var unsentByteCount: Int? { max(inFlight.load(ordering: .relaxed), 0) }
+
     /// Drops bytes received but not read yet (a serial port's input flush) and resumes reading
     /// from the kernel if it was paused for them.
     public func discardBufferedInbound() {

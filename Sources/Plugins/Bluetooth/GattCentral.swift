@@ -1,0 +1,768 @@
+// GattCentral.swift: a GATT central through bluetoothd's GATT client (BlueZ doc/gatt-api.txt and
+// device-api.txt at 5.66: Device1.Connect, GattService1, GattCharacteristic1 ReadValue, WriteValue,
+// StartNotify, GattDescriptor1), as Bluejay offers it on iOS: a peripheral object with its
+// services, reads, writes and notifications, operations on one device in order, and its
+// connection's events. ble://SERVICE/MAC (GATT serial) opens its link the same way (GattSession).
+//
+// Facts this follows (BlueZ 5.66, src/gatt-client.c and src/device.c):
+// - WriteValue with type "request" does a long write (Prepare/Execute Write) when the value is
+//   longer than MTU − 3; ATT values are at most 512 bytes. "command" (without response) carries at
+//   most MTU − 3 and is not acknowledged by the device.
+// - A characteristic that needs encryption answers an ATT error; BlueZ's client raises the link's
+//   security and retries, which pairs, which needs an agent: without one the call fails with
+//   org.bluez.Error.Failed or NotPermitted and the ATT error in its text.
+// - Device1's PropertiesChanged says Connected false when the link drops, and ServicesResolved
+//   false then true when the device's services change (Service Changed indication): the objects
+//   are removed and added again in between.
+// - One LE connection attempt at a time per adapter (the kernel answers Busy for a second
+//   Connect while one is in progress): connects in this process wait their turn.
+
+import Synchronization
+@_spi(Plugins) import TransportKitCore
+import TransportKitDBus
+
+/// An LE link to a device with its services resolved: where GATT serial and the central begin.
+///
+/// Why the tree is read after ServicesResolved and not followed from signals: bluetoothd (gdbus)
+/// sends each object's changes from an idle callback of its own, so the device's ServicesResolved
+/// can reach the bus before the InterfacesAdded of the services it announces (seen in the lab:
+/// a connect found "no GATT service" that way). The objects are registered by then, so a
+/// GetManagedObjects after ServicesResolved has them all.
+struct GattSession: Sendable {
+    let bluez: BlueZ
+    let adapter: BluetoothAdapter
+    let device: BluetoothDevice
+    let objects: BlueZObjects
+    /// bluetoothd's ObjectManager signals and every device's PropertiesChanged on the adapter, from
+    /// before the device was first asked for: the caller keeps reading them (those that came
+    /// before `objects` was read are already in it, and applying them again changes nothing).
+    let events: AsyncThrowingStream<DBusSignal, any Error>
+    let link: GattLink
+
+    /// How many of bluetoothd's signals may wait unread during a connect (the caller reads them
+    /// from then on): other devices' changes count too, and a scan with duplicates in a crowded
+    /// room sends hundreds a second.
+    static let signalLimit = 16384
+
+    /// Connects to `address` over LE (or takes the link that is up) and waits until bluetoothd has
+    /// read its services, all within `deadline`. bluetoothd's whole object tree is read once, after
+    /// the services were resolved; before that only the adapters (Introspect) and the device
+    /// (GetAll) are asked for, after subscribing to their changes.
+    static func open(bus: DBusConnection.Bus, address: BluetoothAddress, adapterName: String?, deadline: ContinuousClock.Instant?,
+                     timeout: Duration?, what: String) async throws -> GattSession {
+        let bluez = try BlueZ.shared(bus)
+        let named = adapterName.flatMap { $0.hasPrefix("hci") ? "/org/bluez/\($0)" : nil }
+        let events = try await bluez.bus.signals(matchingAnyOf: [
+            DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
+            DBusMatch(sender: BlueZ.service, pathNamespace: named ?? "/org/bluez", interface: GattSerial.properties, member: "PropertiesChanged",
+                      arg0: BlueZ.deviceInterface),
+            // bluetoothd leaving the bus (stopped, crashed): no InterfacesRemoved comes then.
+            DBusMatch(sender: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
+                      member: "NameOwnerChanged", arg0: BlueZ.service),
+        ], buffering: .all(limit: signalLimit))
+        var adapter = try BlueZ.adapter(named: adapterName, among: try await bluez.adapters())
+        let devicePath = BlueZ.devicePath(on: adapter, address: address.description)
+        let known = try await bluez.device(at: devicePath)
+        var device: BluetoothDevice
+        let link: GattLink
+        if let known, known.connected {
+            device = known
+            link = GattLink(bluez: bluez, device: device, address: address, disconnectOnClose: false)
+        } else {
+            // One LE connect at a time on an adapter (see the header); the discovery and the
+            // Connect together, so that Connect takes the bearer just seen.
+            let (found, madeLink) = try await bluez.connectTurns.inTurn(adapter.path) { () async throws -> (BluetoothDevice, Bool) in
+                // Seen over LE right now, so that Connect takes LE (GattSerial.swift's header).
+                let found = try await bluez.discover(address: address.description, on: adapter, transport: "le", deadline: deadline,
+                                                     timeout: timeout, freshSighting: known != nil)
+                // Connected by another program meanwhile: its link, left up on close.
+                guard !found.connected else { return (found, false) }
+                let remaining = deadline.map { max($0 - ContinuousClock.now, .milliseconds(1)) }
+                do {
+                    _ = try await bluez.call(found.path, BlueZ.deviceInterface, "Connect", timeout: remaining,
+                                             about: "connecting to Bluetooth device \(address) over LE")
+                } catch {
+                    // Cut short (the deadline, a cancellation): bluetoothd may still be connecting,
+                    // and Disconnect cancels that, so no link is left that nobody owns.
+                    await GattLink(bluez: bluez, device: found, address: address, disconnectOnClose: true).release()
+                    throw error
+                }
+                return (found, true)
+            }
+            device = found
+            link = GattLink(bluez: bluez, device: device, address: address, disconnectOnClose: madeLink)
+        }
+        let objects: BlueZObjects
+        do {
+            try await waitForServices(device, bluez: bluez, events: events, what: what)
+            objects = try await bluez.objectTree(about: "reading the GATT services of Bluetooth device \(address)")
+        } catch {
+            await link.release()
+            throw error
+        }
+        device = objects.device(at: device.path) ?? device
+        adapter = objects.adapters.first { $0.path == adapter.path } ?? adapter
+        return GattSession(bluez: bluez, adapter: adapter, device: device, objects: objects, events: events, link: link)
+    }
+
+    /// The signal says the device's link dropped (Connected false), or the device or its adapter
+    /// went away.
+    static func endsLink(_ signal: DBusSignal, devicePath: String) -> Bool {
+        switch signal.member {
+        case "PropertiesChanged":
+            return signal.path == devicePath && signal.values.dropFirst().first?.dictionary?["Connected"]?.boolValue == false
+        case "InterfacesRemoved":
+            // The device object, or its adapter's (a profile interface going is not the end).
+            guard case .objectPath(let path)? = signal.values.first, let removed = signal.values.dropFirst().first?.strings else { return false }
+            return (devicePath == path && removed.contains(BlueZ.deviceInterface))
+                || (devicePath.hasPrefix(path + "/") && removed.contains(BlueZ.adapterInterface))
+        case "NameOwnerChanged":
+            // bluetoothd left the bus: its new owner is empty.
+            return signal.values.first?.text == BlueZ.service && signal.values.last?.text == ""
+        default:
+            return false
+        }
+    }
+
+    /// Whether the link is down now: a signal that said so may be from before this connect (the
+    /// subscription comes first), so bluetoothd is asked. Down too when it cannot answer.
+    static func linkIsDown(_ bluez: BlueZ, devicePath: String) async -> Bool {
+        guard let device = (try? await bluez.device(at: devicePath)) ?? nil else { return true }
+        return !device.connected
+    }
+
+    /// Waits until bluetoothd has read the device's services (ServicesResolved), or the link drops.
+    /// `events` was subscribed to before this asks, so a change right after the answer is not missed.
+    static func waitForServices(_ device: BluetoothDevice, bluez: BlueZ, events: AsyncThrowingStream<DBusSignal, any Error>,
+                                what: String) async throws {
+        if try await bluez.device(at: device.path)?.servicesResolved == true { return }
+        // A signal may be from before this connect (the subscription came first): each one that
+        // would decide is checked with bluetoothd.
+        for try await signal in events {
+            if endsLink(signal, devicePath: device.path) {
+                guard await linkIsDown(bluez, devicePath: device.path) else { continue }
+                throw TransportError(.disconnected, "\(what): Bluetooth device \(device.address) disconnected (or bluetoothd removed it) "
+                                     + "before its services were read")
+            }
+            guard signal.member == "PropertiesChanged", signal.path == device.path,
+                  signal.values.dropFirst().first?.dictionary?["ServicesResolved"]?.boolValue == true else { continue }
+            if try await bluez.device(at: device.path)?.servicesResolved == true { return }
+        }
+        try Task.checkCancellation()
+        throw TransportError(.disconnected, "\(what): Bluetooth device \(device.address) went away before its services were read")
+    }
+}
+
+/// Turns per key (an adapter's path): one holder at a time, the others in the order they came.
+final class KeyedTurns: Sendable {
+    private let taken = AsyncCondition<Set<String>>([])
+
+    func inTurn<T: Sendable>(_ key: String, _ body: () async throws -> T) async throws -> T {
+        try await taken.wait { (taken: inout Set<String>) -> Void? in taken.insert(key).inserted ? () : nil }
+        defer { taken.update { _ = $0.remove(key) } }
+        return try await body()
+    }
+}
+
+// MARK: - The central's view of a device
+
+/// A GATT descriptor of a characteristic.
+public struct GATTDescriptor: Sendable, Hashable, Encodable {
+    /// 128-bit, lower case.
+    public var uuid: String
+    /// BlueZ's flags: `read`, `write`, `encrypt-read`, …
+    public var flags: [String]
+    let path: String
+
+    private enum CodingKeys: String, CodingKey { case uuid, flags }
+
+    /// The UUID in its short form where it is on the Bluetooth base (`2901`).
+    public var shortUUID: String { BluetoothUUID.short(uuid) }
+}
+
+/// A GATT characteristic of a connected device.
+public struct GATTCharacteristic: Sendable, Hashable, Encodable {
+    /// 128-bit, lower case (`00002a19-0000-1000-8000-00805f9b34fb` for Battery Level).
+    public var uuid: String
+    /// The UUID of the service it belongs to.
+    public var service: String
+    /// BlueZ's flags (the characteristic's properties and permissions): `read`, `write`,
+    /// `write-without-response`, `notify`, `indicate`, `encrypt-read`, …
+    public var flags: [String]
+    public var descriptors: [GATTDescriptor]
+    let path: String
+
+    private enum CodingKeys: String, CodingKey { case uuid, service, flags, descriptors }
+
+    public var canRead: Bool { flags.contains("read") }
+    public var canWrite: Bool { flags.contains("write") }
+    public var canWriteWithoutResponse: Bool { flags.contains("write-without-response") }
+    /// Notifies or indicates.
+    public var canNotify: Bool { flags.contains("notify") || flags.contains("indicate") }
+    /// The UUID in its short form where it is on the Bluetooth base (`2a19`).
+    public var shortUUID: String { BluetoothUUID.short(uuid) }
+}
+
+/// A GATT service of a connected device.
+public struct GATTService: Sendable, Hashable, Encodable {
+    /// 128-bit, lower case.
+    public var uuid: String
+    public var isPrimary: Bool
+    public var characteristics: [GATTCharacteristic]
+    let path: String
+
+    private enum CodingKeys: String, CodingKey { case uuid, isPrimary, characteristics }
+
+    /// The UUID in its short form where it is on the Bluetooth base (`180f`).
+    public var shortUUID: String { BluetoothUUID.short(uuid) }
+}
+
+/// How a value is written.
+public enum GATTWriteType: String, Sendable, CaseIterable {
+    /// Acknowledged by the device; values longer than one packet go as a long write (up to 512 bytes).
+    case withResponse
+    /// Not acknowledged; at most ATT MTU − 3 bytes.
+    case withoutResponse
+}
+
+/// When ``BluetoothPeripheral/write(_:to:service:type:thenCollectFrom:until:timeout:)`` stops collecting.
+public enum GATTCollect: Sendable, Hashable, CustomStringConvertible {
+    /// Once this many bytes arrived (more in the last notification are kept).
+    case count(Int)
+    /// Once these bytes arrived; what came up to and including them is returned.
+    case delimiter([UInt8])
+
+    public var description: String {
+        switch self {
+        case .count(let count): "\(count) bytes"
+        case .delimiter(let bytes): "the delimiter \(Hex.text(bytes))"
+        }
+    }
+}
+
+/// The bytes a write-then-collect has gathered, for its timeout's message.
+private final class Collected: Sendable {
+    let bytes = Mutex<[UInt8]>([])
+}
+
+/// A Bluetooth LE device this central is connected to, through bluetoothd: its services, reads,
+/// writes and notifications (Bluejay's peripheral). Operations on one device run one at a time,
+/// in the order they were asked for; several devices are served at once.
+///
+/// ```swift
+/// let sensor = try await BluetoothPeripheral.connect(to: "E3:2E:44:66:A2:4A", adapter: "hci0")
+/// let level = try await sensor.read("2a19")                           // Battery Level
+/// for try await value in try await sensor.notifications(of: "2a37") { print(value) }   // Heart Rate
+/// await sensor.disconnect()
+/// ```
+public final class BluetoothPeripheral: Sendable {
+    /// What happens to the link.
+    public enum Event: Sendable, Hashable {
+        /// The link dropped (the device went out of range or away, or was switched off, or its
+        /// adapter went away). Operations in flight fail with `.disconnected`; none is repeated.
+        case disconnected(reason: String)
+        /// The device said its services changed; ``BluetoothPeripheral/services`` has the new ones.
+        case servicesChanged
+    }
+
+    /// `00:AA:01:01:00:01`.
+    public let address: String
+    /// The adapter the link is on (`hci0`).
+    public let adapter: String
+    private let session: GattSession
+    private let state: Mutex<State>
+    /// One operation at a time, in order.
+    private let turn = AsyncCondition(false)
+    private let watcher = Mutex<Task<Void, Never>?>(nil)
+
+    private struct State {
+        var objects: BlueZObjects
+        var device: BluetoothDevice
+        /// Why the link ended, once it has.
+        var ended: TransportError?
+        var closed = false
+        var resolving = false
+        var listeners: [Int: AsyncStream<Event>.Continuation] = [:]
+        var nextListener = 0
+        /// Notification streams, ended with the link.
+        var subscriptions: [Int: AsyncThrowingStream<[UInt8], any Error>.Continuation] = [:]
+    }
+
+    private init(session: GattSession) {
+        self.session = session
+        address = session.device.address.uppercased()
+        adapter = session.adapter.name
+        state = Mutex(State(objects: session.objects, device: session.device))
+    }
+
+    /// Connects to the device at `address` over LE (or takes the link that is up) and reads its
+    /// services, within `timeout`.
+    ///
+    /// - Parameters:
+    ///   - address: the device's address (`E3:2E:44:66:A2:4A`).
+    ///   - adapter: the adapter (`hci0`, or its address); nil for the first powered one.
+    ///   - timeout: the limit for finding, connecting and reading the services.
+    ///   - bus: the bus bluetoothd is on.
+    /// - Throws: `TransportError`: `.invalidURL` for an address that is not one, `.notFound` when the
+    ///   device is not seen within the timeout, `.timedOut`, `.disconnected` when the link drops
+    ///   before the services were read, and BlueZ's errors with what to do.
+    public static func connect(to address: String, adapter: String? = nil, timeout: Duration = .seconds(20),
+                               bus: DBusConnection.Bus = .system) async throws -> BluetoothPeripheral {
+        guard let parsed = BluetoothAddress(address) else {
+            throw TransportError(.invalidURL, "'\(TransportError.printable(address, limit: 40))' is not a Bluetooth address (six hex pairs: E3:2E:44:66:A2:4A)")
+        }
+        let what = "Bluetooth device \(parsed)"
+        let deadline = ContinuousClock.now + timeout
+        let session = try await withDeadline(deadline, TransportError(.timedOut, "connecting to \(what) took longer than \(timeout.secondsText)")) {
+            try await GattSession.open(bus: bus, address: parsed, adapterName: adapter, deadline: deadline, timeout: timeout, what: what)
+        }
+        let peripheral = BluetoothPeripheral(session: session)
+        peripheral.startWatching()
+        return peripheral
+    }
+
+    // MARK: What the device offers
+
+    /// The device's services with their characteristics and descriptors, as bluetoothd read them;
+    /// current after a ``Event/servicesChanged``.
+    public var services: [GATTService] {
+        state.withLock { state in Self.services(of: state.device.path, in: state.objects) }
+    }
+
+    /// The device's name (what it advertises or its GAP name), if known.
+    public var name: String? { state.withLock { $0.device.name ?? $0.device.alias } }
+
+    /// The ATT MTU of the link, when bluetoothd reports it (BlueZ 5.62 and later).
+    public var attMTU: Int? {
+        state.withLock { state in
+            let prefix = state.device.path + "/"
+            return state.objects.interfaces.filter { $0.key.hasPrefix(prefix) }
+                .compactMap { $0.value[GattSerial.characteristicInterface]?["MTU"]?.integer }.max().map { Int($0) }
+        }
+    }
+
+    /// The longest value one write of `type` carries: 512 with a response (a long write), ATT MTU − 3
+    /// without (23 − 3 when the MTU is not known).
+    public func maximumWriteLength(for type: GATTWriteType) -> Int {
+        switch type {
+        case .withResponse: 512
+        case .withoutResponse: max((attMTU ?? 23) - 3, 20)
+        }
+    }
+
+    /// `false` once the link dropped or ``disconnect()`` was called.
+    public var isConnected: Bool { state.withLock { $0.ended == nil && !$0.closed } }
+
+    /// The link's events from now on, as a sequence; each call starts a new one. It ends after
+    /// ``Event/disconnected(reason:)`` (nothing reconnects by itself yet) and after ``disconnect()``.
+    public func events() -> AsyncStream<Event> {
+        let (stream, continuation) = AsyncStream<Event>.makeStream(bufferingPolicy: .bufferingNewest(64))
+        let id = state.withLock { state -> Int? in
+            if let ended = state.ended { continuation.yield(.disconnected(reason: ended.message)) }
+            guard !state.closed, state.ended == nil else { return nil }
+            state.nextListener += 1
+            state.listeners[state.nextListener] = continuation
+            return state.nextListener
+        }
+        guard let id else {
+            continuation.finish()
+            return stream
+        }
+        continuation.onTermination = { [weak self] _ in _ = self?.state.withLock { $0.listeners.removeValue(forKey: id) } }
+        return stream
+    }
+
+    // MARK: Operations
+
+    /// Reads a characteristic's value.
+    ///
+    /// - Parameters:
+    ///   - characteristic: its UUID (`2a19`, `00002a19`, or 128-bit).
+    ///   - service: the service's UUID, where two services have the characteristic.
+    /// - Throws: `.notFound` (listing what the device has), `.unsupported` when it cannot be read,
+    ///   `.permissionDenied` when it needs pairing first, `.disconnected`.
+    public func read(_ characteristic: String, service: String? = nil) async throws -> [UInt8] {
+        try await inOrder {
+            let found = try self.find(characteristic, service: service)
+            guard found.canRead else {
+                throw TransportError(.unsupported, "\(self.describing): characteristic \(found.shortUUID) cannot be read: [\(found.flags.joined(separator: ","))]")
+            }
+            let reply = try await self.call(found.path, "ReadValue", [.dictionary([:])], about: "reading \(found.shortUUID)")
+            guard let bytes = reply.first?.bytes else {
+                throw TransportError(.protocolError, "\(self.describing): bluetoothd's answer to ReadValue on \(found.shortUUID) carried no bytes: \(reply)")
+            }
+            return bytes
+        }
+    }
+
+    /// Writes a characteristic's value, with a response (acknowledged by the device; up to 512
+    /// bytes, a long write past one packet) or without (at most ATT MTU − 3 bytes).
+    ///
+    /// - Throws: `.misuse` for a value longer than the device takes (the message says the limit),
+    ///   `.unsupported` when the characteristic takes no such write, and as ``read(_:service:)``.
+    public func write(_ value: [UInt8], to characteristic: String, service: String? = nil, type: GATTWriteType = .withResponse) async throws {
+        try await inOrder { try await self.writeNow(value, to: characteristic, service: service, type: type) }
+    }
+
+    private func writeNow(_ value: [UInt8], to characteristic: String, service: String?, type: GATTWriteType) async throws {
+        let found = try find(characteristic, service: service)
+        let allowed = type == .withResponse ? found.canWrite : found.canWriteWithoutResponse
+        guard allowed else {
+            throw TransportError(.unsupported, "\(describing): characteristic \(found.shortUUID) takes no write \(type == .withResponse ? "with" : "without") response: "
+                                 + "[\(found.flags.joined(separator: ","))]")
+        }
+        let limit = maximumWriteLength(for: type)
+        guard value.count <= limit else {
+            throw TransportError(.misuse, "\(describing): \(value.count) bytes is longer than characteristic \(found.shortUUID) takes in one write "
+                                 + "\(type == .withResponse ? "with" : "without") response: at most \(limit) (ATT MTU \(attMTU.map(String.init) ?? "23"))")
+        }
+        _ = try await call(found.path, "WriteValue", [.bytes(value), .dictionary(["type": .string(type == .withResponse ? "request" : "command")])],
+                           about: "writing \(value.count) bytes to \(found.shortUUID)")
+    }
+
+    /// The values a characteristic notifies or indicates, from now on, as a sequence. Ending the
+    /// iteration (or dropping the sequence) stops the notifications; the sequence ends with
+    /// `.disconnected` when the link drops, and with an error if more than 4,096 values wait unread.
+    ///
+    /// - Throws: `.unsupported` when the characteristic neither notifies nor indicates, and as
+    ///   ``read(_:service:)``.
+    public func notifications(of characteristic: String, service: String? = nil) async throws -> AsyncThrowingStream<[UInt8], any Error> {
+        try await inOrder { try await self.subscribe(characteristic, service: service) }
+    }
+
+    private func subscribe(_ characteristic: String, service: String?) async throws -> AsyncThrowingStream<[UInt8], any Error> {
+        let found = try find(characteristic, service: service)
+        guard found.canNotify else {
+            throw TransportError(.unsupported, "\(describing): characteristic \(found.shortUUID) neither notifies nor indicates: [\(found.flags.joined(separator: ","))]")
+        }
+        let bluez = session.bluez
+        let limit = GattSerial.unreadNotificationLimit
+        let values = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, path: found.path, interface: GattSerial.properties,
+                                                           member: "PropertiesChanged", arg0: GattSerial.characteristicInterface),
+                                                 buffering: .all(limit: limit))
+        do {
+            try await bluez.notifySessions.start(bluez, path: found.path, about: "\(describing): starting notifications from \(found.shortUUID)")
+        } catch let error as TransportError {
+            throw failure(error)
+        }
+        let (stream, continuation) = AsyncThrowingStream<[UInt8], any Error>.makeStream(bufferingPolicy: .bufferingOldest(limit))
+        // Registered only while the link is up and this object open (disconnect() may have run
+        // since the turn began): otherwise nothing would ever end the stream.
+        let registered = state.withLock { state -> Int? in
+            guard !state.closed, state.ended == nil else { return nil }
+            state.nextListener += 1
+            state.subscriptions[state.nextListener] = continuation
+            return state.nextListener
+        }
+        guard let id = registered else {
+            await bluez.notifySessions.stop(bluez, path: found.path)
+            throw state.withLock { $0.ended } ?? TransportError(.misuse, "\(describing) was disconnected by this side (disconnect())")
+        }
+        let overflow = TransportError(.io, "\(describing): more than \(limit) notifications from \(found.shortUUID) waited unread: "
+                                      + "read them as fast as the device sends", code: DBusSignalBuffering.overflowCode)
+        let feeder = Task {
+            do {
+                for try await signal in values {
+                    guard let value = signal.values.dropFirst().first?.dictionary?["Value"]?.bytes else { continue }
+                    if case .dropped = continuation.yield(value) {
+                        continuation.finish(throwing: overflow)
+                        return
+                    }
+                }
+            } catch is CancellationError {
+            } catch let error as TransportError where error.code == DBusSignalBuffering.overflowCode {
+                continuation.finish(throwing: overflow)
+            } catch {
+                continuation.finish(throwing: error)
+            }
+        }
+        continuation.onTermination = { [weak self] _ in
+            feeder.cancel()
+            _ = self?.state.withLock { $0.subscriptions.removeValue(forKey: id) }
+            Task { await bluez.notifySessions.stop(bluez, path: found.path) }
+        }
+        return stream
+    }
+
+    /// Writes `value`, then collects what `source` notifies until `until` is met: Bluejay's
+    /// writeAndAssemble, for request/response protocols over two characteristics. The
+    /// subscription is made before the write, so no answer is missed.
+    ///
+    /// ```swift
+    /// let reply = try await device.write(Array("AT\r".utf8), to: "6e400002-b5a3-f393-e0a9-e50e24dcca9e",
+    ///                                    thenCollectFrom: "6e400003-b5a3-f393-e0a9-e50e24dcca9e", until: .delimiter([0x0d]))
+    /// ```
+    ///
+    /// - Throws: `.timedOut` when `until` is not met within `timeout` (the message says what came),
+    ///   `.disconnected`, and as ``write(_:to:service:type:)`` and ``notifications(of:service:)``.
+    public func write(_ value: [UInt8], to characteristic: String, service: String? = nil, type: GATTWriteType = .withResponse,
+                      thenCollectFrom source: String, until: GATTCollect, timeout: Duration = .seconds(10)) async throws -> [UInt8] {
+        switch until {
+        case .count(let count) where count < 1:
+            throw TransportError(.misuse, "\(describing): collect a count of at least 1 byte; got \(count)")
+        case .delimiter(let delimiter) where delimiter.isEmpty:
+            throw TransportError(.misuse, "\(describing): collect up to a delimiter of at least one byte")
+        default:
+            break
+        }
+        return try await inOrder {
+            let values = try await self.subscribe(source, service: service)
+            try await self.writeNow(value, to: characteristic, service: service, type: type)
+            let describing = self.describing
+            let collected = Collected()
+            return try await withTimeout(timeout, TransportError(.timedOut, "\(describing): \(until) did not arrive within \(timeout.secondsText) after the write; "
+                                                                 + "\(collected.bytes.withLock { $0.count }) bytes came")) {
+                for try await piece in values {
+                    let result = collected.bytes.withLock { bytes -> [UInt8]? in
+                        bytes += piece
+                        switch until {
+                        case .count(let count): return bytes.count >= count ? bytes : nil
+                        case .delimiter(let delimiter):
+                            guard !delimiter.isEmpty, let range = bytes.firstRange(of: delimiter) else { return nil }
+                            return Array(bytes[..<range.upperBound])
+                        }
+                    }
+                    if let result { return result }
+                }
+                throw TransportError(.disconnected, "\(describing): the notifications ended before \(until) arrived")
+            }
+        }
+    }
+
+    /// Disconnects (if this object made the link) and ends the events and notification
+    /// sequences. Calling it again does nothing.
+    public func disconnect() async {
+        let (first, listeners, subscriptions) = state.withLock { state in
+            defer { state.closed = true; state.listeners = [:]; state.subscriptions = [:] }
+            return (!state.closed, state.listeners.values, state.subscriptions.values)
+        }
+        guard first else { return }
+        watcher.withLock { $0 }?.cancel()
+        for listener in listeners { listener.finish() }
+        for subscription in subscriptions { subscription.finish(throwing: TransportError(.disconnected, "\(describing) was disconnected by this side")) }
+        await session.link.release()
+    }
+
+    deinit {
+        watcher.withLock { $0 }?.cancel()
+        // Dropped without disconnect(): the link this object made is released all the same.
+        if !state.withLock({ $0.closed }) {
+            let link = session.link
+            Task.detached { await link.release() }
+        }
+    }
+
+    // MARK: Inside
+
+    private var describing: String { "Bluetooth device \(address)" }
+
+    /// The device as bluetoothd last reported it.
+    var deviceSnapshot: BluetoothDevice { state.withLock { $0.device } }
+
+    var sessionBlueZ: BlueZ { session.bluez }
+
+    /// Records what a call's success says, before bluetoothd's signal about it arrives.
+    func updateDevice(_ body: (inout BluetoothDevice) -> Void) { state.withLock { body(&$0.device) } }
+
+    /// A Device1 method on the device, in its turn (Pair may take as long as a person does: 60 s).
+    func callDevice(_ member: String, about what: String) async throws -> [DBusValue] {
+        try await inOrder {
+            do {
+                return try await self.session.bluez.call(self.deviceSnapshot.path, BlueZ.deviceInterface, member, timeout: .seconds(60),
+                                                         about: "\(self.describing): \(what)")
+            } catch let error as TransportError {
+                if let ended = self.state.withLock({ $0.ended }) { throw ended }
+                throw error
+            }
+        }
+    }
+
+    /// Runs `body` after the operations asked for before it, and before those asked for after it.
+    private func inOrder<T: Sendable>(_ body: () async throws -> T) async throws -> T {
+        try await turn.wait { (taken: inout Bool) -> Void? in
+            if taken { return nil }
+            taken = true
+            return ()
+        }
+        defer { turn.update { $0 = false } }
+        try state.withLock { state in
+            if state.closed { throw TransportError(.misuse, "\(describing) was disconnected by this side (disconnect())") }
+            if let ended = state.ended { throw ended }
+        }
+        return try await body()
+    }
+
+    /// The characteristic with `uuid` (in `service`), or an error that lists what there is.
+    private func find(_ uuid: String, service: String?) throws -> GATTCharacteristic {
+        guard let wanted = BluetoothUUID.normalize(uuid) else {
+            throw TransportError(.misuse, "'\(TransportError.printable(uuid, limit: 40))' is not a characteristic UUID (2A19, or 128-bit with dashes)")
+        }
+        let inService = try service.map { text -> String in
+            guard let normalized = BluetoothUUID.normalize(text) else {
+                throw TransportError(.misuse, "'\(TransportError.printable(text, limit: 40))' is not a service UUID (180F, or 128-bit with dashes)")
+            }
+            return normalized
+        }
+        let services = self.services
+        let candidates = services.filter { inService == nil || $0.uuid == inService }
+        if let inService, candidates.isEmpty {
+            throw TransportError(.notFound, "\(describing) has no service \(BluetoothUUID.short(inService)); it has: "
+                                 + (services.isEmpty ? "none" : services.map(\.shortUUID).joined(separator: ", ")))
+        }
+        let matches = candidates.flatMap(\.characteristics).filter { $0.uuid == wanted }
+        guard let first = matches.first else {
+            let listing = candidates.map { service in
+                "\(service.shortUUID) (\(service.characteristics.map { "\($0.shortUUID) [\($0.flags.joined(separator: ","))]" }.joined(separator: "; ")))"
+            }.joined(separator: ", ")
+            throw TransportError(.notFound, "\(describing) has no characteristic \(BluetoothUUID.short(wanted))"
+                                 + "\(inService.map { " in service \(BluetoothUUID.short($0))" } ?? ""); it has: \(listing.isEmpty ? "no services" : listing)")
+        }
+        if matches.count > 1 && inService == nil {
+            throw TransportError(.misuse, "\(describing): characteristic \(BluetoothUUID.short(wanted)) is in several services "
+                                 + "(\(matches.map { BluetoothUUID.short($0.service) }.joined(separator: ", "))); name one with service:")
+        }
+        return first
+    }
+
+    /// A call on a characteristic, with the errors a person can act on.
+    private func call(_ path: String, _ member: String, _ arguments: [DBusValue] = [], about what: String) async throws -> [DBusValue] {
+        do {
+            return try await session.bluez.call(path, GattSerial.characteristicInterface, member, arguments, about: "\(describing): \(what)")
+        } catch let error as TransportError {
+            throw failure(error)
+        }
+    }
+
+    /// What a failed call on the device means: its own reason when that is about security (a failed
+    /// pairing drops an LE link too), else the link's end if it ended, else the reason explained.
+    private func failure(_ error: TransportError) -> TransportError {
+        let explained = Self.explain(error, describing: describing, paired: deviceSnapshot.paired)
+        if explained.kind != .permissionDenied, let ended = state.withLock({ $0.ended }) { return ended }
+        return explained
+    }
+
+    /// BlueZ's GATT errors, by their name and (for ATT errors, which come only as text) their code.
+    static func explain(_ error: TransportError, describing: String, paired: Bool) -> TransportError {
+        let message = error.message
+        // ATT errors (Core Specification Vol 3 Part F 3.4.1.1) come only as text: 0x05
+        // Insufficient Authentication, 0x08 Insufficient Authorization, 0x0C Insufficient
+        // Encryption Key Size, 0x0F Insufficient Encryption.
+        let needsPairing = ["0x05", "0x0f", "0x08", "0x0c"].contains { message.contains("ATT error: \($0)") }
+            || error.code == "org.bluez.Error.NotAuthorized" || error.kind == .permissionDenied
+        if needsPairing {
+            var explained = TransportError(.permissionDenied, "\(message). The characteristic needs an encrypted or paired link: pair first "
+                                           + "(BluetoothPeripheral.pair() with an agent registered, or `bluetoothctl pair ADDRESS`), then try again")
+            explained.code = error.code
+            return explained
+        }
+        // 0x0E Unlikely Error: what BlueZ 5.66 reported in the lab when it could not raise an
+        // unpaired link's security for a characteristic that needs encryption.
+        if message.contains("ATT error: 0x0e") && !paired {
+            var explained = TransportError(.io, "\(message). The device is not paired: if the characteristic needs an encrypted link, "
+                                           + "pair first (BluetoothPeripheral.pair() with an agent registered), then try again")
+            explained.code = error.code
+            return explained
+        }
+        if error.code == "org.bluez.Error.NotConnected" || (error.code == "org.bluez.Error.Failed" && message.contains("Not connected")) {
+            var explained = TransportError(.disconnected, "\(describing) is not connected (the link dropped): \(message)")
+            explained.code = error.code
+            return explained
+        }
+        return error
+    }
+
+    static func services(of devicePath: String, in objects: BlueZObjects) -> [GATTService] {
+        var descriptors: [String: [GATTDescriptor]] = [:]
+        var characteristics: [String: [GATTCharacteristic]] = [:]
+        var services: [(path: String, uuid: String, primary: Bool)] = []
+        let serviceUUIDs = objects.interfaces.compactMapValues { $0[GattSerial.serviceInterface]?["UUID"]?.text?.lowercased() }
+        for (path, interfaces) in objects.interfaces where path.hasPrefix(devicePath + "/") {
+            if let properties = interfaces[GattSerial.serviceInterface] {
+                services.append((path, properties["UUID"]?.text?.lowercased() ?? "", properties["Primary"]?.boolValue ?? true))
+            }
+            if let properties = interfaces["org.bluez.GattDescriptor1"], let owner = properties["Characteristic"]?.text {
+                descriptors[owner, default: []].append(GATTDescriptor(uuid: properties["UUID"]?.text?.lowercased() ?? "",
+                                                                      flags: properties["Flags"]?.strings ?? [], path: path))
+            }
+        }
+        for (path, interfaces) in objects.interfaces where path.hasPrefix(devicePath + "/") {
+            guard let properties = interfaces[GattSerial.characteristicInterface], let owner = properties["Service"]?.text else { continue }
+            characteristics[owner, default: []].append(GATTCharacteristic(
+                uuid: properties["UUID"]?.text?.lowercased() ?? "", service: serviceUUIDs[owner] ?? "", flags: properties["Flags"]?.strings ?? [],
+                descriptors: (descriptors[path] ?? []).sorted { $0.path < $1.path }, path: path))
+        }
+        return services.sorted { $0.path < $1.path }.map { service in
+            GATTService(uuid: service.uuid, isPrimary: service.primary,
+                        characteristics: (characteristics[service.path] ?? []).sorted { $0.path < $1.path }, path: service.path)
+        }
+    }
+
+    /// Follows the link: objects kept current, the drop and service changes reported.
+    private func startWatching() {
+        let events = session.events
+        let devicePath = session.device.path
+        let bluez = session.bluez
+        let task = Task { [weak self] in
+            do {
+                for try await signal in events {
+                    if GattSession.endsLink(signal, devicePath: devicePath), await GattSession.linkIsDown(bluez, devicePath: devicePath) {
+                        self?.linkEnded(TransportError(.disconnected, "Bluetooth device \(BlueZ.address(inDevicePath: devicePath)) disconnected: "
+                                                       + "the link dropped (out of range, switched off, or its adapter went away)"))
+                        return
+                    }
+                    guard let self else { return }
+                    if self.apply(signal, devicePath: devicePath) {
+                        // The new services' objects may reach the bus after ServicesResolved
+                        // (GattSession's note): read them.
+                        if let objects = try? await bluez.objectTree(about: "reading the changed services of \(self.describing)") {
+                            self.state.withLock { $0.objects = objects }
+                        }
+                        self.emit(.servicesChanged)
+                    }
+                }
+                self?.linkEnded(TransportError(.disconnected, "bluetoothd went away"))
+            } catch {
+                self?.linkEnded(TransportError(.disconnected, "the D-Bus connection to bluetoothd ended: \(error)"))
+            }
+        }
+        watcher.withLock { $0 = task }
+    }
+
+    /// Applies one signal; `true` when the device's services were resolved again (they changed).
+    private func apply(_ signal: DBusSignal, devicePath: String) -> Bool {
+        state.withLock { state -> Bool in
+            state.objects.apply(signal)
+            if let device = state.objects.device(at: devicePath) { state.device = device }
+            guard signal.member == "PropertiesChanged", signal.path == devicePath,
+                  let resolved = signal.values.dropFirst().first?.dictionary?["ServicesResolved"]?.boolValue else { return false }
+            if !resolved {
+                state.resolving = true
+                return false
+            }
+            defer { state.resolving = false }
+            return state.resolving
+        }
+    }
+
+    private func emit(_ event: Event) {
+        for listener in state.withLock({ Array($0.listeners.values) }) { listener.yield(event) }
+    }
+
+    private func linkEnded(_ error: TransportError) {
+        let (first, subscriptions, listeners) = state.withLock { state in
+            defer {
+                if state.ended == nil { state.ended = error }
+                state.subscriptions = [:]
+                state.listeners = [:]
+            }
+            return (state.ended == nil && !state.closed, Array(state.subscriptions.values), Array(state.listeners.values))
+        }
+        guard first else { return }
+        // Nothing reconnects (yet): the event sequences end after saying so.
+        for listener in listeners {
+            listener.yield(.disconnected(reason: error.message))
+            listener.finish()
+        }
+        for subscription in subscriptions { subscription.finish(throwing: error) }
+    }
+}

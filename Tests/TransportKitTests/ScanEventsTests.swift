@@ -1,0 +1,88 @@
+import Synchronization
+import Testing
+import TransportKit
+@testable import TransportKitBluetooth
+
+/// A scan's events while the application does not read (BluetoothScanEvents): bounded by devices,
+/// not by advertisements, and in an order that still tells the truth.
+@Suite("Bluetooth scan events for a slow reader")
+struct ScanEventsTests {
+    static func device(_ address: String, rssi: Int) -> BluetoothDiscovery {
+        BluetoothDiscovery(address: address, addressType: "public", name: nil, rssi: rssi, serviceUUIDs: [], manufacturerData: [:],
+                           serviceData: [:], adapter: "hci0", url: "ble://SERVICE/\(address)?adapter=hci0")
+    }
+
+    static func summary(_ event: BluetoothScan.Event) -> String {
+        switch event {
+        case .discovered(let device): "discovered \(device.address) \(device.rssi ?? 0)"
+        case .updated(let device): "updated \(device.address) \(device.rssi ?? 0)"
+        case .expired(let device): "expired \(device.address)"
+        }
+    }
+
+    @Test func aDevicesNewestUnreadUpdateReplacesTheOneBeforeAndNothingElseIsLost() async throws {
+        let events = BluetoothScanEvents()
+        let feed = events.feed
+        feed.yield(.discovered(Self.device("A", rssi: -50)))
+        for rssi in -60 ... -51 { feed.yield(.updated(Self.device("A", rssi: rssi))) }
+        feed.yield(.discovered(Self.device("B", rssi: -70)))
+        feed.yield(.updated(Self.device("B", rssi: -71)))
+        feed.yield(.updated(Self.device("A", rssi: -40)))
+        feed.yield(.expired(Self.device("B", rssi: -71)))
+        feed.yield(.discovered(Self.device("B", rssi: -65)))
+        feed.yield(.updated(Self.device("B", rssi: -64)))
+        feed.finish(nil)
+        var received: [String] = []
+        for try await event in events { received.append(Self.summary(event)) }
+        #expect(received == ["discovered A -50", "updated A -40", "discovered B -70", "updated B -71", "expired B", "discovered B -65", "updated B -64"],
+                "\(received)")
+    }
+
+    @Test func aFailureComesAfterTheQueuedEventsAndDroppingTheSequenceStopsTheScan() async throws {
+        let stopped = Mutex(false)
+        func scanAndDrop() async throws {
+            let events = BluetoothScanEvents()
+            events.feed.onTermination { stopped.withLock { $0 = true } }
+            var iterator = events.makeAsyncIterator()
+            events.feed.yield(.discovered(Self.device("A", rssi: -50)))
+            #expect(try await iterator.next().map(Self.summary) == "discovered A -50")
+            withExtendedLifetime(events) { #expect(!stopped.withLock { $0 }) }
+        }
+        try await scanAndDrop()
+        #expect(stopped.withLock { $0 }, "the sequence and its iterator were dropped: the scan was told to stop")
+
+        let failing = BluetoothScanEvents()
+        failing.feed.yield(.discovered(Self.device("C", rssi: -30)))
+        failing.feed.finish(TransportError(.unsupported, "adapter powered off"))
+        var iterator = failing.makeAsyncIterator()
+        #expect(try await iterator.next().map(Self.summary) == "discovered C -30")
+        await #expect(throws: TransportError.self) { _ = try await iterator.next() }
+    }
+
+    @Test func cancellingTheReaderEndsTheSequence() async throws {
+        let events = BluetoothScanEvents()
+        let reader = Task { () -> Int in
+            var count = 0
+            for try await _ in events { count += 1 }
+            return count
+        }
+        events.feed.yield(.discovered(Self.device("A", rssi: -50)))
+        try await Task.sleep(for: .milliseconds(100))
+        reader.cancel()
+        #expect(try await reader.value == 1, "the reader's loop ended when its task was cancelled")
+    }
+}
+
+@Suite("BlueZ: the adapters from /org/bluez's introspection")
+struct BlueZIntrospectionTests {
+    @Test func childNodesAreTheNamesOfTheNodesBelow() {
+        let xml = """
+            <!DOCTYPE node PUBLIC "-//freedesktop//DTD D-BUS Object Introspection 1.0//EN" "http://www.freedesktop.org/standards/dbus/1.0/introspect.dtd">
+            <node><interface name="org.bluez.AgentManager1"><method name="RegisterAgent"><arg name="agent" type="o" direction="in"/></method></interface>
+            <node name="hci0"/><node name="hci1"/></node>
+            """
+        #expect(BlueZ.childNodes(inIntrospection: xml) == ["hci0", "hci1"])
+        #expect(BlueZ.childNodes(inIntrospection: "<node></node>").isEmpty)
+        #expect(BlueZ.childNodes(inIntrospection: "<node name=\"hci0") .isEmpty, "an unterminated name is not a node")
+    }
+}
