@@ -12,18 +12,20 @@ struct Gatt: AsyncParsableCommand {
             transportkit gatt ADDRESS read UUID         the value as hex (--raw: the bytes themselves)
             transportkit gatt ADDRESS write UUID HEX    writes the bytes (0d0a, "0D 0A" or 0d:0a) with a response (--without-response)
             transportkit gatt ADDRESS notify UUID       each value as a hex line, until Ctrl-C or --count values
+            transportkit gatt ADDRESS pair              pairs (Just Works, through an agent this command registers for the pairing) and keeps the keys
+            transportkit gatt ADDRESS forget            removes the device and its keys from bluetoothd (no connection needed)
             UUIDs are short (2a19) or 128-bit. The tool connects if the device is not connected, and disconnects after.
             """
     )
 
     enum Action: String, CaseIterable, ExpressibleByArgument {
-        case list, read, write, notify
+        case list, read, write, notify, pair, forget
     }
 
     @Argument(help: "The device's address (E3:2E:44:66:A2:4A).")
     var address: String
 
-    @Argument(help: "list (the default), read, write or notify.")
+    @Argument(help: "list (the default), read, write, notify, pair or forget.")
     var action: Action = .list
 
     @Argument(help: "The characteristic's UUID (read, write, notify).")
@@ -71,6 +73,12 @@ struct Gatt: AsyncParsableCommand {
         case .list:
             if characteristic != nil || value != nil { throw ValidationError("gatt ADDRESS lists the services and takes no UUID; to read one: gatt ADDRESS read UUID") }
             if service != nil { throw ValidationError("--service is for read, write and notify") }
+        case .pair, .forget:
+            if characteristic != nil || value != nil { throw ValidationError("gatt ADDRESS \(action.rawValue) takes no UUID or value") }
+            if action == .forget, CommandLine.arguments.contains(where: { $0 == "--timeout" || $0.hasPrefix("--timeout=") }) {
+                throw ValidationError("--timeout bounds a connect, and gatt ADDRESS forget connects to nothing; leave it out")
+            }
+            if service != nil { throw ValidationError("--service is for read, write and notify") }
         case .read, .notify:
             if characteristic == nil { throw ValidationError("gatt ADDRESS \(action.rawValue) UUID: give the characteristic's UUID") }
             if value != nil { throw ValidationError("gatt ADDRESS \(action.rawValue) takes no value; to write: gatt ADDRESS write UUID HEX") }
@@ -97,6 +105,13 @@ struct Gatt: AsyncParsableCommand {
     }
 
     private func perform() async throws {
+        if action == .forget {
+            // Nothing to connect to: bluetoothd forgets what it knows.
+            let known = try await BluetoothPeripheral.forget(address, adapter: adapter)
+            let line = known ? "forgot \(address.uppercased())" : "bluetoothd did not know \(address.uppercased())"
+            try await StandardOutput.writeAll(Array((line + "\n").utf8), waiting: DescriptorWait(fd: 1, events: Int16(POLLOUT)))
+            return
+        }
         let device = try await BluetoothPeripheral.connect(to: address, adapter: adapter, timeout: .milliseconds(Int64(timeoutSeconds * 1000)))
         do {
             try await perform(on: device)
@@ -131,6 +146,19 @@ struct Gatt: AsyncParsableCommand {
             }
         case .write:
             try await device.write(Hex.bytes(value ?? "") ?? [], to: uuid, service: service, type: withoutResponse ? .withoutResponse : .withResponse)
+        case .pair:
+            // Just Works through an agent of this process, for the time of the pairing.
+            let agent = try await BluetoothPairingAgent.register(asDefault: false)
+            do {
+                try await device.pair()
+            } catch {
+                await agent.unregister()
+                throw error
+            }
+            await agent.unregister()
+            try await output("paired with \(device.address)")
+        case .forget:
+            break   // done in perform() without a connection
         case .notify:
             let values = try await device.notifications(of: uuid, service: service)
             let count = count

@@ -193,4 +193,84 @@ struct BluetoothBenchLabTests {
         Self.report("GATT serial \(size / 1024) KiB, AcquireWrite", plain: plain, ours: rates["AcquireWrite"] ?? 0)
         Self.report("GATT serial \(size / 1024) KiB, WriteValue fallback", plain: plain, ours: rates["WriteValue"] ?? 0)
     }
+    /// The GATT central (BluetoothPeripheral) beside a plain client of BlueZ's D-Bus API (calls and
+    /// a signal subscription on a DBusConnection, nothing else) on the same link in the same run:
+    /// notifications received per second, writes with response per second, and a connect's time
+    /// in its steps.
+    @Test func gattCentralBesideAPlainDBusClient() async throws {
+        let (controllers, peripheral) = try await GattLabTests.setUp(echo: false)
+        let count = 400
+        // The connect, step by step, the way GattSession does it, timed from outside.
+        let started = ContinuousClock.now
+        let device = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0", timeout: .seconds(30))
+        let connectTook = ContinuousClock.now - started
+        let devicePath = "/org/bluez/hci0/dev_" + controllers.peripheralText.replacingOccurrences(of: ":", with: "_")
+        let levelPath = try #require(try await Self.characteristicPath("00002a19-0000-1000-8000-00805f9b34fb", under: devicePath))
+        let storedPath = try #require(try await Self.characteristicPath(LabPeripheral.stored, under: devicePath))
+        print("lab: bench GATT central connect (discovery, Connect, services resolved, one tree read): \(connectTook)")
+
+        // Notifications: the central's sequence, ended (StopNotify) before the plain client's turn.
+        func oursReceive() async throws -> Double {
+            let values = try await device.notifications(of: "2a19")
+            var iterator = values.makeAsyncIterator()
+            let clock = ContinuousClock.now
+            for index in 0..<count { try await peripheral.notifyBatteryLevel(UInt8(truncatingIfNeeded: index)) }
+            var received = 0
+            while received < count, try await iterator.next() != nil { received += 1 }
+            #expect(received == count)
+            return Double(count) / Self.seconds(ContinuousClock.now - clock)
+        }
+        let ours = try await oursReceive()
+        try await Task.sleep(for: .milliseconds(500))   // StopNotify goes out from a task of its own
+        var clock = ContinuousClock.now
+
+        // The plain client: its own bus connection, a match on the characteristic, StartNotify
+        // (bluetoothd already notifies this process; a second client's StartNotify adds it).
+        let bus = try DBusConnection(.system)
+        let plainValues = try await bus.signals(DBusMatch(sender: "org.bluez", path: levelPath, interface: "org.freedesktop.DBus.Properties",
+                                                          member: "PropertiesChanged"), buffering: .all(limit: 100_000))
+        _ = try await bus.call(destination: "org.bluez", path: levelPath, interface: "org.bluez.GattCharacteristic1", member: "StartNotify")
+        var plainIterator = plainValues.makeAsyncIterator()
+        clock = ContinuousClock.now
+        for index in 0..<count { try await peripheral.notifyBatteryLevel(UInt8(truncatingIfNeeded: index)) }
+        var plainReceived = 0
+        while plainReceived < count, let signal = try await plainIterator.next() {
+            if signal.values.dropFirst().first?.dictionary?["Value"] != nil { plainReceived += 1 }
+        }
+        let plain = Double(count) / Self.seconds(ContinuousClock.now - clock)
+        #expect(plainReceived == count)
+        print(String(format: "lab: bench GATT central notifications (%d of 1 byte): plain D-Bus client %.0f/s, BluetoothPeripheral %.0f/s, ratio %.2f",
+                     count, plain, ours, ours / plain))
+
+        // Writes with response, one after the other.
+        let writes = 200
+        clock = ContinuousClock.now
+        for index in 0..<writes { try await device.write([UInt8(truncatingIfNeeded: index)], to: LabPeripheral.stored) }
+        let oursWrites = Double(writes) / Self.seconds(ContinuousClock.now - clock)
+        clock = ContinuousClock.now
+        for index in 0..<writes {
+            _ = try await bus.call(destination: "org.bluez", path: storedPath, interface: "org.bluez.GattCharacteristic1", member: "WriteValue",
+                                   [.bytes([UInt8(truncatingIfNeeded: index)]), .dictionary(["type": .string("request")])])
+        }
+        let plainWrites = Double(writes) / Self.seconds(ContinuousClock.now - clock)
+        print(String(format: "lab: bench GATT central writes with response (%d of 1 byte): plain D-Bus client %.0f/s, BluetoothPeripheral %.0f/s, ratio %.2f",
+                     writes, plainWrites, oursWrites, oursWrites / plainWrites))
+        _ = try? await bus.call(destination: "org.bluez", path: levelPath, interface: "org.bluez.GattCharacteristic1", member: "StopNotify")
+        await bus.close()
+        await device.disconnect()
+    }
+
+    /// The object path bluetoothd gives the characteristic `uuid` of the device at `devicePath`.
+    static func characteristicPath(_ uuid: String, under devicePath: String) async throws -> String? {
+        let bus = try DBusConnection(.system)
+        let reply = try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
+        await bus.close()
+        return (reply.first?.dictionary ?? [:]).first { path, interfaces in
+            path.hasPrefix(devicePath + "/") && interfaces.dictionary?["org.bluez.GattCharacteristic1"]?.dictionary?["UUID"]?.text == uuid
+        }?.key
+    }
+
+    static func seconds(_ duration: Duration) -> Double {
+        Double(duration.components.seconds) + Double(duration.components.attoseconds) * 1e-18
+    }
 }

@@ -75,13 +75,13 @@ struct GattCentralLabTests {
         let wrongService = await expectLabFailure(.notFound) { _ = try await device.read("2a19", service: "1800") }
         #expect(wrongService?.message.contains("has no service 1800") == true, "\(String(describing: wrongService))")
         // encrypt-read without pairing: bluetoothd tries to raise the link's security, which
-        // needs an agent, and answers ATT error 0x0e (BlueZ 5.66 here) or an authentication
-        // error; either way the error says to pair first.
+        // needs an agent, and answers ATT error 0x0e, or not at all (NoReply after 25 s), both
+        // seen with BlueZ 5.66 here, or an authentication error; each way the error says to pair first.
         do {
             _ = try await device.read(LabPeripheral.encrypted)
             Issue.record("an encrypted characteristic read without pairing")
         } catch let error as TransportError {
-            #expect(error.kind == .permissionDenied || error.kind == .io, "\(error)")
+            #expect(error.kind == .permissionDenied || error.kind == .io || error.kind == .timedOut, "\(error)")
             #expect(error.message.contains("pair first"), "\(error)")
             print("lab: encrypt-read without pairing: \(error)")
         }
@@ -125,19 +125,21 @@ struct GattCentralLabTests {
 
     /// Pairing: without an agent bluetoothd cannot pair over LE and the error says an agent is
     /// needed; with the built-in Just Works agent the central pairs, the characteristic that needs
-    /// encryption reads, and forget() removes the device and its keys.
+    /// encryption reads, and forget() removes the device and its keys; then the same with the tool.
+    ///
+    /// Each connect after a forget finds the device again by discovery, so the peripheral
+    /// re-announces itself while hci0 discovers (btvirt reports an advertisement only when
+    /// advertising or scanning starts: GattScanLabTests explains).
     @Test func pairingNeedsAnAgentThenOpensTheEncryptedCharacteristicAndForgetRemovesIt() async throws {
-        let (controllers, _) = try await GattLabTests.setUp()
-        let unpaired = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0")
+        let (controllers, first) = try await GattLabTests.setUp()
+        let address = controllers.peripheralText
+        let unpaired = try await BluetoothPeripheral.connect(to: address, adapter: "hci0")
         #expect(!unpaired.isPaired)
         let refused = await expectLabFailure(.permissionDenied) { try await unpaired.pair() }
         #expect(refused?.message.contains("agent") == true, "\(String(describing: refused))")
-        // A failed LE pairing drops the link: connect again, to a peripheral advertising afresh
-        // (btvirt reports an advertisement only when advertising or scanning starts).
+        // A failed LE pairing drops the link: connect again, to a peripheral advertising afresh.
         await unpaired.disconnect()
-        try await BlueZLabTests.forgetDevices()
-        _ = try await GattLabTests.setUp()
-        let device = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0")
+        _ = first
         final class Asked: Sendable { let requests = Mutex<[BluetoothPairingRequest]>([]) }
         let asked = Asked()
         let agent = try await BluetoothPairingAgent.register { request in
@@ -145,6 +147,11 @@ struct GattCentralLabTests {
             return .accept
         }
         do {
+            try await BlueZLabTests.forgetDevices()
+            let (_, second) = try await GattLabTests.setUp()
+            let announcer = second.announceWhileDiscovering()
+            let device = try await BluetoothPeripheral.connect(to: address, adapter: "hci0", timeout: .seconds(30))
+            announcer.cancel()
             try await device.pair()
             #expect(device.isPaired)
             print("lab: the agent was asked: \(asked.requests.withLock { $0 })")
@@ -154,22 +161,41 @@ struct GattCentralLabTests {
             let bus = try DBusConnection(.system)
             let reply = try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
             await bus.close()
-            let path = "/org/bluez/hci0/dev_" + controllers.peripheralText.replacingOccurrences(of: ":", with: "_")
+            let path = "/org/bluez/hci0/dev_" + address.replacingOccurrences(of: ":", with: "_")
             #expect(reply.first?.dictionary?[path] == nil, "forgotten: bluetoothd no longer has \(path)")
+            await device.disconnect()
+
+            // The tool does the same. The test's agent stays registered: it plays the peer's agent
+            // (hci1's side is asked to authorize), while `gatt pair` registers its own for hci0's.
+            try await BlueZLabTests.forgetDevices()
+            let (_, third) = try await GattLabTests.setUp()
+            let toolAnnouncer = third.announceWhileDiscovering()
+            let paired = try await Lab.run(Lab.cli, ["gatt", address, "pair", "--adapter", "hci0", "--timeout", "30"])
+            toolAnnouncer.cancel()
+            #expect(paired.status == 0 && paired.stdout.contains("paired with \(address)"), "pair: \(paired.stdout) \(paired.stderr)")
+            let secret = try await Lab.run(Lab.cli, ["gatt", address, "read", LabPeripheral.encrypted, "--adapter", "hci0"])
+            #expect(secret.status == 0 && secret.stdout == "5E\n", "paired, the tool reads it: \(secret.stdout) \(secret.stderr)")
+            let forgot = try await Lab.run(Lab.cli, ["gatt", address, "forget", "--adapter", "hci0"])
+            #expect(forgot.status == 0 && forgot.stdout.contains("forgot \(address)"), "forget: \(forgot.stdout) \(forgot.stderr)")
+            let again = try await Lab.run(Lab.cli, ["gatt", address, "forget", "--adapter", "hci0"])
+            #expect(again.status == 0 && again.stdout.contains("did not know"), "\(again.stdout) \(again.stderr)")
         } catch {
             Issue.record(error)
         }
         await agent.unregister()
-        await device.disconnect()
         // hci1 keeps keys for hci0 too: both sides forget, for the tests after.
         try await BlueZLabTests.forgetDevices()
     }
 
     @Test func theToolListsReadsWritesAndFollowsNotifications() async throws {
         let (controllers, peripheral) = try await GattLabTests.setUp()
+        // Each invocation connects anew; after a test that forgot the device, that takes a
+        // discovery, which needs the peripheral to re-announce itself (see the pairing test).
+        let announcer = peripheral.announceWhileDiscovering()
+        defer { announcer.cancel() }
         let address = controllers.peripheralText
-        let listed = try await Lab.run(Lab.cli, ["gatt", address, "--adapter", "hci0"])
-        #expect(listed.status == 0, "\(listed.stderr)")
+        let listed = try await Lab.run(Lab.cli, ["gatt", address, "--adapter", "hci0", "--timeout", "30"])
+        #expect(listed.status == 0, "list: \(listed.stderr)")
         #expect(listed.stdout.contains("service 0000180f-0000-1000-8000-00805f9b34fb"), "\(listed.stdout)")
         #expect(listed.stdout.contains("characteristic 00002a19-0000-1000-8000-00805f9b34fb [read,notify]"), "\(listed.stdout)")
         #expect(listed.stdout.contains("descriptor 00002901-0000-1000-8000-00805f9b34fb"), "\(listed.stdout)")

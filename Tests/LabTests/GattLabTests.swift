@@ -4,6 +4,7 @@ import Synchronization
 import Testing
 import TestSupport
 import TransportKit
+import TransportKitDBus
 
 /// ble:// GATT serial and scanning through the lab's bluetoothd: hci0 is the central, the tests'
 /// own peripheral (LabPeripheral: a Nordic-UART-like service that echoes) is served on hci1.
@@ -32,7 +33,27 @@ struct GattLabTests {
         let controllers = try await BlueZLabTests.setUp(advertising: false)
         let peripheral = try await LabPeripheral(echo: echo)
         current.withLock { $0 = peripheral }
+        try await makeKnown(controllers.peripheralText, peripheral)
         return (controllers, peripheral)
+    }
+
+    /// Makes sure hci0's side of bluetoothd knows the peripheral, as after any earlier sighting:
+    /// a test that forgot it (pairing, scans) would otherwise leave the next connect to a
+    /// discovery, and btvirt reports an advertisement only when advertising or scanning starts
+    /// (GattScanLabTests explains). A scan with the peripheral re-announcing itself finds it.
+    static func makeKnown(_ address: String, _ peripheral: LabPeripheral) async throws {
+        let bus = try DBusConnection(.system)
+        let path = "/org/bluez/hci0/dev_" + address.replacingOccurrences(of: ":", with: "_")
+        let known = (try? await bus.call(destination: "org.bluez", path: path, interface: "org.freedesktop.DBus.Properties", member: "GetAll",
+                                         [.string("org.bluez.Device1")])) != nil
+        await bus.close()
+        if known { return }
+        let announcer = peripheral.announceWhileDiscovering()
+        defer { announcer.cancel() }
+        let wanted = address.uppercased()
+        let scan = BluetoothScan(end: .after(.seconds(20)), expiry: nil, adapter: "hci0") { $0.address == wanted ? .stop : .ignore }
+        for try await case .discovered(let found) in BluetoothPlugin().scan(scan) where found.address == wanted { return }
+        Issue.record("hci0 did not see the peripheral \(wanted) within 20 s")
     }
 
     static func echo(through url: String, _ controllers: BluetoothLabTests.Controllers, _ peripheral: LabPeripheral) async throws -> Connection {

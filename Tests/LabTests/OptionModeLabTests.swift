@@ -47,7 +47,7 @@ struct OptionModeLabTests {
     /// The modes of the lab's schemes, each with a test below.
     static let covered: Set<String> = [
         "rfcomm:// connection to a channel", "rfcomm:// connection found through SDP", "rfcomm:// listener",
-        "ble:// L2CAP connection", "ble:// GATT serial connection", "ble:// L2CAP listener",
+        "ble:// L2CAP connection", "ble:// GATT serial connection", "ble:// L2CAP listener", "ble:// GATT serial listener",
         "usb:// connection", "tty:// connection to a USB adapter", "tty:// connection to a device node",
     ]
 
@@ -529,6 +529,57 @@ struct OptionModeLabTests {
         // The peripheral goes, and hci1 gets a fresh advertising state and its own advertising back
         // for the suites after this one (GattLabTests explains the controller's stale advertising set).
         if let previous = GattLabTests.current.withLock({ $0.take() }) { await previous.close() }
+        for state in ["off", "on"] { _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", state]) }
+        try await Self.settleAndForget()
+        _ = try await BlueZLabTests.setUp()
+    }
+
+    /// The GATT serial peripheral (ble://SERVICE listening) on hci1, reached by ble:// GATT serial
+    /// from hci0, both through the lab's bluetoothd (BlueZ's GATT client against BlueZ's GATT
+    /// server serving this process's application): bytes both ways, 2 KiB cut to the MTU, and the
+    /// central leaving.
+    @Test func bleGattSerialListenerTakesEveryOption() async throws {
+        _ = try await BlueZLabTests.setUp(advertising: false)   // bluetoothd up when this test runs alone
+        try await Self.settleAndForget()
+        // hci0 learns hci1's address from the tests' own peripheral (a fresh advertising state and
+        // a scan while it re-announces itself: GattLabTests.setUp), which then goes, so that no
+        // other application on hci1 has the same service. bluetoothd keeps the device for 30 s.
+        let (controllers, _) = try await GattLabTests.setUp()
+        if let previous = GattLabTests.current.withLock({ $0.take() }) { await previous.close() }
+        let url = "ble://6E400001-B5A3-F393-E0A9-E50E24DCCA9E?adapter=hci1&rx=6E400003-B5A3-F393-E0A9-E50E24DCCA9E"
+            + "&tx=6E400002-B5A3-F393-E0A9-E50E24DCCA9E&advertise=true"
+        #expect(try Self.missing(url, mode: "ble:// GATT serial listener", scheme: "ble").isEmpty)
+        let listener = try await Transport.listen(on: url)
+        #expect(listener.exposure?.authenticated == false, "any central in range, without pairing")
+        do {
+            let accepted = BlueZListenLabTests.acceptOne(listener, within: 40)
+            let client = try await Transport.connect(to: "ble://nus/\(controllers.peripheralText)?adapter=hci0&timeout=30")
+            let server = try #require(try await accepted.value, "the peripheral accepted no central")
+            #expect(server.metadata.remoteAddress == controllers.centralText, "\(server.metadata)")
+            #expect(server.metadata.extra["adapter"] == "hci1")
+            try await client.write(Array("to the peripheral".utf8))
+            #expect(try await server.readMessage(timeout: .seconds(10)) == Array("to the peripheral".utf8), "one write, one message")
+            try await server.write(Array("to the central".utf8))
+            let first = try await client.readMessage(timeout: .seconds(10))
+            #expect(first == Array("to the central".utf8), "a notification: \(String(describing: first))")
+            let block = BlueZLabTests.pattern(2048)
+            print("lab: the GATT serial peripheral writes \(server.metadata.mtu.map(String.init) ?? "?")-byte notifications, now \(server.maximumWriteSize.map(String.init) ?? "?")")
+            try await server.write(block)   // notifications of at most ATT MTU - 3
+            var received: [UInt8] = []
+            do {
+                while received.count < block.count, let message = try await client.readMessage(timeout: .seconds(10)) { received += message }
+            } catch {
+                Issue.record("after \(received.count) of \(block.count) bytes: \(error)")
+            }
+            #expect(received == block, "2 KiB from the peripheral, whole and in order")
+            try await client.close()
+            // The central unsubscribed: the peripheral's reads end.
+            #expect(try await server.readMessage(timeout: .seconds(15)) == nil, "the central left")
+            try? await server.close()
+        } catch {
+            Issue.record(error)
+        }
+        try await listener.close()
         for state in ["off", "on"] { _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", state]) }
         try await Self.settleAndForget()
         _ = try await BlueZLabTests.setUp()

@@ -164,8 +164,14 @@ struct BluetoothTests {
         #expect(uuid?.message.contains("uuid=12 is not a service UUID") == true, "\(String(describing: uuid))")
         let device = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://FFF0:128/00:AA:01:01:00:01") }
         #expect(device?.message.contains("a listener takes no device") == true, "\(String(describing: device))")
-        let gatt = await expectTransportError(.unsupported) { try await daemonless.listen(on: "ble://nus") }
-        #expect(gatt?.message.contains("a GATT server) is not built") == true, "\(String(describing: gatt))")
+        // A GATT serial peripheral: a service without known characteristics needs them named, and
+        // it takes no device; both refused before bluetoothd is asked.
+        let unnamed = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://FFF0") }
+        #expect(unnamed?.message.contains("needs its characteristics named: rx=UUID") == true, "\(String(describing: unnamed))")
+        let peripheralDevice = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://nus/00:AA:01:01:00:01") }
+        #expect(peripheralDevice?.message.contains("a listener takes no device") == true, "\(String(describing: peripheralDevice))")
+        let gatt = await expectTransportError(.notFound) { try await daemonless.listen(on: "ble://nus") }
+        #expect(gatt?.message.contains("is dbus-daemon running?") == true, "valid, so bluetoothd is asked: \(String(describing: gatt))")
         let service = await expectTransportError(.invalidURL) { try await daemonless.listen(on: "ble://uart:128") }
         #expect(service?.message.contains("'uart' is neither a service UUID") == true && service?.message.contains("hm10, nus") == true,
                 "the names a connect takes: \(String(describing: service))")

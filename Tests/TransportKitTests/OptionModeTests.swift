@@ -32,6 +32,7 @@ struct OptionModeTests {
         "ble:// L2CAP connection": "ble://FFF0:128/00:11:22:33:44:55",
         "ble:// GATT serial connection": "ble://nus/00:11:22:33:44:55",
         "ble:// L2CAP listener": "ble://FFF0:128",
+        "ble:// GATT serial listener": "ble://nus",
         "ea:// connection": "ea://com.example",
         "usb:// connection": "usb://0403:6001",
         "tls:// connection": "tls://127.0.0.1:9",

@@ -1,6 +1,7 @@
 import Synchronization
 import Testing
 import TransportKit
+import TransportKitDBus
 @testable import TransportKitBluetooth
 
 /// A scan's events while the application does not read (BluetoothScanEvents): bounded by devices,
@@ -84,5 +85,24 @@ struct BlueZIntrospectionTests {
         #expect(BlueZ.childNodes(inIntrospection: xml) == ["hci0", "hci1"])
         #expect(BlueZ.childNodes(inIntrospection: "<node></node>").isEmpty)
         #expect(BlueZ.childNodes(inIntrospection: "<node name=\"hci0") .isEmpty, "an unterminated name is not a node")
+    }
+}
+
+@Suite("The GATT serial peripheral's application objects")
+struct GattServerObjectsTests {
+    @Test func twoCharacteristicsForNUSAndOneBothWaysForHM10() {
+        let nus = BluetoothUUID.serialServices["nus"]
+        let hm10 = BluetoothUUID.serialServices["hm10"]
+        let two = GattServerListener.objects(root: "/a", service: nus?.service ?? "", notify: nus?.rx ?? "", write: nus?.tx ?? "")
+        #expect(Set(two.keys) == ["/a/service0", "/a/service0/char0", "/a/service0/char1"])
+        #expect(two["/a/service0/char0"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["notify"])
+        #expect(two["/a/service0/char1"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["write-without-response", "write"])
+        #expect(two["/a/service0/char1"]?["org.bluez.GattCharacteristic1"]?["UUID"]?.text == "6e400002-b5a3-f393-e0a9-e50e24dcca9e",
+                "the central writes NUS's RX")
+        #expect(GattServerListener.writePath("/a", sameCharacteristic: false) == "/a/service0/char1")
+        let one = GattServerListener.objects(root: "/b", service: hm10?.service ?? "", notify: hm10?.rx ?? "", write: hm10?.tx ?? "")
+        #expect(Set(one.keys) == ["/b/service0", "/b/service0/char0"])
+        #expect(one["/b/service0/char0"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["notify", "write-without-response", "write"])
+        #expect(GattServerListener.writePath("/b", sameCharacteristic: true) == GattServerListener.notifyPath("/b"))
     }
 }

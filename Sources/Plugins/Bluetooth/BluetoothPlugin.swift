@@ -14,13 +14,15 @@
 //   ble://SERVICE/MAC[?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never]
 //                                                        GATT serial (GattSerial.swift)
 //   ble://SERVICE[:PSM]                                  no device: the strongest advertising SERVICE (chooseDevice)
+//   ble://SERVICE[?adapter=hciN&rx=UUID&tx=UUID&advertise=BOOL] (listening)
+//                                                        a GATT serial peripheral (GattServer.swift)
 //   ea://…                                               refused: Apple's External Accessory has no Linux counterpart
 // security= asks the kernel for an encrypted (medium) or MITM-protected (high) link; the kernel
 // refuses an RFCOMM connect it cannot secure, and an L2CAP channel's level is read back and checked.
 // An LE listener admits no peer below it; an RFCOMM listener takes low or medium (bluetoothd's
-// Profile API asks for medium at most, and hands over sockets that cannot tell). Not built: a GATT server
-// (listening on ble://SERVICE without a PSM), and security= for GATT serial (BlueZ's GATT client
-// raises the link's security by itself when a characteristic demands it); both are refused.
+// Profile API asks for medium at most, and hands over sockets that cannot tell). Not built: security= for GATT
+// serial (BlueZ's GATT client raises the link's security by itself when a characteristic demands
+// it); it is refused.
 
 import NIOCore
 import Synchronization
@@ -61,11 +63,11 @@ public struct BluetoothPlugin: TransportPlugin {
     static let uuid = URLOption.string("uuid", help: "rfcomm://: the service to find through SDP when the URL has no channel, and to publish when listening (default: 1101, the Serial Port Profile)")
     static let name = URLOption.string("name", help: "rfcomm:// listening: the service name in the published SDP record (default: TransportKit serial port)")
     static let advertise = URLOption.bool("advertise", default: true,
-                                          help: "ble://SERVICE:PSM listening: advertise SERVICE (connectable) on the adapter while listening, so centrals can find and reach it")
+                                          help: "ble:// listening (ble://SERVICE:PSM, ble://SERVICE): advertise SERVICE (connectable) on the adapter while listening, so centrals can find and reach it")
     static let backlog = URLOption.integer("backlog", in: 1...128, default: 8, help: "Listening: connections waiting to be accepted before more are refused")
 
-    static let rx = URLOption.string("rx", help: "ble:// GATT serial: the characteristic that brings the device's bytes (notify or indicate); default: the first in the service that notifies")
-    static let tx = URLOption.string("tx", help: "ble:// GATT serial: the characteristic written with ours; default: the first that takes writes without response, else with response")
+    static let rx = URLOption.string("rx", help: "ble:// GATT serial: the characteristic that brings the device's bytes (notify or indicate); default: the first in the service that notifies. Listening: the one notified to the central (nus and hm10 have defaults)")
+    static let tx = URLOption.string("tx", help: "ble:// GATT serial: the characteristic written with ours; default: the first that takes writes without response, else with response. Listening: the one the central writes (nus and hm10 have defaults)")
     static let acquire = URLOption.choice("acquire", default: Acquire.auto,
                                           help: "ble:// GATT serial: auto uses the descriptors BlueZ hands out (AcquireNotify, AcquireWrite) where offered; never goes through D-Bus (StartNotify, WriteValue)")
 
@@ -101,10 +103,11 @@ public struct BluetoothPlugin: TransportPlugin {
                 scheme: "ble",
                 summary: "Bluetooth LE through BlueZ: GATT serial (ble://SERVICE/DEVICE) or an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE); no DEVICE: the strongest advertiser of SERVICE",
                 grammar: "ble://SERVICE[:PSM][/MAC][?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]; "
-                    + "listening: ble://SERVICE:PSM[?adapter=hciN&advertise=true|false&mtu=N&security=…&backlog=N]",
+                    + "listening: ble://SERVICE:PSM[?adapter=hciN&advertise=true|false&mtu=N&security=…&backlog=N], "
+                    + "or a GATT serial peripheral: ble://SERVICE[?adapter=hciN&rx=UUID&tx=UUID&advertise=true|false]",
                 examples: ["ble://nus/E3:2E:44:66:A2:4A", "ble://FFE0/E3:2E:44:66:A2:4A?rx=FFE1&tx=FFE1",
                            "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024", "ble://nus",
-                           "ble://FFF0:128?adapter=hci1 (listening)"],
+                           "ble://FFF0:128?adapter=hci1 (listening)", "ble://nus?adapter=hci1 (listening: a GATT serial peripheral)"],
                 host: .required, port: .optional, portRange: 1...255, path: .optional,
                 options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.mtu, Self.security, Self.advertise, Self.backlog],
                 modes: [SchemeMode("ble:// L2CAP connection", form: "ble://SERVICE:PSM[/MAC]", port: .required,
@@ -112,10 +115,14 @@ public struct BluetoothPlugin: TransportPlugin {
                         SchemeMode("ble:// GATT serial connection", form: "ble://SERVICE[/MAC]", port: .forbidden,
                                    options: [Self.adapter, Self.rx, Self.tx, Self.acquire]),
                         SchemeMode("ble:// L2CAP listener", role: .listen, form: "ble://SERVICE:PSM", port: .required,
-                                   options: [Self.adapter, Self.advertise, Self.mtu, Self.security, Self.backlog])]
+                                   options: [Self.adapter, Self.advertise, Self.mtu, Self.security, Self.backlog]),
+                        SchemeMode("ble:// GATT serial listener", role: .listen, form: "ble://SERVICE", port: .forbidden,
+                                   options: [Self.adapter, Self.rx, Self.tx, Self.advertise])]
             ), check: { request in try BluetoothConnector.checkBLE(request) },
                connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) },
-               listen: { [bus] in try await LEListener.listen($0, bus: bus) }),
+               listen: { [bus] request in
+                   request.url.port == nil ? try await GattServerListener.listen(request, bus: bus) : try await LEListener.listen(request, bus: bus)
+               }),
             Scheme(SchemeDescriptor(
                 scheme: "ea",
                 summary: "Apple External Accessory: not available on Linux (use rfcomm:// or usb://)",
@@ -222,7 +229,14 @@ enum BluetoothConnector {
         _ = try GattSerial.service(request)
         _ = try adapterName(request)
         if request.mode?.role == .listen {
-            _ = try LEListener.psm(request)
+            if request.url.port == nil {
+                guard request.url.path.drop(while: { $0 == "/" }).isEmpty else {
+                    throw TransportError(.invalidURL, "\(request.url.shown): a listener takes no device; choose the adapter with adapter=hciN: ble://\(request.host)")
+                }
+                _ = try GattServerListener.characteristics(request)
+            } else {
+                _ = try LEListener.psm(request)
+            }
             return
         }
         _ = try device(request)

@@ -324,14 +324,15 @@ private struct Scanner {
             services.append(uuid)
         }
         let bluez = try BlueZ.shared(bus)
-        let managed = try await bluez.managedObjects(about: "scanning")
-        let adapter = try BlueZ.adapter(named: scan.adapter, among: managed.adapters)
+        let adapter = try BlueZ.adapter(named: scan.adapter, among: try await bluez.adapters())
         let (inputs, feed) = AsyncStream<Input>.makeStream()
         let manager = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
                                                   buffering: .all(limit: BlueZ.objectSignalLimit))
         let properties = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, pathNamespace: adapter.path,
                                                                interface: "org.freedesktop.DBus.Properties", member: "PropertiesChanged"),
                                                      buffering: .all(limit: BlueZ.objectSignalLimit))
+        // The devices bluetoothd knows, read after subscribing: a change in between is not missed.
+        let managed = try await bluez.managedObjects(about: "scanning")
         var filter: [String: DBusValue] = [
             "Transport": .string(scan.bearer == .le ? "le" : scan.bearer == .classic ? "bredr" : "auto"),
             // Every advertisement, so that a present device keeps being seen (see the header).

@@ -282,6 +282,9 @@ public final class BluetoothPeripheral: Sendable {
         var ended: TransportError?
         var closed = false
         var resolving = false
+        /// The services and the ATT MTU as last built from `objects` (nil: build again). Every
+        /// operation looks its characteristic up; building walks every object bluetoothd has.
+        var cache: (services: [GATTService], attMTU: Int?)?
         var listeners: [Int: AsyncStream<Event>.Continuation] = [:]
         var nextListener = 0
         /// Notification streams, ended with the link.
@@ -325,21 +328,26 @@ public final class BluetoothPeripheral: Sendable {
 
     /// The device's services with their characteristics and descriptors, as bluetoothd read them;
     /// current after a ``Event/servicesChanged``.
-    public var services: [GATTService] {
-        state.withLock { state in Self.services(of: state.device.path, in: state.objects) }
+    public var services: [GATTService] { cached.services }
+
+    /// The services and ATT MTU, built once per change of bluetoothd's objects under the device.
+    private var cached: (services: [GATTService], attMTU: Int?) {
+        state.withLock { state in
+            if let cache = state.cache { return cache }
+            let prefix = state.device.path + "/"
+            let mtu = state.objects.interfaces.filter { $0.key.hasPrefix(prefix) }
+                .compactMap { $0.value[GattSerial.characteristicInterface]?["MTU"]?.integer }.max().map { Int($0) }
+            let built = (Self.services(of: state.device.path, in: state.objects), mtu)
+            state.cache = built
+            return built
+        }
     }
 
     /// The device's name (what it advertises or its GAP name), if known.
     public var name: String? { state.withLock { $0.device.name ?? $0.device.alias } }
 
     /// The ATT MTU of the link, when bluetoothd reports it (BlueZ 5.62 and later).
-    public var attMTU: Int? {
-        state.withLock { state in
-            let prefix = state.device.path + "/"
-            return state.objects.interfaces.filter { $0.key.hasPrefix(prefix) }
-                .compactMap { $0.value[GattSerial.characteristicInterface]?["MTU"]?.integer }.max().map { Int($0) }
-        }
-    }
+    public var attMTU: Int? { cached.attMTU }
 
     /// The longest value one write of `type` carries: 512 with a response (a long write), ATT MTU − 3
     /// without (23 − 3 when the MTU is not known).
@@ -655,8 +663,16 @@ public final class BluetoothPeripheral: Sendable {
             explained.code = error.code
             return explained
         }
-        // 0x0E Unlikely Error: what BlueZ 5.66 reported in the lab when it could not raise an
-        // unpaired link's security for a characteristic that needs encryption.
+        // 0x0E Unlikely Error, or no answer at all (NoReply after 25 s): what BlueZ 5.66 did in the
+        // lab, one or the other, when it could not raise an unpaired link's security for a
+        // characteristic that needs encryption (the pairing it starts has no agent to answer).
+        if !paired && error.kind == .timedOut {
+            var explained = TransportError(.timedOut, "\(message). The device is not paired: if the characteristic needs an encrypted link, "
+                                           + "bluetoothd may have waited for a pairing no agent answered: pair first (BluetoothPeripheral.pair() "
+                                           + "with an agent registered), then try again")
+            explained.code = error.code
+            return explained
+        }
         if message.contains("ATT error: 0x0e") && !paired {
             var explained = TransportError(.io, "\(message). The device is not paired: if the characteristic needs an encrypted link, "
                                            + "pair first (BluetoothPeripheral.pair() with an agent registered), then try again")
@@ -715,7 +731,10 @@ public final class BluetoothPeripheral: Sendable {
                         // The new services' objects may reach the bus after ServicesResolved
                         // (GattSession's note): read them.
                         if let objects = try? await bluez.objectTree(about: "reading the changed services of \(self.describing)") {
-                            self.state.withLock { $0.objects = objects }
+                            self.state.withLock { state in
+                                state.objects = objects
+                                state.cache = nil
+                            }
                         }
                         self.emit(.servicesChanged)
                     }
@@ -732,6 +751,9 @@ public final class BluetoothPeripheral: Sendable {
     private func apply(_ signal: DBusSignal, devicePath: String) -> Bool {
         state.withLock { state -> Bool in
             state.objects.apply(signal)
+            // Only a change under the device's path changes what it offers.
+            let subject = signal.member == "PropertiesChanged" ? signal.path : (signal.values.first?.text ?? "")
+            if subject.hasPrefix(devicePath + "/") || subject == devicePath { state.cache = nil }
             if let device = state.objects.device(at: devicePath) { state.device = device }
             guard signal.member == "PropertiesChanged", signal.path == devicePath,
                   let resolved = signal.values.dropFirst().first?.dictionary?["ServicesResolved"]?.boolValue else { return false }

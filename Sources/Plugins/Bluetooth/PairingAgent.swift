@@ -193,6 +193,28 @@ extension BluetoothPeripheral {
         updateDevice { $0.paired = true }
     }
 
+    /// Forgets the device at `address` without connecting to it: bluetoothd removes it and its keys
+    /// (Adapter1.RemoveDevice). Returns `false` when bluetoothd did not know it.
+    ///
+    /// ```swift
+    /// try await BluetoothPeripheral.forget("E3:2E:44:66:A2:4A", adapter: "hci0")
+    /// ```
+    @discardableResult
+    public static func forget(_ address: String, adapter: String? = nil, bus: DBusConnection.Bus = .system) async throws -> Bool {
+        guard let parsed = BluetoothAddress(address) else {
+            throw TransportError(.invalidURL, "'\(TransportError.printable(address, limit: 40))' is not a Bluetooth address (six hex pairs: E3:2E:44:66:A2:4A)")
+        }
+        let bluez = try BlueZ.shared(bus)
+        let chosen = try BlueZ.adapter(named: adapter, among: try await bluez.adapters())
+        do {
+            _ = try await bluez.call(chosen.path, BlueZ.adapterInterface, "RemoveDevice", [.objectPath(BlueZ.devicePath(on: chosen, address: parsed.description))],
+                                     about: "forgetting \(parsed)")
+            return true
+        } catch let error as TransportError where error.code == "org.bluez.Error.DoesNotExist" {
+            return false
+        }
+    }
+
     /// Forgets the device: bluetoothd removes it and its keys (Adapter1.RemoveDevice), which also
     /// disconnects it. This object is disconnected after.
     public func forget() async throws {
