@@ -167,7 +167,7 @@ struct Gatt: AsyncParsableCommand {
                 group.addTask {
                     var received = 0
                     for try await value in values {
-                        try await StandardOutput.writeAll(Array((Hex.text(value) + "\n").utf8), waiting: DescriptorWait(fd: 1, events: Int16(POLLOUT)))
+                        try await StandardOutput.writeAll(Array((Hex.text(value) + "\n").utf8), waiting: writable)
                         received += 1
                         if let count, received >= count { return }
                     }

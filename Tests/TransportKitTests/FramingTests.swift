@@ -184,11 +184,12 @@ struct CommandSessionTests {
     }
 
     /// Runs `body` against a fake ELM327 over tcp on loopback.
-    private func withFakeELM327(echo: Bool = false, _ body: (Connection) async throws -> Void) async throws {
+    private func withFakeELM327(echo: Bool = false, slowDelay: Duration = .milliseconds(2500),
+                                _ body: (Connection) async throws -> Void) async throws {
         let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
         let device = Task {
             let connection = try #require(try await listener.accept())
-            try await runFakeELM327(connection, echo: echo)
+            try await runFakeELM327(connection, echo: echo, slowDelay: slowDelay)
             try await connection.close()
         }
         let connection = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
@@ -245,15 +246,17 @@ struct CommandSessionTests {
     }
 
     @Test func anEchoedLateAnswerAfterTheWaitGaveUpIsStillSkipped() async throws {
-        try await withFakeELM327(echo: true) { (connection: Connection) async throws in
-            // The late answer (2.5 s) comes after the next command's wait for it gave up (0.2 s):
-            // its echo still marks it as SLOW's.
+        // SLOW is answered after 4 s, well after ATRV's own 1-s wait has ended even on a loaded
+        // machine (with 2.5 s, a CI run's ATRV started late enough to get its answer in time).
+        try await withFakeELM327(echo: true, slowDelay: .milliseconds(4000)) { (connection: Connection) async throws in
+            // The late answer comes after the next command's wait for it gave up (0.2 s): its echo
+            // still marks it as SLOW's.
             var elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: .milliseconds(200))
             elm.stripsEcho = true
             _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }
             // The fake device answers in turn: ATRV waits behind SLOW and times out too.
             _ = await expectTransportError(.timedOut) { try await elm.send("ATRV") }
-            try await Task.sleep(for: .milliseconds(2000))   // both late answers are in by now
+            try await Task.sleep(for: .milliseconds(3500))   // both late answers are in by now
             #expect(try await elm.send("ATZ") == "ELM327 v1.5", "in step after the late answer passed")
             #expect(try await elm.send("ATRV") == "12.6V")
         }

@@ -414,29 +414,62 @@ final class BlueZ: Sendable {
 
 /// The notification sessions of one BlueZ client, counted: bluetoothd keeps one StartNotify per
 /// D-Bus client and characteristic (a second StartNotify does nothing; the first StopNotify ends it
-/// for every user), so the first user starts it and the last one stops it.
+/// for every user), so the first user starts it and the last one stops it. The calls for one
+/// characteristic go out one after the other, in the order the users came: a StopNotify still on
+/// its way must not overtake the next user's StartNotify and end it.
 actor NotifySessions {
     private var users: [String: Int] = [:]
+    /// The last call for each characteristic, which the next one waits for.
+    private var last: [String: Task<Result<Void, TransportError>, Never>] = [:]
 
     /// Starts notifications on `path` unless another user in this process has.
     func start(_ bluez: BlueZ, path: String, about what: String) async throws {
         users[path, default: 0] += 1
-        guard users[path] == 1 else { return }
-        do {
-            _ = try await bluez.call(path, "org.bluez.GattCharacteristic1", "StartNotify", about: what)
-        } catch {
-            users[path] = nil
+        if users[path] == 1 {
+            enqueue(path) {
+                do {
+                    _ = try await bluez.call(path, "org.bluez.GattCharacteristic1", "StartNotify", about: what)
+                    return .success(())
+                } catch let error as TransportError {
+                    return .failure(error)
+                } catch {
+                    return .failure(TransportError(.io, "\(what): \(error)"))
+                }
+            }
+        }
+        // The start this user joins (its own, or one under way for an earlier user): its outcome.
+        let outcome = await last[path]?.value ?? .success(())
+        if case .failure(let error) = outcome {
+            leave(path)
             throw error
         }
     }
 
-    /// Leaves; the last user stops them. Runs to the end even when the caller is cancelled.
+    /// Leaves; the last user stops them. The StopNotify is sent even when the caller is cancelled.
     func stop(_ bluez: BlueZ, path: String) async {
-        guard let count = users[path] else { return }
-        users[path] = count > 1 ? count - 1 : nil
-        guard count == 1 else { return }
-        await uncancellable {
+        guard users[path] != nil else { return }
+        guard leave(path) else { return }
+        enqueue(path) {
             _ = try? await bluez.call(path, "org.bluez.GattCharacteristic1", "StopNotify", about: "stopping notifications")
+            return .success(())
+        }
+        _ = await last[path]?.value
+    }
+
+    /// Counts one user less; `true` when it was the last.
+    @discardableResult
+    private func leave(_ path: String) -> Bool {
+        let remaining = (users[path] ?? 1) - 1
+        users[path] = remaining > 0 ? remaining : nil
+        return remaining <= 0
+    }
+
+    /// Runs `call` after the previous call for `path`, detached (a cancelled caller still sends it).
+    private func enqueue(_ path: String, _ call: @escaping @Sendable () async -> Result<Void, TransportError>) {
+        let previous = last[path]
+        last[path] = Task.detached {
+            _ = await previous?.value
+            return await call()
         }
     }
 }

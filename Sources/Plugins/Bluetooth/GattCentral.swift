@@ -83,8 +83,11 @@ struct GattSession: Sendable {
                                              about: "connecting to Bluetooth device \(address) over LE")
                 } catch {
                     // Cut short (the deadline, a cancellation): bluetoothd may still be connecting,
-                    // and Disconnect cancels that, so no link is left that nobody owns.
-                    await GattLink(bluez: bluez, device: found, address: address, disconnectOnClose: true).release()
+                    // and Disconnect cancels that, so no link is left that nobody owns. Another
+                    // failure (one of another program's connects under way, say) is left alone.
+                    if error is CancellationError || (error as? TransportError)?.kind == .timedOut {
+                        await GattLink(bluez: bluez, device: found, address: address, disconnectOnClose: true).release()
+                    }
                     throw error
                 }
                 return (found, true)

@@ -5,10 +5,14 @@
 // the service (Advertisement.swift) so that centrals find it by service.
 //
 // Facts this follows (BlueZ 5.66, src/gatt-database.c):
-// - A central's subscription (its CCC write) reaches the application as StartNotify, its end (an
-//   unsubscribe, or the link dropping: subscriptions of unbonded devices are cleared) as
-//   StopNotify. WriteValue carries the value and options: "device" (the central's object path),
-//   "mtu", "type" (command or request).
+// - A central's subscription (its CCC write) reaches the application as StartNotify; StopNotify
+//   comes only when the last subscriber is gone, and not for a bonded central whose link dropped.
+//   So the central served is followed through its Device1 object (Connected false, removed) as
+//   well. WriteValue carries the value and options: "device" (the central's object path), "mtu",
+//   "type" (command or request). Writes without response are answered to the central by
+//   bluetoothd at once and reach this process back to back: they are handled in the order they
+//   came, on the bus thread (the export's immediate handler), never from tasks that could reorder
+//   them.
 // - A value is sent by emitting PropertiesChanged on the characteristic's Value: bluetoothd
 //   notifies every central subscribed. The D-Bus API of 5.66 has no way to notify one central
 //   among several, so the listener serves one central at a time: a second central that subscribes
@@ -29,6 +33,8 @@ final class GattServerListener: ListenerBackend {
         /// The central being served.
         var active: GattServerBackend?
         var closed = false
+        /// Set when bluetoothd went away (its registration with it): accept() throws it.
+        var failure: TransportError?
     }
 
     private static let serial = Atomic<Int>(0)
@@ -40,10 +46,10 @@ final class GattServerListener: ListenerBackend {
     private let export: DBusExport
     private let advertisement: Advertisement?
     private let state: AsyncCondition<State>
-    private let buffering: Buffering
+    private let watcher: Task<Void, Never>
 
     private init(url: TransportURL, bluez: BlueZ, adapter: BluetoothAdapter, root: String, export: DBusExport, advertisement: Advertisement?,
-                 state: AsyncCondition<State>, buffering: Buffering) {
+                 state: AsyncCondition<State>, watcher: Task<Void, Never>) {
         self.url = url
         self.bluez = bluez
         self.adapter = adapter
@@ -51,7 +57,7 @@ final class GattServerListener: ListenerBackend {
         self.export = export
         self.advertisement = advertisement
         self.state = state
-        self.buffering = buffering
+        self.watcher = watcher
     }
 
     /// The characteristics of the service: the one notified to the central (the central's rx) and
@@ -82,17 +88,33 @@ final class GattServerListener: ListenerBackend {
         let notifyPath = Self.notifyPath(root)
         let writePath = Self.writePath(root, sameCharacteristic: notify == write)
         let connection = bluez.bus
-        let export = try await bluez.bus.export(path: root, subtree: true, answering: { call in
-            await Self.handle(call, objects: objects, notifyPath: notifyPath, writePath: writePath, state: state) { central in
+        // The served central's link, its device object, and bluetoothd itself, followed from
+        // before the service is published.
+        let events = try await bluez.bus.signals(matchingAnyOf: [
+            DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager, member: "InterfacesRemoved"),
+            DBusMatch(sender: BlueZ.service, pathNamespace: adapter.path, interface: GattSerial.properties, member: "PropertiesChanged",
+                      arg0: BlueZ.deviceInterface),
+            DBusMatch(sender: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
+                      member: "NameOwnerChanged", arg0: BlueZ.service),
+        ], buffering: .all(limit: GattSession.signalLimit))
+        let export = try await bluez.bus.export(path: root, subtree: true) { call in
+            Self.handle(call, objects: objects, notifyPath: notifyPath, writePath: writePath, state: state) { central in
                 GattServerBackend(bus: connection, notifyPath: notifyPath, describing: describing, central: central, state: state,
                                   watermarks: buffering.inbound)
             }
-        })
+        }
+        let unpublish: @Sendable () async -> Void = {
+            await uncancellable {
+                _ = try? await bluez.call(adapter.path, "org.bluez.GattManager1", "UnregisterApplication", [.objectPath(root)], about: "withdrawing a GATT service")
+                await export.remove()
+            }
+        }
         do {
             _ = try await bluez.call(adapter.path, "org.bluez.GattManager1", "RegisterApplication", [.objectPath(root), .dictionary([:])],
                                      about: "\(url.shown): publishing GATT service \(BluetoothUUID.short(service)) on \(adapter.name)")
         } catch {
-            await export.remove()
+            // Cut short, bluetoothd may have taken it all the same.
+            await unpublish()
             throw error
         }
         let advertisement: Advertisement?
@@ -100,14 +122,51 @@ final class GattServerListener: ListenerBackend {
             advertisement = request[BluetoothPlugin.advertise]
                 ? try await Advertisement.register(bluez, adapter: adapter, service: service, describing: describing) : nil
         } catch {
-            _ = try? await bluez.call(adapter.path, "org.bluez.GattManager1", "UnregisterApplication", [.objectPath(root)], about: "withdrawing a GATT service")
-            await export.remove()
+            await unpublish()
             throw error
         }
         request.logger.debug("ble listening: GATT service \(BluetoothUUID.short(service)) on \(adapter.name)\(advertisement == nil ? "" : ", advertised")")
+        let watcher = Task { await Self.follow(events, state: state, adapter: adapter) }
         let listener = GattServerListener(url: url, bluez: bluez, adapter: adapter, root: root, export: export, advertisement: advertisement,
-                                          state: state, buffering: buffering)
+                                          state: state, watcher: watcher)
         return Listener(url: url, backend: listener, exposure: RFCOMMListener.exposure(.low, adapter: adapter.name))
+    }
+
+    /// The served central leaving (its link dropped, its device removed) ends its connection;
+    /// bluetoothd or the adapter going away ends the listener.
+    private static func follow(_ events: AsyncThrowingStream<DBusSignal, any Error>, state: AsyncCondition<State>, adapter: BluetoothAdapter) async {
+        var failure = TransportError(.disconnected, "bluetoothd went away while \(adapter.name) served a GATT service: listen again once it is back")
+        do {
+            for try await signal in events {
+                let central = state.withLock { $0.active }
+                let path = central?.centralPath
+                switch signal.member {
+                case "NameOwnerChanged" where signal.values.last?.text == "":
+                    throw failure
+                case "InterfacesRemoved":
+                    guard let removed = signal.values.first?.text else { continue }
+                    if removed == adapter.path {
+                        failure = TransportError(.disconnected, "adapter \(adapter.name) went away while it served a GATT service")
+                        throw failure
+                    }
+                    if let path, removed == path { central?.centralLeft() }
+                case "PropertiesChanged":
+                    if let path, signal.path == path, signal.values.dropFirst().first?.dictionary?["Connected"]?.boolValue == false {
+                        central?.centralLeft()
+                    }
+                default:
+                    continue
+                }
+            }
+        } catch is CancellationError {
+            return
+        } catch {}
+        guard !Task.isCancelled else { return }
+        let (active, waiting) = state.update { state in
+            defer { if state.failure == nil { state.failure = failure }; state.waiting = []; state.active = nil }
+            return (state.active, state.waiting)
+        }
+        for backend in waiting + [active].compactMap({ $0 }) { backend.centralLeft() }
     }
 
     /// The notified characteristic's object path; the written one's is the same for one
@@ -135,9 +194,9 @@ final class GattServerListener: ListenerBackend {
         return objects
     }
 
-    /// One call from bluetoothd to the application.
+    /// One call from bluetoothd to the application, on the bus thread, in the order the calls came.
     fileprivate static func handle(_ call: DBusMethodCall, objects: [String: [String: [String: DBusValue]]], notifyPath: String, writePath: String,
-                       state: AsyncCondition<State>, makeBackend: @Sendable (String?) -> GattServerBackend) async -> DBusMethodResult {
+                                   state: AsyncCondition<State>, makeBackend: (String?) -> GattServerBackend) -> DBusMethodResult {
         switch (call.interface, call.member) {
         case ("org.freedesktop.DBus.ObjectManager", "GetManagedObjects"):
             let entries = objects.sorted { $0.key < $1.key }.map { path, interfaces in
@@ -158,13 +217,14 @@ final class GattServerListener: ListenerBackend {
         case (GattSerial.characteristicInterface, "StartNotify") where call.path == notifyPath:
             // A central subscribed: it is served, unless another one is.
             state.update { state in
-                guard !state.closed, state.active == nil else { return }
+                guard !state.closed, state.failure == nil, state.active == nil else { return }
                 let backend = makeBackend(nil)
                 state.active = backend
                 state.waiting.append(backend)
             }
             return .reply([])
         case (GattSerial.characteristicInterface, "StopNotify") where call.path == notifyPath:
+            // The last subscriber went.
             state.withLock { $0.active }?.centralLeft()
             return .reply([])
         case (GattSerial.characteristicInterface, "WriteValue") where call.path == writePath:
@@ -172,15 +232,19 @@ final class GattServerListener: ListenerBackend {
             let options = call.arguments.dropFirst().first?.dictionary ?? [:]
             let central = options["device"]?.text
             let backend = state.update { state -> GattServerBackend? in
-                if let active = state.active { return active }
+                if let active = state.active {
+                    // Another central's write (one that subscribed while this one is served) is
+                    // not this connection's: it is dropped (bluetoothd has acknowledged it).
+                    return active.owns(central) ? active : nil
+                }
                 // A central that writes before (or without) subscribing is served too.
-                guard !state.closed else { return nil }
+                guard !state.closed, state.failure == nil else { return nil }
                 let backend = makeBackend(central)
                 state.active = backend
                 state.waiting.append(backend)
                 return backend
             }
-            backend?.received(value, central: central, mtu: options["mtu"]?.integer.map { Int($0) })
+            backend?.received(value, mtu: options["mtu"]?.integer.map { Int($0) })
             return .reply([])
         case (GattSerial.characteristicInterface, "ReadValue"):
             return .reply([.bytes([])])
@@ -190,12 +254,16 @@ final class GattServerListener: ListenerBackend {
     }
 
     func accept() async throws -> Connection? {
-        guard let backend = try await state.wait(until: { state -> GattServerBackend?? in
-            if !state.waiting.isEmpty { return .some(state.waiting.removeFirst()) }
-            return state.closed ? .some(nil) : nil
-        }) else { return nil }
-        let central = await backend.centralAddress(bluez: bluez, adapter: adapter)
-        var metadata = ConnectionMetadata(name: nil, localAddress: adapter.address, remoteAddress: central)
+        let next = try await state.wait(until: { state -> Result<GattServerBackend?, TransportError>? in
+            // A central that left before it was accepted is skipped.
+            state.waiting.removeAll { $0.hasEnded }
+            if !state.waiting.isEmpty { return .success(state.waiting.removeFirst()) }
+            if let failure = state.failure { return .failure(failure) }
+            return state.closed ? .success(nil) : nil
+        })
+        guard let backend = try next.get() else { return nil }
+        await backend.learnCentral(bluez: bluez, adapter: adapter)
+        var metadata = ConnectionMetadata(name: nil, localAddress: adapter.address, remoteAddress: backend.centralPath.map(BlueZ.address(inDevicePath:)))
         metadata.extra["adapter"] = adapter.name
         metadata.mtu = backend.maximumWriteSize
         return Connection(url: url, backend: backend, metadata: metadata)
@@ -208,6 +276,7 @@ final class GattServerListener: ListenerBackend {
             return (!state.closed, state.active, state.waiting)
         }
         guard first else { return }
+        watcher.cancel()
         for backend in waiting + [active].compactMap({ $0 }) { backend.centralLeft() }
         let (bluez, adapter, root, export, advertisement) = (bluez, adapter, root, export, advertisement)
         await uncancellable {
@@ -218,7 +287,14 @@ final class GattServerListener: ListenerBackend {
     }
 
     deinit {
-        guard !state.withLock({ $0.closed }) else { return }
+        // Dropped without close(): the connections end, the service is withdrawn in the background.
+        let (first, active, waiting) = state.update { state in
+            defer { state.closed = true; state.waiting = []; state.active = nil }
+            return (!state.closed, state.active, state.waiting)
+        }
+        guard first else { return }
+        watcher.cancel()
+        for backend in waiting + [active].compactMap({ $0 }) { backend.centralLeft() }
         let (bluez, adapter, root, export, advertisement) = (bluez, adapter, root, export, advertisement)
         Task.detached {
             await advertisement?.unregister()
@@ -229,7 +305,7 @@ final class GattServerListener: ListenerBackend {
 }
 
 /// The central being served by a ``GattServerListener``: its writes in, notifications out, each
-/// one message. It ends when the central unsubscribes or its link drops (StopNotify).
+/// one message. It ends when the central unsubscribes, its link drops or its device goes.
 final class GattServerBackend: ConnectionBackend {
     let supportsHalfClose = false
     let carriesMessages = true
@@ -254,15 +330,27 @@ final class GattServerBackend: ConnectionBackend {
     /// GATT serial's writes), else 20.
     var maximumWriteSize: Int? { GattSerial.writeSize(attMTU: central.withLock { $0.mtu } ?? 23) }
 
-    /// A central's write never waits: GATT has no flow control towards a peripheral either.
-    var unsentByteCount: Int? { 0 }
+    /// Not known: bluetoothd queues notifications for the central.
+    var unsentByteCount: Int? { nil }
+
+    /// The central's device object path, once known.
+    var centralPath: String? { central.withLock { $0.path } }
+
+    var hasEnded: Bool { central.withLock { $0.ended } }
+
+    /// Whether a write from `device` (its object path, when bluetoothd said) is this central's:
+    /// the first one known becomes it.
+    func owns(_ device: String?) -> Bool {
+        central.withLock { state in
+            guard let device else { return true }
+            if state.path == nil { state.path = device }
+            return state.path == device
+        }
+    }
 
     /// A write from the central (on bluetoothd's behalf).
-    func received(_ value: [UInt8], central path: String?, mtu: Int?) {
-        central.withLock { state in
-            if state.path == nil { state.path = path }
-            if let mtu { state.mtu = mtu }
-        }
+    func received(_ value: [UInt8], mtu: Int?) {
+        if let mtu { central.withLock { $0.mtu = mtu } }
         _ = inbound.append(ByteBuffer(bytes: value))
     }
 
@@ -273,12 +361,13 @@ final class GattServerBackend: ConnectionBackend {
         listenerState.update { state in if state.active === self { state.active = nil } }
     }
 
-    /// The central's address, from its first write, or the one device connected on the adapter.
-    func centralAddress(bluez: BlueZ, adapter: BluetoothAdapter) async -> String? {
-        if let path = central.withLock({ $0.path }) { return BlueZ.address(inDevicePath: path) }
-        guard let tree = try? await bluez.objectTree(about: "finding the central") else { return nil }
+    /// When the central subscribed without writing yet, the one device connected on the adapter
+    /// is taken as it (bluetoothd's StartNotify does not say which device), so that its leaving is seen.
+    func learnCentral(bluez: BlueZ, adapter: BluetoothAdapter) async {
+        guard centralPath == nil, let tree = try? await bluez.objectTree(about: "finding the central") else { return }
         let connected = tree.devices.filter { $0.key.hasPrefix(adapter.path + "/") && $0.value["Connected"]?.boolValue == true }
-        return connected.count == 1 ? connected.first.map { BlueZ.address(inDevicePath: $0.key) } : nil
+        guard connected.count == 1, let path = connected.first?.key else { return }
+        central.withLock { if $0.path == nil { $0.path = path } }
     }
 
     func read() async throws -> ByteBuffer? { try await inbound.next() }

@@ -871,8 +871,14 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
         }
     }
 
-    /// Sends `result` as the reply to `message` (on the bus thread): 1 once sent, else -errno.
+    /// Sends `result` as the reply to `message` (on the bus thread): 1 once sent, else -errno. A
+    /// call that asked for no reply (bluetoothd's StartNotify and WriteValue to an application)
+    /// gets none: the bus would refuse it.
     private static func answer(_ message: OpaquePointer, with result: DBusMethodResult, describing: String) -> Int32 {
+        if sd_bus_message_get_expect_reply(message) == 0 {
+            if case .reply(let values) = result { DBusValue.closeDescriptors(in: values) }
+            return 1
+        }
         switch result {
         case .notHandled:
             return replyError(message, "org.freedesktop.DBus.Error.UnknownMethod", "no method \(describing)")
