@@ -271,32 +271,28 @@ final class GattServerListener: ListenerBackend {
 
     /// Stops serving: the service is withdrawn, and the central being served is disconnected from it.
     func close() async throws {
-        let (first, active, waiting) = state.update { state in
-            defer { state.closed = true; state.waiting = []; state.active = nil }
-            return (!state.closed, state.active, state.waiting)
-        }
-        guard first else { return }
-        watcher.cancel()
-        for backend in waiting + [active].compactMap({ $0 }) { backend.centralLeft() }
-        let (bluez, adapter, root, export, advertisement) = (bluez, adapter, root, export, advertisement)
-        await uncancellable {
-            await advertisement?.unregister()
-            _ = try? await bluez.call(adapter.path, "org.bluez.GattManager1", "UnregisterApplication", [.objectPath(root)], about: "withdrawing a GATT service")
-            await export.remove()
-        }
+        guard let withdraw = stop() else { return }
+        await uncancellable(withdraw)
     }
 
     deinit {
         // Dropped without close(): the connections end, the service is withdrawn in the background.
+        guard let withdraw = stop() else { return }
+        Task.detached(operation: withdraw)
+    }
+
+    /// Marks the listener closed and ends its connections, once; returns what withdraws the
+    /// service and the advertisement (nil when it was closed already).
+    private func stop() -> (@Sendable () async -> Void)? {
         let (first, active, waiting) = state.update { state in
             defer { state.closed = true; state.waiting = []; state.active = nil }
             return (!state.closed, state.active, state.waiting)
         }
-        guard first else { return }
+        guard first else { return nil }
         watcher.cancel()
         for backend in waiting + [active].compactMap({ $0 }) { backend.centralLeft() }
         let (bluez, adapter, root, export, advertisement) = (bluez, adapter, root, export, advertisement)
-        Task.detached {
+        return {
             await advertisement?.unregister()
             _ = try? await bluez.call(adapter.path, "org.bluez.GattManager1", "UnregisterApplication", [.objectPath(root)], about: "withdrawing a GATT service")
             await export.remove()
