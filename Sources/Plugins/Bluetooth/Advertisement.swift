@@ -4,13 +4,11 @@
 // An LE peer can connect only to a device that advertises, so a ble:// listener advertises its
 // service while it listens.
 
-import Synchronization
 import TransportKitCore
 import TransportKitDBus
 
 /// A connectable advertisement of one service UUID on one adapter.
 final class Advertisement: Sendable {
-    private static let serial = Atomic<Int>(0)
     static let interface = "org.bluez.LEAdvertisement1"
     static let manager = "org.bluez.LEAdvertisingManager1"
 
@@ -28,7 +26,7 @@ final class Advertisement: Sendable {
     ///
     /// - Throws: BlueZ's refusal explained (`.busy` when the controller has no advertising slot left).
     static func register(_ bluez: BlueZ, adapter: BluetoothAdapter, service: String, describing: String) async throws -> Advertisement {
-        let path = "/org/transportkit/advertisement\(serial.add(1, ordering: .relaxed).newValue)"
+        let path = BlueZ.exportPath("advertisement")
         let properties: [String: DBusValue] = [
             "Type": .string("peripheral"),
             "ServiceUUIDs": .array(element: "s", [.string(service)]),

@@ -86,8 +86,7 @@ struct BlueZObjects: Sendable {
 
     /// The adapters, by index.
     var adapters: [BluetoothAdapter] {
-        interfaces.compactMap { path, byInterface in byInterface[BlueZ.adapterInterface].map { BlueZ.adapter(path: path, $0) } }
-            .sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }
+        BlueZ.inIndexOrder(interfaces.compactMap { path, byInterface in byInterface[BlueZ.adapterInterface].map { BlueZ.adapter(path: path, $0) } })
     }
 
     /// Every device's Device1 properties by object path.
@@ -119,6 +118,14 @@ final class BlueZ: Sendable {
     let notifySessions = NotifySessions()
 
     private init(bus: DBusConnection) { self.bus = bus }
+
+    private static let exported = Atomic<Int>(0)
+
+    /// A path for an object this process exports to bluetoothd (a profile, an advertisement, a
+    /// GATT application, an agent): `/org/transportkit/KIND` and a number unique in the process.
+    static func exportPath(_ kind: String) -> String {
+        "/org/transportkit/\(kind)\(exported.add(1, ordering: .relaxed).newValue)"
+    }
 
     /// One client per bus (the system bus, or the one a host app or test gave the plugin).
     private static let clients = Mutex<[String: BlueZ]>([:])
@@ -153,6 +160,24 @@ final class BlueZ: Sendable {
         }
     }
 
+    /// The values the characteristic at `path` notifies, as PropertiesChanged signals (take each
+    /// one's bytes with ``notifiedValue(_:)``): subscribed to first, then started (counted per
+    /// process, NotifySessions), so that no value is missed. Up to
+    /// `GattSerial.unreadNotificationLimit` wait unread; one more ends the stream with
+    /// `DBusSignalBuffering.overflowCode`. Stop with `notifySessions.stop` when done.
+    func notifications(of path: String, about what: String) async throws -> AsyncThrowingStream<DBusSignal, any Error> {
+        let values = try await bus.signals(DBusMatch(sender: Self.service, path: path, interface: "org.freedesktop.DBus.Properties",
+                                                     member: "PropertiesChanged", arg0: "org.bluez.GattCharacteristic1"),
+                                           buffering: .all(limit: GattSerial.unreadNotificationLimit))
+        try await notifySessions.start(self, path: path, about: what)
+        return values
+    }
+
+    /// The value a characteristic's PropertiesChanged carries, if it carries one.
+    static func notifiedValue(_ signal: DBusSignal) -> [UInt8]? {
+        signal.values.dropFirst().first?.dictionary?["Value"]?.bytes
+    }
+
     /// The adapters, without walking every device bluetoothd knows: the nodes under /org/bluez
     /// (Introspect) and each one's Adapter1 properties.
     func adapters() async throws -> [BluetoothAdapter] {
@@ -160,16 +185,33 @@ final class BlueZ: Sendable {
         var adapters: [BluetoothAdapter] = []
         for name in Self.childNodes(inIntrospection: xml) {
             let path = "/org/bluez/" + name
-            do {
-                let reply = try await bus.call(destination: Self.service, path: path, interface: "org.freedesktop.DBus.Properties", member: "GetAll",
-                                               [.string(Self.adapterInterface)])
-                if let properties = reply.first?.dictionary { adapters.append(Self.adapter(path: path, properties)) }
-            } catch let error as TransportError where error.code == "org.freedesktop.DBus.Error.UnknownObject"
-                        || error.code == "org.freedesktop.DBus.Error.InvalidArgs" || error.code == "org.freedesktop.DBus.Error.UnknownInterface" {
-                continue   // removed in between, or not an adapter
+            // nil: removed in between, or not an adapter.
+            if let properties = try await properties(at: path, Self.adapterInterface, about: "reading Bluetooth adapter \(name)") {
+                adapters.append(Self.adapter(path: path, properties))
             }
         }
-        return adapters.sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }
+        return Self.inIndexOrder(adapters)
+    }
+
+    /// Adapters sorted as their indexes go (hci0, hci1, …).
+    static func inIndexOrder(_ adapters: [BluetoothAdapter]) -> [BluetoothAdapter] {
+        adapters.sorted { ($0.index ?? 0, $0.name) < ($1.index ?? 0, $1.name) }
+    }
+
+    /// The properties of `interface` on the object at `path` (Properties.GetAll), or nil when
+    /// bluetoothd has no such object or it has no such interface.
+    func properties(at path: String, _ interface: String, about what: String) async throws -> [String: DBusValue]? {
+        do {
+            let reply = try await bus.call(destination: Self.service, path: path, interface: "org.freedesktop.DBus.Properties", member: "GetAll",
+                                           [.string(interface)])
+            return reply.first?.dictionary
+        } catch let error as TransportError where ["org.freedesktop.DBus.Error.UnknownObject", "org.freedesktop.DBus.Error.UnknownMethod",
+                                                   "org.freedesktop.DBus.Error.UnknownInterface", "org.freedesktop.DBus.Error.InvalidArgs"]
+                    .contains(error.code ?? "") {
+            return nil
+        } catch let error as TransportError {
+            throw Self.explain(error, about: what)
+        }
     }
 
     /// The names of the child nodes in D-Bus introspection XML (`<node name="hci0"/>`).
@@ -188,16 +230,8 @@ final class BlueZ: Sendable {
 
     /// The device at `path`, or nil when bluetoothd has no such object (Properties.GetAll).
     func device(at path: String) async throws -> BluetoothDevice? {
-        do {
-            let reply = try await bus.call(destination: Self.service, path: path, interface: "org.freedesktop.DBus.Properties", member: "GetAll",
-                                           [.string(Self.deviceInterface)])
-            return reply.first?.dictionary.map { Self.device(path: path, $0) }
-        } catch let error as TransportError where error.code == "org.freedesktop.DBus.Error.UnknownObject"
-                    || error.code == "org.freedesktop.DBus.Error.UnknownMethod" || error.code == "org.freedesktop.DBus.Error.InvalidArgs" {
-            return nil
-        } catch let error as TransportError {
-            throw Self.explain(error, about: "reading Bluetooth device \(Self.address(inDevicePath: path))")
-        }
+        try await properties(at: path, Self.deviceInterface, about: "reading Bluetooth device \(Self.address(inDevicePath: path))")
+            .map { Self.device(path: path, $0) }
     }
 
     /// Every adapter and device bluetoothd manages.

@@ -448,11 +448,9 @@ public final class BluetoothPeripheral: Sendable {
         }
         let bluez = session.bluez
         let limit = GattSerial.unreadNotificationLimit
-        let values = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, path: found.path, interface: GattSerial.properties,
-                                                           member: "PropertiesChanged", arg0: GattSerial.characteristicInterface),
-                                                 buffering: .all(limit: limit))
+        let values: AsyncThrowingStream<DBusSignal, any Error>
         do {
-            try await bluez.notifySessions.start(bluez, path: found.path, about: "\(describing): starting notifications from \(found.shortUUID)")
+            values = try await bluez.notifications(of: found.path, about: "\(describing): starting notifications from \(found.shortUUID)")
         } catch let error as TransportError {
             throw failure(error)
         }
@@ -474,7 +472,7 @@ public final class BluetoothPeripheral: Sendable {
         let feeder = Task {
             do {
                 for try await signal in values {
-                    guard let value = signal.values.dropFirst().first?.dictionary?["Value"]?.bytes else { continue }
+                    guard let value = BlueZ.notifiedValue(signal) else { continue }
                     if case .dropped = continuation.yield(value) {
                         continuation.finish(throwing: overflow)
                         return

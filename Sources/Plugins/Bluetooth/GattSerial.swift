@@ -308,13 +308,11 @@ final class GattBackend: ConnectionBackend {
             let producing = AsyncCondition(true)
             let queue = InboundQueue(messages: true) { producing.update { $0 = true } }
             let limit = GattSerial.unreadNotificationLimit
-            let values = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, path: rx.path, interface: GattSerial.properties, member: "PropertiesChanged"),
-                                                     buffering: .all(limit: limit))
-            try await bluez.notifySessions.start(bluez, path: rx.path, about: "starting notifications from \(BluetoothUUID.short(rx.uuid)) on \(link.address)")
+            let values = try await bluez.notifications(of: rx.path, about: "starting notifications from \(BluetoothUUID.short(rx.uuid)) on \(link.address)")
             let feeder = Task {
                 do {
                     for try await signal in values {
-                        guard let value = signal.values.dropFirst().first?.dictionary?["Value"]?.bytes else { continue }
+                        guard let value = BlueZ.notifiedValue(signal) else { continue }
                         if queue.append(ByteBuffer(bytes: value)) == .pause {
                             producing.update { $0 = false }
                             if queue.shouldProduce() { producing.update { $0 = true } }

@@ -37,8 +37,6 @@ final class GattServerListener: ListenerBackend {
         var failure: TransportError?
     }
 
-    private static let serial = Atomic<Int>(0)
-
     let url: TransportURL
     private let bluez: BlueZ
     private let adapter: BluetoothAdapter
@@ -80,7 +78,7 @@ final class GattServerListener: ListenerBackend {
         let (service, notify, write) = try characteristics(request)
         let bluez = try BlueZ.shared(bus)
         let adapter = try BlueZ.adapter(named: try BluetoothConnector.adapterName(request), among: try await bluez.adapters())
-        let root = "/org/transportkit/gatt\(serial.add(1, ordering: .relaxed).newValue)"
+        let root = BlueZ.exportPath("gatt")
         let objects = Self.objects(root: root, service: service, notify: notify, write: write)
         let state = AsyncCondition(State())
         let describing = url.description

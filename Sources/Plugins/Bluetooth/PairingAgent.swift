@@ -12,7 +12,6 @@
 //   bluetoothd gives up on an unanswered request after its own timeout and calls Cancel.
 // - A rejection is the error org.bluez.Error.Rejected; an agent that gives up, org.bluez.Error.Canceled.
 
-import Synchronization
 @_spi(Plugins) import TransportKitCore
 import TransportKitDBus
 
@@ -68,8 +67,6 @@ public final class BluetoothPairingAgent: Sendable {
         case keyboardDisplay = "KeyboardDisplay"
     }
 
-    private static let counter = Counter()
-
     /// The agent's object path.
     public let path: String
     private let bluez: BlueZ
@@ -97,7 +94,7 @@ public final class BluetoothPairingAgent: Sendable {
                                 answer: @escaping @Sendable (BluetoothPairingRequest) async -> BluetoothPairingAnswer = { _ in .accept })
         async throws -> BluetoothPairingAgent {
         let bluez = try BlueZ.shared(bus)
-        let path = "/org/transportkit/agent\(counter.next())"
+        let path = BlueZ.exportPath("agent")
         let export = try await bluez.bus.export(path: path, answering: { call in
             guard call.interface == "org.bluez.Agent1" else { return .notHandled }
             return await handle(call, answer: answer)
@@ -159,12 +156,6 @@ public final class BluetoothPairingAgent: Sendable {
         case (_, .accept):
             return .reply([])
         }
-    }
-
-    /// Numbers for agent paths, unique in the process.
-    final class Counter: Sendable {
-        private let value = Atomic<Int>(0)
-        func next() -> Int { value.add(1, ordering: .relaxed).newValue }
     }
 }
 

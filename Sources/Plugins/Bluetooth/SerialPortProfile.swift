@@ -53,7 +53,6 @@ final class RFCOMMListener: ListenerBackend {
         case released
     }
 
-    private static let serial = Atomic<Int>(0)
 
     let url: TransportURL
     private let bluez: BlueZ
@@ -151,7 +150,7 @@ final class RFCOMMListener: ListenerBackend {
                                              member: "GetNameOwner", [.string(BlueZ.service)]).first?.text ?? ""
         var bound = url
         bound.port = Int(channel)
-        let path = "/org/transportkit/rfcomm\(serial.add(1, ordering: .relaxed).newValue)"
+        let path = BlueZ.exportPath("rfcomm")
         let listener = RFCOMMListener(url: bound, bluez: bluez, channel: channel, path: path, buffering: request.buffering)
         let state = listener.state
         let backlog = request[BluetoothPlugin.backlog]
