@@ -325,6 +325,40 @@ struct DBusTests {
         await client.close()
     }
 
+    /// An in-order export (a GATT server's) answers its calls one at a time in the order they
+    /// came: a quick call behind a slow one waits for it, and after remove() calls are refused.
+    @Test func anInOrderExportAnswersOneCallAtATimeInOrder() async throws {
+        let daemon = try PrivateBus()
+        let server = try DBusConnection(.address(daemon.address))
+        let client = try DBusConnection(.address(daemon.address))
+        let gate = AsyncCondition(false)
+        let handled = Mutex<[String]>([])
+        let export = try await server.export(path: "/org/transportkit/Ordered", inOrder: true, answering: { call in
+            if call.member == "Slow" { try? await gate.wait { $0 ? () : nil } }
+            handled.withLock { $0.append(call.member) }
+            return .reply([.string(call.member)])
+        })
+        let name = try await server.uniqueName()
+        let call = { @Sendable (member: String) in
+            try await client.call(destination: name, path: "/org/transportkit/Ordered", interface: "org.transportkit.Ordered", member: member,
+                                  timeout: .seconds(20))
+        }
+        let slow = Task { try await call("Slow") }
+        try await Task.sleep(for: .milliseconds(100))
+        let fast = Task { try await call("Fast") }
+        try await Task.sleep(for: .milliseconds(200))
+        #expect(handled.withLock { $0 }.isEmpty, "the quick call waits behind the slow one")
+        gate.update { $0 = true }
+        #expect(try await slow.value == [.string("Slow")])
+        #expect(try await fast.value == [.string("Fast")])
+        #expect(handled.withLock { $0 } == ["Slow", "Fast"])
+        await export.remove()
+        let gone = await expectTransportError(.io) { try await call("Late") }
+        #expect(gone?.code?.hasPrefix("org.freedesktop.DBus.Error.Unknown") == true, "\(String(describing: gone))")
+        await server.close()
+        await client.close()
+    }
+
     @Test func slowRepliesTimeOutAndCancellationAndCloseEndWaitingCalls() async throws {
         let daemon = try PrivateBus()
         let server = try DBusConnection(.address(daemon.address))

@@ -127,6 +127,45 @@ final class BlueZ: Sendable {
         "/org/transportkit/\(kind)\(exported.add(1, ordering: .relaxed).newValue)"
     }
 
+    /// What a process serving centrals on `adapter` follows (a GATT server, the serial
+    /// peripheral): objects removed (the adapter, a central's device), the adapter's devices'
+    /// property changes (Connected), and bluetoothd leaving the bus.
+    static func servingMatches(_ adapter: BluetoothAdapter) -> [DBusMatch] {
+        [
+            DBusMatch(sender: service, interface: objectManager, member: "InterfacesRemoved"),
+            DBusMatch(sender: service, pathNamespace: adapter.path, interface: GattSerial.properties, member: "PropertiesChanged",
+                      arg0: deviceInterface),
+            DBusMatch(sender: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
+                      member: "NameOwnerChanged", arg0: service),
+        ]
+    }
+
+    /// Answers bluetoothd's reads of objects this process exports (a GATT application, an
+    /// advertisement): ObjectManager.GetManagedObjects and Properties.Get/GetAll from `objects`
+    /// (path → interface → properties); nil for any other call, which is the caller's to answer.
+    static func serve(_ call: DBusMethodCall, from objects: [String: [String: [String: DBusValue]]]) -> DBusMethodResult? {
+        switch (call.interface, call.member) {
+        case (objectManager, "GetManagedObjects"):
+            let entries = objects.sorted { $0.key < $1.key }.map { path, interfaces in
+                DBusValue.dictEntry(.objectPath(path), .array(element: "{sa{sv}}", interfaces.sorted { $0.key < $1.key }.map {
+                    .dictEntry(.string($0.key), .dictionary($0.value))
+                }))
+            }
+            return .reply([.array(element: "{oa{sa{sv}}}", entries)])
+        case (GattSerial.properties, "GetAll"):
+            guard let interface = call.arguments.first?.text else { return .reply([.dictionary([:])]) }
+            return .reply([.dictionary(objects[call.path]?[interface] ?? [:])])
+        case (GattSerial.properties, "Get"):
+            guard let interface = call.arguments.first?.text, let name = call.arguments.dropFirst().first?.text,
+                  let value = objects[call.path]?[interface]?[name] else {
+                return .error(name: "org.freedesktop.DBus.Error.InvalidArgs", message: "no such property")
+            }
+            return .reply([.variant(value)])
+        default:
+            return nil
+        }
+    }
+
     /// One client per bus (the system bus, or the one a host app or test gave the plugin).
     private static let clients = Mutex<[String: BlueZ]>([:])
 
@@ -459,23 +498,34 @@ actor NotifySessions {
     /// Starts notifications on `path` unless another user in this process has.
     func start(_ bluez: BlueZ, path: String, about what: String) async throws {
         users[path, default: 0] += 1
-        if users[path] == 1 {
-            enqueue(path) {
-                do {
-                    _ = try await bluez.call(path, "org.bluez.GattCharacteristic1", "StartNotify", about: what)
-                    return .success(())
-                } catch let error as TransportError {
-                    return .failure(error)
-                } catch {
-                    return .failure(TransportError(.io, "\(what): \(error)"))
-                }
-            }
-        }
+        if users[path] == 1 { enqueue(path, Self.starting(bluez, path: path, about: what)) }
         // The start this user joins (its own, or one under way for an earlier user): its outcome.
         let outcome = await last[path]?.value ?? .success(())
         if case .failure(let error) = outcome {
             leave(path)
             throw error
+        }
+    }
+
+    /// Starts notifications on `path` again for its users, after a reconnect (bluetoothd stopped
+    /// them with the link).
+    func restart(_ bluez: BlueZ, path: String, about what: String) async throws {
+        guard users[path] != nil else { return }
+        enqueue(path, Self.starting(bluez, path: path, about: what))
+        if case .failure(let error) = await last[path]?.value ?? .success(()) { throw error }
+    }
+
+    /// A StartNotify call, as a queued step.
+    private static func starting(_ bluez: BlueZ, path: String, about what: String) -> @Sendable () async -> Result<Void, TransportError> {
+        {
+            do {
+                _ = try await bluez.call(path, "org.bluez.GattCharacteristic1", "StartNotify", about: what)
+                return .success(())
+            } catch let error as TransportError {
+                return .failure(error)
+            } catch {
+                return .failure(TransportError(.io, "\(what): \(error)"))
+            }
         }
     }
 

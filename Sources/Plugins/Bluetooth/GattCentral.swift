@@ -263,20 +263,60 @@ public final class BluetoothPeripheral: Sendable {
     public enum Event: Sendable, Hashable {
         /// The link dropped (the device went out of range or away, or was switched off, or its
         /// adapter went away). Operations in flight fail with `.disconnected`; none is repeated.
-        case disconnected(reason: String)
+        /// `willReconnect` says whether the reconnect policy tries again: when it does, operations
+        /// fail with `.disconnected` until ``connected``; otherwise this is the last event.
+        case disconnected(reason: String, willReconnect: Bool)
+        /// The reconnect policy's attempt `attempt` (from 1) begins.
+        case connecting(attempt: Int)
+        /// The link is back: the services were read again and every notification sequence
+        /// still iterated was subscribed again.
+        case connected
         /// The device said its services changed; ``BluetoothPeripheral/services`` has the new ones.
         case servicesChanged
+    }
+
+    /// How ``BluetoothPeripheral`` reconnects when the link drops (not after ``disconnect()``).
+    /// Notification sequences stay open across the drop and are subscribed again; reads and
+    /// writes in flight or asked for while the link is down fail with `.disconnected`, and are
+    /// never repeated.
+    ///
+    /// ```swift
+    /// let sensor = try await BluetoothPeripheral.connect(to: "E3:2E:44:66:A2:4A", reconnect: .init(attempts: 10))
+    /// ```
+    public struct ReconnectPolicy: Sendable, Hashable {
+        /// How many attempts before giving up; nil for no limit.
+        public var attempts: Int?
+        /// The wait before the first attempt, doubled after each failed one up to `maximumDelay`.
+        public var delay: Duration
+        public var maximumDelay: Duration
+        /// The limit for each attempt (finding the device, connecting, reading the services).
+        public var timeout: Duration
+
+        public init(attempts: Int? = nil, delay: Duration = .seconds(1), maximumDelay: Duration = .seconds(30), timeout: Duration = .seconds(20)) {
+            self.attempts = attempts
+            self.delay = delay
+            self.maximumDelay = maximumDelay
+            self.timeout = timeout
+        }
     }
 
     /// `00:AA:01:01:00:01`.
     public let address: String
     /// The adapter the link is on (`hci0`).
     public let adapter: String
-    private let session: GattSession
+    private let bluez: BlueZ
+    /// The link's session: replaced when the reconnect policy brings the link back.
+    private let session: Mutex<GattSession>
+    /// Opens a new session to the device (the reconnect policy's attempts).
+    private let reopen: @Sendable (Duration) async throws -> GattSession
+    private let policy: ReconnectPolicy?
+    private let reconnecter = Mutex<Task<Void, Never>?>(nil)
     private let state: Mutex<State>
     /// One operation at a time, in order.
     private let turn = AsyncCondition(false)
     private let watcher = Mutex<Task<Void, Never>?>(nil)
+    /// The ``events()`` sequences.
+    private let listeners = EventFanout<Event>()
 
     private struct State {
         var objects: BlueZObjects
@@ -288,14 +328,19 @@ public final class BluetoothPeripheral: Sendable {
         /// The services and the ATT MTU as last built from `objects` (nil: build again). Every
         /// operation looks its characteristic up; building walks every object bluetoothd has.
         var cache: (services: [GATTService], attMTU: Int?)?
-        var listeners: [Int: AsyncStream<Event>.Continuation] = [:]
-        var nextListener = 0
-        /// Notification streams, ended with the link.
-        var subscriptions: [Int: AsyncThrowingStream<[UInt8], any Error>.Continuation] = [:]
+        /// Notification streams and the characteristics they come from: ended with the link,
+        /// or subscribed again when the reconnect policy brings it back.
+        var subscriptions: [Int: (continuation: AsyncThrowingStream<[UInt8], any Error>.Continuation, path: String)] = [:]
+        var nextSubscription = 0
+        /// Why the link is down while the reconnect policy tries to bring it back.
+        var down: TransportError?
     }
 
-    private init(session: GattSession) {
-        self.session = session
+    private init(session: GattSession, policy: ReconnectPolicy?, reopen: @escaping @Sendable (Duration) async throws -> GattSession) {
+        bluez = session.bluez
+        self.session = Mutex(session)
+        self.policy = policy
+        self.reopen = reopen
         address = session.device.address.uppercased()
         adapter = session.adapter.name
         state = Mutex(State(objects: session.objects, device: session.device))
@@ -308,21 +353,27 @@ public final class BluetoothPeripheral: Sendable {
     ///   - address: the device's address (`E3:2E:44:66:A2:4A`).
     ///   - adapter: the adapter (`hci0`, or its address); nil for the first powered one.
     ///   - timeout: the limit for finding, connecting and reading the services.
+    ///   - reconnect: what to do when the link drops; nil to end with it (the default).
     ///   - bus: the bus bluetoothd is on.
     /// - Throws: `TransportError`: `.invalidURL` for an address that is not one, `.notFound` when the
     ///   device is not seen within the timeout, `.timedOut`, `.disconnected` when the link drops
     ///   before the services were read, and BlueZ's errors with what to do.
-    public static func connect(to address: String, adapter: String? = nil, timeout: Duration = .seconds(20),
+    public static func connect(to address: String, adapter: String? = nil, timeout: Duration = .seconds(20), reconnect: ReconnectPolicy? = nil,
                                bus: DBusConnection.Bus = .system) async throws -> BluetoothPeripheral {
         guard let parsed = BluetoothAddress(address) else {
             throw TransportError(.invalidURL, "'\(TransportError.printable(address, limit: 40))' is not a Bluetooth address (six hex pairs: E3:2E:44:66:A2:4A)")
         }
-        let what = "Bluetooth device \(parsed)"
-        let deadline = ContinuousClock.now + timeout
-        let session = try await withDeadline(deadline, TransportError(.timedOut, "connecting to \(what) took longer than \(timeout.secondsText)")) {
-            try await GattSession.open(bus: bus, address: parsed, adapterName: adapter, deadline: deadline, timeout: timeout, what: what)
+        if let reconnect, reconnect.attempts.map({ $0 < 1 }) ?? false || reconnect.delay < .zero || reconnect.timeout <= .zero {
+            throw TransportError(.misuse, "a reconnect policy needs at least one attempt, a delay of zero or more and a timeout above zero: \(reconnect)")
         }
-        let peripheral = BluetoothPeripheral(session: session)
+        let what = "Bluetooth device \(parsed)"
+        let open = { @Sendable (timeout: Duration) async throws -> GattSession in
+            let deadline = ContinuousClock.now + timeout
+            return try await withDeadline(deadline, TransportError(.timedOut, "connecting to \(what) took longer than \(timeout.secondsText)")) {
+                try await GattSession.open(bus: bus, address: parsed, adapterName: adapter, deadline: deadline, timeout: timeout, what: what)
+            }
+        }
+        let peripheral = BluetoothPeripheral(session: try await open(timeout), policy: reconnect, reopen: open)
         peripheral.startWatching()
         return peripheral
     }
@@ -361,27 +412,13 @@ public final class BluetoothPeripheral: Sendable {
         }
     }
 
-    /// `false` once the link dropped or ``disconnect()`` was called.
-    public var isConnected: Bool { state.withLock { $0.ended == nil && !$0.closed } }
+    /// `false` while the link is down (the reconnect policy may bring it back), once it ended,
+    /// and after ``disconnect()``.
+    public var isConnected: Bool { state.withLock { $0.ended == nil && $0.down == nil && !$0.closed } }
 
     /// The link's events from now on, as a sequence; each call starts a new one. It ends after
-    /// ``Event/disconnected(reason:)`` (nothing reconnects by itself yet) and after ``disconnect()``.
-    public func events() -> AsyncStream<Event> {
-        let (stream, continuation) = AsyncStream<Event>.makeStream(bufferingPolicy: .bufferingNewest(64))
-        let id = state.withLock { state -> Int? in
-            if let ended = state.ended { continuation.yield(.disconnected(reason: ended.message)) }
-            guard !state.closed, state.ended == nil else { return nil }
-            state.nextListener += 1
-            state.listeners[state.nextListener] = continuation
-            return state.nextListener
-        }
-        guard let id else {
-            continuation.finish()
-            return stream
-        }
-        continuation.onTermination = { [weak self] _ in _ = self?.state.withLock { $0.listeners.removeValue(forKey: id) } }
-        return stream
-    }
+    /// ``Event/disconnected(reason:willReconnect:)`` when no reconnect follows, and after ``disconnect()``.
+    public func events() -> AsyncStream<Event> { listeners.subscribe() }
 
     // MARK: Operations
 
@@ -433,7 +470,8 @@ public final class BluetoothPeripheral: Sendable {
 
     /// The values a characteristic notifies or indicates, from now on, as a sequence. Ending the
     /// iteration (or dropping the sequence) stops the notifications; the sequence ends with
-    /// `.disconnected` when the link drops, and with an error if more than 4,096 values wait unread.
+    /// `.disconnected` when the link drops (with a reconnect policy: when it gives up, or when the
+    /// characteristic is gone after a reconnect), and with an error if more than 4,096 values wait unread.
     ///
     /// - Throws: `.unsupported` when the characteristic neither notifies nor indicates, and as
     ///   ``read(_:service:)``.
@@ -446,7 +484,7 @@ public final class BluetoothPeripheral: Sendable {
         guard found.canNotify else {
             throw TransportError(.unsupported, "\(describing): characteristic \(found.shortUUID) neither notifies nor indicates: [\(found.flags.joined(separator: ","))]")
         }
-        let bluez = session.bluez
+        let bluez = self.bluez
         let limit = GattSerial.unreadNotificationLimit
         let values: AsyncThrowingStream<DBusSignal, any Error>
         do {
@@ -459,9 +497,9 @@ public final class BluetoothPeripheral: Sendable {
         // since the turn began): otherwise nothing would ever end the stream.
         let registered = state.withLock { state -> Int? in
             guard !state.closed, state.ended == nil else { return nil }
-            state.nextListener += 1
-            state.subscriptions[state.nextListener] = continuation
-            return state.nextListener
+            state.nextSubscription += 1
+            state.subscriptions[state.nextSubscription] = (continuation, found.path)
+            return state.nextSubscription
         }
         guard let id = registered else {
             await bluez.notifySessions.stop(bluez, path: found.path)
@@ -541,22 +579,24 @@ public final class BluetoothPeripheral: Sendable {
     /// Disconnects (if this object made the link) and ends the events and notification
     /// sequences. Calling it again does nothing.
     public func disconnect() async {
-        let (first, listeners, subscriptions) = state.withLock { state in
-            defer { state.closed = true; state.listeners = [:]; state.subscriptions = [:] }
-            return (!state.closed, state.listeners.values, state.subscriptions.values)
+        let (first, subscriptions) = state.withLock { state in
+            defer { state.closed = true; state.subscriptions = [:] }
+            return (!state.closed, state.subscriptions.values)
         }
         guard first else { return }
         watcher.withLock { $0 }?.cancel()
-        for listener in listeners { listener.finish() }
-        for subscription in subscriptions { subscription.finish(throwing: TransportError(.disconnected, "\(describing) was disconnected by this side")) }
-        await session.link.release()
+        reconnecter.withLock { $0 }?.cancel()
+        listeners.finish(with: nil)
+        for subscription in subscriptions { subscription.continuation.finish(throwing: TransportError(.disconnected, "\(describing) was disconnected by this side")) }
+        await session.withLock { $0.link }.release()
     }
 
     deinit {
         watcher.withLock { $0 }?.cancel()
+        reconnecter.withLock { $0 }?.cancel()
         // Dropped without disconnect(): the link this object made is released all the same.
         if !state.withLock({ $0.closed }) {
-            let link = session.link
+            let link = session.withLock { $0.link }
             Task.detached { await link.release() }
         }
     }
@@ -568,7 +608,7 @@ public final class BluetoothPeripheral: Sendable {
     /// The device as bluetoothd last reported it.
     var deviceSnapshot: BluetoothDevice { state.withLock { $0.device } }
 
-    var sessionBlueZ: BlueZ { session.bluez }
+    var sessionBlueZ: BlueZ { bluez }
 
     /// Records what a call's success says, before bluetoothd's signal about it arrives.
     func updateDevice(_ body: (inout BluetoothDevice) -> Void) { state.withLock { body(&$0.device) } }
@@ -577,7 +617,7 @@ public final class BluetoothPeripheral: Sendable {
     func callDevice(_ member: String, about what: String) async throws -> [DBusValue] {
         try await inOrder {
             do {
-                return try await self.session.bluez.call(self.deviceSnapshot.path, BlueZ.deviceInterface, member, timeout: .seconds(60),
+                return try await self.bluez.call(self.deviceSnapshot.path, BlueZ.deviceInterface, member, timeout: .seconds(60),
                                                          about: "\(self.describing): \(what)")
             } catch let error as TransportError {
                 if let ended = self.state.withLock({ $0.ended }) { throw ended }
@@ -597,6 +637,7 @@ public final class BluetoothPeripheral: Sendable {
         try state.withLock { state in
             if state.closed { throw TransportError(.misuse, "\(describing) was disconnected by this side (disconnect())") }
             if let ended = state.ended { throw ended }
+            if let down = state.down { throw TransportError(.disconnected, "\(down.message); reconnecting") }
         }
         return try await body()
     }
@@ -636,7 +677,7 @@ public final class BluetoothPeripheral: Sendable {
     /// A call on a characteristic, with the errors a person can act on.
     private func call(_ path: String, _ member: String, _ arguments: [DBusValue] = [], about what: String) async throws -> [DBusValue] {
         do {
-            return try await session.bluez.call(path, GattSerial.characteristicInterface, member, arguments, about: "\(describing): \(what)")
+            return try await bluez.call(path, GattSerial.characteristicInterface, member, arguments, about: "\(describing): \(what)")
         } catch let error as TransportError {
             throw failure(error)
         }
@@ -646,7 +687,7 @@ public final class BluetoothPeripheral: Sendable {
     /// pairing drops an LE link too), else the link's end if it ended, else the reason explained.
     private func failure(_ error: TransportError) -> TransportError {
         let explained = Self.explain(error, describing: describing, paired: deviceSnapshot.paired)
-        if explained.kind != .permissionDenied, let ended = state.withLock({ $0.ended }) { return ended }
+        if explained.kind != .permissionDenied, let ended = state.withLock({ $0.ended ?? $0.down }) { return ended }
         return explained
     }
 
@@ -716,9 +757,10 @@ public final class BluetoothPeripheral: Sendable {
 
     /// Follows the link: objects kept current, the drop and service changes reported.
     private func startWatching() {
-        let events = session.events
-        let devicePath = session.device.path
-        let bluez = session.bluez
+        let current = session.withLock { $0 }
+        let events = current.events
+        let devicePath = current.device.path
+        let bluez = self.bluez
         let task = Task { [weak self] in
             do {
                 for try await signal in events {
@@ -768,24 +810,94 @@ public final class BluetoothPeripheral: Sendable {
     }
 
     private func emit(_ event: Event) {
-        for listener in state.withLock({ Array($0.listeners.values) }) { listener.yield(event) }
+        listeners.yield(event)
     }
 
     private func linkEnded(_ error: TransportError) {
-        let (first, subscriptions, listeners) = state.withLock { state in
+        if let policy, state.withLock({ state in
+            guard state.ended == nil, state.down == nil, !state.closed else { return false }
+            state.down = error
+            return true
+        }) {
+            // The link this object made is gone: nothing is left to disconnect.
+            session.withLock { $0.link }.forget()
+            listeners.yield(.disconnected(reason: error.message, willReconnect: true))
+            let task = Task { [weak self] in
+                guard let self else { return }
+                await self.reconnect(policy, after: error)
+            }
+            reconnecter.withLock { $0 = task }
+            return
+        }
+        end(error)
+    }
+
+    /// The link ended for good: the event sequences end after saying so, and the notification sequences with `error`.
+    private func end(_ error: TransportError) {
+        let (first, subscriptions) = state.withLock { state in
             defer {
                 if state.ended == nil { state.ended = error }
+                state.down = nil
                 state.subscriptions = [:]
-                state.listeners = [:]
             }
-            return (state.ended == nil && !state.closed, Array(state.subscriptions.values), Array(state.listeners.values))
+            return (state.ended == nil && !state.closed, Array(state.subscriptions.values))
         }
         guard first else { return }
-        // Nothing reconnects (yet): the event sequences end after saying so.
-        for listener in listeners {
-            listener.yield(.disconnected(reason: error.message))
-            listener.finish()
+        listeners.finish(with: .disconnected(reason: error.message, willReconnect: false))
+        for subscription in subscriptions { subscription.continuation.finish(throwing: error) }
+    }
+
+    /// The reconnect policy's attempts, until one brings the link back (then the watching goes on
+    /// with the new session and the notifications are subscribed again) or the last one failed.
+    private func reconnect(_ policy: ReconnectPolicy, after drop: TransportError) async {
+        var delay = policy.delay
+        var attempt = 0
+        var last = drop
+        while policy.attempts.map({ attempt < $0 }) ?? true {
+            attempt += 1
+            do {
+                try await Task.sleep(for: delay)
+            } catch {
+                return
+            }
+            delay = min(delay * 2, policy.maximumDelay)
+            listeners.yield(.connecting(attempt: attempt))
+            let opened: GattSession
+            do {
+                opened = try await reopen(policy.timeout)
+            } catch let error as TransportError {
+                last = error
+                continue
+            } catch {
+                return
+            }
+            if Task.isCancelled || state.withLock({ $0.closed }) {
+                await opened.link.release()
+                return
+            }
+            session.withLock { $0 = opened }
+            let paths = state.withLock { state -> [Int: String] in
+                state.objects = opened.objects
+                state.device = opened.device
+                state.cache = nil
+                return state.subscriptions.mapValues(\.path)
+            }
+            // Subscribed again before anything else may run on the new link; a characteristic
+            // that is gone ends its sequence.
+            for (id, path) in paths.sorted(by: { $0.key < $1.key }) {
+                do {
+                    try await bluez.notifySessions.restart(bluez, path: path, about: "\(describing): subscribing again after a reconnect")
+                } catch {
+                    let subscription = state.withLock { $0.subscriptions.removeValue(forKey: id) }
+                    subscription?.continuation.finish(throwing: TransportError(.disconnected, "\(describing): the link came back, but "
+                                                                                 + "notifications could not be started again: \(error)"))
+                }
+            }
+            state.withLock { $0.down = nil }
+            startWatching()
+            listeners.yield(.connected)
+            return
         }
-        for subscription in subscriptions { subscription.finish(throwing: error) }
+        end(TransportError(.disconnected, "\(drop.message); no reconnect after \(attempt) attempt\(attempt == 1 ? "" : "s"): \(last.message)"))
     }
 }

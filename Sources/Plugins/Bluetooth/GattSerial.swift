@@ -237,6 +237,10 @@ final class GattLink: Sendable {
         }
     }
 
+    /// The link dropped by itself: release() has nothing to disconnect (and must not drop a link
+    /// made since to the same device).
+    func forget() { released.withLock { $0 = true } }
+
     func disconnected(errno: Errno? = nil, syscall: String? = nil) -> TransportError {
         BluetoothBackend.disconnected(address, errno: errno, syscall: syscall)
     }

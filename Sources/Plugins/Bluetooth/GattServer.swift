@@ -8,9 +8,9 @@
 // - A central's subscription (its CCC write) reaches the application as StartNotify; StopNotify
 //   comes only when the last subscriber is gone, and not for a bonded central whose link dropped.
 //   So the central served is followed through its Device1 object (Connected false, removed) as
-//   well. WriteValue carries the value and options: "device" (the central's object path), "mtu",
-//   "type" (command or request). Writes without response are answered to the central by
-//   bluetoothd at once and reach this process back to back: they are handled in the order they
+//   well. WriteValue carries the value and options: "device" (the central's object path) and
+//   "mtu". The written characteristic takes writes without response, so bluetoothd answers every
+//   write to the central at once and they reach this process back to back: they are handled in the order they
 //   came, on the bus thread (the export's immediate handler), never from tasks that could reorder
 //   them.
 // - A value is sent by emitting PropertiesChanged on the characteristic's Value: bluetoothd
@@ -88,13 +88,7 @@ final class GattServerListener: ListenerBackend {
         let connection = bluez.bus
         // The served central's link, its device object, and bluetoothd itself, followed from
         // before the service is published.
-        let events = try await bluez.bus.signals(matchingAnyOf: [
-            DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager, member: "InterfacesRemoved"),
-            DBusMatch(sender: BlueZ.service, pathNamespace: adapter.path, interface: GattSerial.properties, member: "PropertiesChanged",
-                      arg0: BlueZ.deviceInterface),
-            DBusMatch(sender: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
-                      member: "NameOwnerChanged", arg0: BlueZ.service),
-        ], buffering: .all(limit: GattSession.signalLimit))
+        let events = try await bluez.bus.signals(matchingAnyOf: BlueZ.servingMatches(adapter), buffering: .all(limit: GattSession.signalLimit))
         let export = try await bluez.bus.export(path: root, subtree: true) { call in
             Self.handle(call, objects: objects, notifyPath: notifyPath, writePath: writePath, state: state) { central in
                 GattServerBackend(bus: connection, notifyPath: notifyPath, describing: describing, central: central, state: state,
@@ -195,23 +189,8 @@ final class GattServerListener: ListenerBackend {
     /// One call from bluetoothd to the application, on the bus thread, in the order the calls came.
     fileprivate static func handle(_ call: DBusMethodCall, objects: [String: [String: [String: DBusValue]]], notifyPath: String, writePath: String,
                                    state: AsyncCondition<State>, makeBackend: (String?) -> GattServerBackend) -> DBusMethodResult {
+        if let served = BlueZ.serve(call, from: objects) { return served }
         switch (call.interface, call.member) {
-        case ("org.freedesktop.DBus.ObjectManager", "GetManagedObjects"):
-            let entries = objects.sorted { $0.key < $1.key }.map { path, interfaces in
-                DBusValue.dictEntry(.objectPath(path), .array(element: "{sa{sv}}", interfaces.sorted { $0.key < $1.key }.map {
-                    .dictEntry(.string($0.key), .dictionary($0.value))
-                }))
-            }
-            return .reply([.array(element: "{oa{sa{sv}}}", entries)])
-        case ("org.freedesktop.DBus.Properties", "GetAll"):
-            guard let interface = call.arguments.first?.text else { return .reply([.dictionary([:])]) }
-            return .reply([.dictionary(objects[call.path]?[interface] ?? [:])])
-        case ("org.freedesktop.DBus.Properties", "Get"):
-            guard let interface = call.arguments.first?.text, let name = call.arguments.dropFirst().first?.text,
-                  let value = objects[call.path]?[interface]?[name] else {
-                return .error(name: "org.freedesktop.DBus.Error.InvalidArgs", message: "no such property")
-            }
-            return .reply([.variant(value)])
         case (GattSerial.characteristicInterface, "StartNotify") where call.path == notifyPath:
             // A central subscribed: it is served, unless another one is.
             state.update { state in

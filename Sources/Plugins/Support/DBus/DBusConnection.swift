@@ -214,9 +214,22 @@ public final class DBusConnection: Sendable {
     ///     return .reply([.bytes(await sensor.currentValue())])
     /// }
     /// ```
-    public func export(path: String, subtree: Bool = false,
+    ///
+    /// With `inOrder`, the calls are answered one at a time in the order they came, each handler
+    /// returning before the next starts (as a GATT server's writes must be, and as ATT itself
+    /// serves one request at a time); without it each call runs in a task of its own.
+    public func export(path: String, subtree: Bool = false, inOrder: Bool = false,
                        answering handler: @escaping @Sendable (DBusMethodCall) async -> DBusMethodResult) async throws -> DBusExport {
-        try await export(ExportedObject(path: path, subtree: subtree, handler: .later(handler), loop: loop))
+        let object: ExportedObject
+        if inOrder {
+            let (calls, queue) = AsyncStream<@Sendable () async -> Void>.makeStream()
+            // One task answers them all; it ends once the object is removed and the queue is empty.
+            Task { for await call in calls { await call() } }
+            object = ExportedObject(path: path, subtree: subtree, handler: .later(handler, queue: queue), loop: loop, onRemoval: { queue.finish() })
+        } else {
+            object = ExportedObject(path: path, subtree: subtree, handler: .later(handler, queue: nil), loop: loop)
+        }
+        return try await export(object)
     }
 
     private func export(_ object: ExportedObject) async throws -> DBusExport {
@@ -227,8 +240,12 @@ public final class DBusConnection: Sendable {
             await withCheckedContinuation { (done: CheckedContinuation<Void, Never>) in
                 loop.submit { state in
                     state.remove(object)
+                    object.onRemoval()
                     done.resume()
-                } orElse: { _ in done.resume() }
+                } orElse: { _ in
+                    object.onRemoval()
+                    done.resume()
+                }
             }
         }
     }
@@ -792,19 +809,24 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
     let handler: Handler
     /// For replies sent later: they go out on the bus thread.
     private let loop: BusLoop
+    /// Run once the object is off the bus (ends an in-order export's queue: calls already
+    /// queued are still answered, or dropped with the connection).
+    let onRemoval: @Sendable () -> Void
 
     enum Handler {
         /// Answers on the bus thread, before the next message is read.
         case immediate(@Sendable (DBusMethodCall) -> DBusMethodResult)
-        /// Answers from a task of its own; the reply goes out when it returns.
-        case later(@Sendable (DBusMethodCall) async -> DBusMethodResult)
+        /// Answers from a task of its own (or, given a queue, from the queue's one task, in the
+        /// order the calls came); the reply goes out when it returns.
+        case later(@Sendable (DBusMethodCall) async -> DBusMethodResult, queue: AsyncStream<@Sendable () async -> Void>.Continuation?)
     }
 
-    init(path: String, subtree: Bool, handler: Handler, loop: BusLoop) {
+    init(path: String, subtree: Bool, handler: Handler, loop: BusLoop, onRemoval: @escaping @Sendable () -> Void = {}) {
         self.path = path
         self.subtree = subtree
         self.handler = handler
         self.loop = loop
+        self.onRemoval = onRemoval
     }
 
     func connectionEnded(_ error: TransportError) {}
@@ -846,13 +868,13 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
                 return 0
             }
             return Self.answer(message, with: result, describing: "\(member) on \(path)")
-        case .later(let handler):
+        case .later(let handler, let queue):
             // The call message stays alive, held by the bus state, until the reply is built from
             // it; only the bus thread touches it (its reference count is not atomic).
             guard let state = owner, let reference = sd_bus_message_ref(message) else { return -ENOMEM }
             let held = state.hold(reference)
             let loop = self.loop
-            Task {
+            let answer: @Sendable () async -> Void = {
                 let result = await handler(call)
                 if case .notHandled = result { DBusValue.closeDescriptors(in: arguments) }
                 loop.submit { state in
@@ -866,6 +888,16 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
                     // The connection ended (and released the message): nobody to answer.
                     if case .reply(let values) = result { DBusValue.closeDescriptors(in: values) }
                 }
+            }
+            if let queue {
+                if case .terminated = queue.yield(answer) {
+                    // Removed while this call came: answered as a call to no object.
+                    DBusValue.closeDescriptors(in: arguments)
+                    if let message = state.release(held: held) { sd_bus_message_unref(message) }
+                    return 0
+                }
+            } else {
+                Task { await answer() }
             }
             return 1
         }
