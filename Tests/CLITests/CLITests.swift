@@ -199,7 +199,7 @@ struct CLITests {
         let modes = try #require(byName["ble"]?["modes"] as? [[String: Any]])
         let gatt = try #require(modes.first { $0["name"] as? String == "ble:// GATT serial connection" })
         #expect(gatt["role"] as? String == "connect")
-        #expect(gatt["options"] as? [String] == ["adapter", "rx", "tx", "acquire", "timeout"], "security is not a GATT option")
+        #expect(gatt["options"] as? [String] == ["adapter", "rx", "tx", "acquire", "security", "timeout"], "mtu and addressType are not GATT options")
         let tcpModes = try #require(tcp["modes"] as? [[String: Any]])
         #expect(tcpModes.first { $0["role"] as? String == "listen" }?["options"] as? [String] == ["noDelay", "keepAlive", "keepAliveIdle", "backlog"])
     }

@@ -68,78 +68,80 @@ struct BluetoothFaultLabTests {
         let server = try await GATTServer.publish([GATTServer.Service(uuid: "a0c1d100-7b2d-4a0e-9d4c-5e7a1b2c3d40", characteristics: [
             GATTServer.Characteristic(uuid: "a0c1d101-7b2d-4a0e-9d4c-5e7a1b2c3d40", properties: [.read, .notify], value: [1]),
         ])], advertising: nil, adapter: "hci1")
-        let serverEvents = server.events()
+        let serverEvents = Gathered(server.events())
         let device = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0")
-        let events = device.events()
+        let events = Gathered(device.events())
         let killed = try await Lab.run("/usr/bin/pkill", ["-x", "bluetoothd"])
         #expect(killed.status == 0, "pkill bluetoothd: \(killed.stderr)")
-        let event = try await Self.within(.seconds(10), "the central's disconnected event") { await events.first { _ in true } }
-        guard case .disconnected(let reason, let willReconnect)? = event, !willReconnect else {
-            Issue.record("no disconnected event: \(String(describing: event))")
-            return
-        }
         // bluetoothd stopping by SIGTERM removes its adapters before it leaves the bus: the
         // central hears of its link, the server of its adapter (or of bluetoothd, killed harder).
-        #expect(reason.contains("adapter went away") || reason.contains("bluetoothd"), "\(reason)")
-        let stopped = try await Self.within(.seconds(10), "the server's stopped event") {
-            await serverEvents.first { if case .stopped = $0 { true } else { false } }
+        #expect(await events.wait(10) { !$0.isEmpty }, "the central's disconnected event")
+        if case .disconnected(let reason, let willReconnect)? = events.elements.first {
+            #expect(!willReconnect && (reason.contains("adapter went away") || reason.contains("bluetoothd")), "\(reason)")
+        } else {
+            Issue.record("no disconnected event: \(events.elements)")
         }
+        #expect(await serverEvents.wait(10) { $0.contains { if case .stopped = $0 { true } else { false } } }, "the server's stopped event")
+        let stopped = serverEvents.elements.last
         #expect(stopped == .stopped(reason: "adapter hci1 went away") || stopped == .stopped(reason: "bluetoothd went away: publish again once it is back"),
                 "\(String(describing: stopped))")
         await expectFault(.disconnected) { try await server.notify([2], to: "a0c1d101-7b2d-4a0e-9d4c-5e7a1b2c3d40") }
         await device.disconnect()
         await server.close()
-        // Back: bluetoothd started again, and a connect works as before.
+        // Back: bluetoothd started again (whatever failed above: the suites after this need it),
+        // and a connect works as before.
         _ = try await GattLabTests.setUp()
         let again = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0")
         #expect(try await again.read("2a19") == [LabPeripheral.batteryLevel])
         await again.disconnect()
     }
 
-    @Test func aReconnectPolicyBringsTheLinkBackAndSubscribesTheNotificationsAgain() async throws {
+    @Test func aReconnectPolicyBringsTheLinkBackSubscribesAgainAndStopsOnDisconnect() async throws {
         let (controllers, peripheral) = try await GattLabTests.setUp()
         let device = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0",
                                                            reconnect: .init(attempts: 5, delay: .milliseconds(500)))
-        let events = device.events()
-        let recorded = Mutex<[BluetoothPeripheral.Event]>([])
-        let recorder = Task { for await event in events { recorded.withLock { $0.append(event) } } }
-        let values = try await device.notifications(of: "2a19")
-        let received = Mutex<[[UInt8]]>([])
-        let reader = Task { for try await value in values { received.withLock { $0.append(value) } } }
-        let arrived = { @Sendable (value: [UInt8], what: String) async throws in
-            _ = try await Self.within(.seconds(10), what) { () -> Bool in
-                while !received.withLock({ $0.contains(value) }) { try await Task.sleep(for: .milliseconds(50)) }
-                return true
-            }
-        }
+        let events = Gathered(device.events())
+        let values = Gathered(try await device.notifications(of: "2a19"))
         try await peripheral.notifyBatteryLevel(70)
-        try await arrived([70], "the first notification")
+        #expect(await values.wait(10) { $0.contains([70]) }, "the first notification: \(values.elements)")
 
         // The peripheral drops the link; the policy brings it back.
         try await Self.dropFromPeripheral(controllers.centralText)
-        let back = try await Self.within(.seconds(40), "the link coming back") { () -> Bool in
-            while !recorded.withLock({ $0.contains(.connected) }) { try await Task.sleep(for: .milliseconds(100)) }
-            return true
-        }
-        let seen = recorded.withLock { $0 }
-        #expect(back && device.isConnected, "\(seen)")
-        #expect(seen.contains { if case .disconnected(_, true) = $0 { true } else { false } }, "the drop was said, with a reconnect to follow: \(seen)")
-        #expect(seen.contains(.connecting(attempt: 1)), "\(seen)")
+        #expect(await events.wait(40) { $0.contains(.connected) }, "the link came back: \(events.elements)")
+        let seen = events.elements
+        #expect(device.isConnected, "\(seen)")
+        #expect(seen.first.map { if case .disconnected(_, true) = $0 { true } else { false } } == true,
+                "the drop was said first, with a reconnect to follow: \(seen)")
+        #expect(seen.contains(.connecting(attempt: 1)) && seen.last == .connected, "\(seen)")
 
         // The same notification sequence goes on: it was subscribed again on the new link.
         try await peripheral.notifyBatteryLevel(71)
-        try await arrived([71], "a notification after the reconnect")
+        #expect(await values.wait(10) { $0.contains([71]) }, "a notification after the reconnect: \(values.elements)")
         #expect(try await device.read("2a19").count == 1)
-        await device.disconnect()
-        await recorder.value
-        let ended = await reader.result
-        #expect(!device.isConnected)
-        #expect((try? ended.get()) == nil, "the notifications end with disconnect()")
-    }
 
+        // Dropped again, and disconnect() while the policy waits to try: no attempt connects
+        // afterwards, and the link does not come back behind the app's back.
+        try await Self.dropFromPeripheral(controllers.centralText)
+        #expect(await events.wait(10) { $0.filter { if case .disconnected(_, true) = $0 { true } else { false } }.count == 2 }, "\(events.elements)")
+        await device.disconnect()
+        await expectFault(.misuse) { _ = try await device.read("2a19") }
+        try await Task.sleep(for: .seconds(4))
+        #expect(!events.elements.dropFirst(seen.count).contains(.connected), "no reconnect after disconnect(): \(events.elements)")
+        #expect(try await !Self.isConnected(controllers.peripheralText), "hci0 holds no link to the device")
+        #expect(await values.wait(5) { _ in values.ended } && !device.isConnected, "the notifications ended with disconnect()")
+    }
 }
 
 extension BluetoothFaultLabTests {
+    /// Whether hci0 has a link to `address`, as bluetoothd says.
+    static func isConnected(_ address: String) async throws -> Bool {
+        let bus = try DBusConnection(.system)
+        defer { Task { await bus.close() } }
+        let reply = try? await bus.call(destination: "org.bluez", path: "/org/bluez/hci0/dev_" + address.replacingOccurrences(of: ":", with: "_"),
+                                        interface: "org.freedesktop.DBus.Properties", member: "Get", [.string("org.bluez.Device1"), .string("Connected")])
+        return reply?.first?.boolValue == true
+    }
+
     /// hci1 (the peripheral's side) drops its link to the central at `address`.
     static func dropFromPeripheral(_ address: String) async throws {
         let bus = try DBusConnection(.system)

@@ -53,18 +53,9 @@ struct GattServerLabTests {
         // The lab peripheral advertises on hci1 already: hci0 knows the address, which now
         // serves these services too.
         let server = try await GATTServer.publish(Self.services(seen), advertising: nil, adapter: "hci1")
-        let stream = server.events()
+        let events = Gathered(server.events())
         // A link an earlier test left up would hide the central's arrival: down first.
         try await Self.disconnect(controllers.peripheralText)
-        let recorded = Mutex<[GATTServer.Event]>([])
-        let recorder = Task { for await event in stream { recorded.withLock { $0.append(event) } } }
-        /// Until bluetoothd has passed the central's subscription on (StartNotify): a
-        /// notification sent before it goes to nobody.
-        let subscribed = { @Sendable (characteristic: String) async throws in
-            for _ in 0..<50 where !recorded.withLock({ $0.contains(.subscribed(characteristic: characteristic)) }) {
-                try await Task.sleep(for: .milliseconds(100))
-            }
-        }
         let device = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0")
         do {
             let ours = try #require(device.services.first { $0.uuid == Self.service }, "\(device.services.map(\.shortUUID))")
@@ -100,18 +91,17 @@ struct GattServerLabTests {
             try await device.write(longWrite, to: Self.writable)
             #expect(try server.value(of: Self.writable) == longWrite)
 
-            // Notifications and indications, to the central that subscribed.
-            let notified = try await device.notifications(of: Self.notifier)
-            var notifications = notified.makeAsyncIterator()
-            try await subscribed(Self.notifier)
+            // Notifications and indications, to the central that subscribed (once bluetoothd has
+            // passed the subscription on: a value sent before goes to nobody).
+            let notifications = Gathered(try await device.notifications(of: Self.notifier))
+            let notifier = Self.notifier, indicator = Self.indicator
+            #expect(await events.wait(5) { $0.contains(.subscribed(characteristic: notifier)) }, "StartNotify came: \(events.elements)")
             for value in [[7], [8, 9]] as [[UInt8]] { try await server.notify(value, to: Self.notifier) }
-            #expect(try await notifications.next() == [7])
-            #expect(try await notifications.next() == [8, 9])
-            let indicated = try await device.notifications(of: Self.indicator)
-            var indications = indicated.makeAsyncIterator()
-            try await subscribed(Self.indicator)
+            #expect(await notifications.wait(10) { $0.count >= 2 } && notifications.elements == [[7], [8, 9]], "\(notifications.elements)")
+            let indications = Gathered(try await device.notifications(of: Self.indicator))
+            #expect(await events.wait(5) { $0.contains(.subscribed(characteristic: indicator)) }, "StartNotify came: \(events.elements)")
             try await server.notify([42], to: Self.indicator)
-            #expect(try await indications.next() == [42])
+            #expect(await indications.wait(10) { !$0.isEmpty } && indications.elements == [[42]], "\(indications.elements)")
 
             // Refusals on this side.
             await expectServerError(.unsupported) { try await server.notify([1], to: Self.long) }
@@ -122,14 +112,14 @@ struct GattServerLabTests {
         await device.disconnect()
         try await Task.sleep(for: .seconds(3))
         await server.close()
-        await recorder.value
-        let events = recorded.withLock { $0 }
+        #expect(await events.wait(5) { _ in events.ended })
+        let happened = events.elements
         let notifierUUID = Self.notifier, indicatorUUID = Self.indicator
-        #expect(events.contains(.centralConnected(address: controllers.centralText)), "\(events)")
-        #expect(events.contains(.subscribed(characteristic: notifierUUID)) && events.contains(.subscribed(characteristic: indicatorUUID)), "\(events)")
-        #expect(events.contains(.indicationConfirmed(characteristic: indicatorUUID)), "the central confirmed the indication: \(events)")
-        #expect(events.contains(.centralDisconnected(address: controllers.centralText)), "\(events)")
-        #expect(events.last == .stopped(reason: "closed"), "\(events)")
+        #expect(happened.contains(.centralConnected(address: controllers.centralText)), "\(happened)")
+        #expect(happened.contains(.subscribed(characteristic: notifierUUID)) && happened.contains(.subscribed(characteristic: indicatorUUID)), "\(happened)")
+        #expect(happened.contains(.indicationConfirmed(characteristic: indicatorUUID)), "the central confirmed the indication: \(happened)")
+        #expect(happened.contains(.centralDisconnected(address: controllers.centralText)), "\(happened)")
+        #expect(happened.last == .stopped(reason: "closed"), "\(happened)")
         await expectServerError(.disconnected) { try await server.notify([1], to: Self.notifier) }
     }
 

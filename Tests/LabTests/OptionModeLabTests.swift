@@ -496,13 +496,18 @@ struct OptionModeLabTests {
         // Earlier tests' devices forgotten first, then hci1's fresh advertising state and the
         // peripheral (forgetting after it registered left hci0 seeing no advertisement once, in a
         // whole lab run after the GATT suites).
+        _ = try await BlueZLabTests.setUp(advertising: false)   // bluetoothd up when this test runs alone
         try await Self.settleAndForget()
         let (controllers, peripheral) = try await GattLabTests.setUp()
+        // security=medium pairs (Just Works) with the device first: an agent answers bluetoothd.
+        let agent = try await BluetoothPairingAgent.register()
         do {
             let url = "ble://6E400001-B5A3-F393-E0A9-E50E24DCCA9E/\(controllers.peripheralText)?adapter=hci0"
-                + "&rx=6E400003-B5A3-F393-E0A9-E50E24DCCA9E&tx=6E400002-B5A3-F393-E0A9-E50E24DCCA9E&acquire=never&timeout=30"
+                + "&rx=6E400003-B5A3-F393-E0A9-E50E24DCCA9E&tx=6E400002-B5A3-F393-E0A9-E50E24DCCA9E&acquire=never&security=medium&timeout=30"
             #expect(try Self.missing(url, mode: "ble:// GATT serial connection", scheme: "ble").isEmpty)
             let connection = try await GattLabTests.echo(through: url, controllers, peripheral)   // 10 KiB out, echoed back
+            #expect(connection.metadata.extra["security"] == "medium")
+            #expect(try await Self.isPaired(controllers.peripheralText, on: "hci0"), "security=medium paired with the device")
             #expect(connection.metadata.extra["rx"] == "6e400003-b5a3-f393-e0a9-e50e24dcca9e")
             #expect(connection.metadata.extra["tx"] == "6e400002-b5a3-f393-e0a9-e50e24dcca9e")
             #expect(connection.metadata.extra["notify"] == "StartNotify", "acquire=never: through D-Bus: \(connection.metadata.extra)")
@@ -526,6 +531,7 @@ struct OptionModeLabTests {
         let absent = await expectLabError(.notFound) { try await Transport.connect(to: "ble://nus/00:11:22:33:44:55?adapter=hci0&timeout=3") }
         #expect(absent?.message.contains("not found within the 3 s timeout") == true, "\(String(describing: absent))")
         #expect(ContinuousClock.now - started < .seconds(8))
+        await agent.unregister()
         // The peripheral goes, and hci1 gets a fresh advertising state and its own advertising back
         // for the suites after this one (GattLabTests explains the controller's stale advertising set).
         if let previous = GattLabTests.current.withLock({ $0.take() }) { await previous.close() }
@@ -546,14 +552,17 @@ struct OptionModeLabTests {
         // other application on hci1 has the same service. bluetoothd keeps the device for 30 s.
         let (controllers, _) = try await GattLabTests.setUp()
         if let previous = GattLabTests.current.withLock({ $0.take() }) { await previous.close() }
+        // security=medium: the characteristics need an encrypted link, so the central pairs first
+        // (its own security=medium); the one agent answers bluetoothd for both adapters.
+        let agent = try await BluetoothPairingAgent.register()
         let url = "ble://6E400001-B5A3-F393-E0A9-E50E24DCCA9E?adapter=hci1&rx=6E400003-B5A3-F393-E0A9-E50E24DCCA9E"
-            + "&tx=6E400002-B5A3-F393-E0A9-E50E24DCCA9E&advertise=true"
+            + "&tx=6E400002-B5A3-F393-E0A9-E50E24DCCA9E&advertise=true&security=medium"
         #expect(try Self.missing(url, mode: "ble:// GATT serial listener", scheme: "ble").isEmpty)
         let listener = try await Transport.listen(on: url)
-        #expect(listener.exposure?.authenticated == false, "any central in range, without pairing")
+        #expect(listener.exposure?.authenticated == true, "only centrals that pair")
         do {
             let accepted = BlueZListenLabTests.acceptOne(listener, within: 40)
-            let client = try await Transport.connect(to: "ble://nus/\(controllers.peripheralText)?adapter=hci0&timeout=30")
+            let client = try await Transport.connect(to: "ble://nus/\(controllers.peripheralText)?adapter=hci0&security=medium&timeout=30")
             let server = try #require(try await accepted.value, "the peripheral accepted no central")
             #expect(server.metadata.remoteAddress == controllers.centralText, "\(server.metadata)")
             #expect(server.metadata.extra["adapter"] == "hci1")
@@ -580,9 +589,19 @@ struct OptionModeLabTests {
             Issue.record(error)
         }
         try await listener.close()
+        await agent.unregister()
         for state in ["off", "on"] { _ = try await Lab.run("/usr/bin/btmgmt", ["--index", "1", "power", state]) }
         try await Self.settleAndForget()
         _ = try await BlueZLabTests.setUp()
+    }
+
+    /// Whether bluetoothd on `adapter` says the device at `address` is paired.
+    static func isPaired(_ address: String, on adapter: String) async throws -> Bool {
+        let bus = try DBusConnection(.system)
+        defer { Task { await bus.close() } }
+        let reply = try await bus.call(destination: "org.bluez", path: "/org/bluez/\(adapter)/dev_" + address.replacingOccurrences(of: ":", with: "_"),
+                                       interface: "org.freedesktop.DBus.Properties", member: "Get", [.string("org.bluez.Device1"), .string("Paired")])
+        return reply.first?.boolValue == true
     }
 
     // MARK: - tty:// on the real CDC-ACM port

@@ -71,6 +71,22 @@ struct GattApplicationTests {
         refused([GATTServer.Service(uuid: "180f", characteristics: [
             GATTServer.Characteristic(uuid: "2a19", properties: .notify, descriptors: [GATTServer.Descriptor(uuid: "2902", value: [0, 0])]),
         ])], saying: "adds descriptor 2902 itself")
+        do {
+            _ = try GATTServer.Core(services: [GATTServer.Service(uuid: "180f", characteristics: [
+                GATTServer.Characteristic(uuid: "2a19", properties: .writeWithoutResponse, security: .encrypted),
+            ])], root: "/t")
+            Issue.record("secured writes without response alone were accepted")
+        } catch let error as TransportError {
+            #expect(error.kind == .unsupported && error.message.contains("cannot secure writes without response alone"), "\(error)")
+        } catch {
+            Issue.record(error)
+        }
+        // An application error outside ATT's range is not sent as another code.
+        guard case .error(let name, _) = GATTServer.Failure.application(0x05).dbusError else {
+            Issue.record("no error for an out-of-range application code")
+            return
+        }
+        #expect(name == "org.transportkit.Error.Unlikely")
     }
 
     @Test func readsAreCutAtTheirOffsetAndHandlersAnswerInOrder() async throws {
@@ -110,10 +126,13 @@ struct GattApplicationTests {
         ])], root: "/t")
         let path = "/t/service0/char0"
         let first = Array(repeating: UInt8(1), count: 18), second = Array(repeating: UInt8(2), count: 18)
-        #expect(Self.replyBytes(await core.answer(Self.call(path, "WriteValue", [.bytes(first), .dictionary(["offset": .uint16(0), "type": .string("request")])]))) == nil)
-        _ = await core.answer(Self.call(path, "WriteValue", [.bytes(second), .dictionary(["offset": .uint16(18), "type": .string("request")])]))
+        guard case .reply(let written) = await core.answer(Self.call(path, "WriteValue", [.bytes(first), .dictionary(["offset": .uint16(0)])])), written.isEmpty else {
+            Issue.record("a write was not answered with an empty reply")
+            return
+        }
+        _ = await core.answer(Self.call(path, "WriteValue", [.bytes(second), .dictionary(["offset": .uint16(18)])]))
         #expect(core.values.withLock { $0[path] } == first + second, "a long write's parts are assembled")
-        _ = await core.answer(Self.call(path, "WriteValue", [.bytes([7]), .dictionary(["type": .string("command")])]))
+        _ = await core.answer(Self.call(path, "WriteValue", [.bytes([7]), .dictionary([:])]))
         #expect(core.values.withLock { $0[path] } == [7])
         #expect(writes.withLock { $0.map(\.offset) } == [0, 18, 0])
 
@@ -124,7 +143,9 @@ struct GattApplicationTests {
         #expect(name == "org.bluez.Error.Failed" && message == "0x85", "bluetoothd sends ATT error 0x85")
         #expect(Self.errorName(await core.answer(Self.call(path, "WriteValue", [.bytes([0xfe]), .dictionary([:])]))) == "org.transportkit.Error.Unlikely")
         #expect(core.values.withLock { $0[path] } == [7], "refused writes are not stored")
+        let handled = writes.withLock { $0.count }
         #expect(Self.errorName(await core.answer(Self.call(path, "WriteValue", [.bytes([1]), .dictionary(["offset": .uint16(5)])]))) == "org.bluez.Error.InvalidOffset")
+        #expect(writes.withLock { $0.count } == handled, "a write refused for its offset reaches no handler")
         #expect(Self.errorName(await core.answer(Self.call(path, "WriteValue", [.bytes(Array(repeating: 0, count: 513)), .dictionary([:])])))
                 == "org.bluez.Error.InvalidValueLength")
     }
@@ -160,6 +181,7 @@ struct GattApplicationTests {
         #expect(throws: TransportError.self) { try core.store([1], characteristic: "2a1a", service: nil, notifying: true) }
         do {
             _ = try core.find("2a00", service: nil)
+            Issue.record("a characteristic the server does not have was found")
         } catch let error as TransportError {
             #expect(error.kind == .notFound && error.message.contains("180f/2a19, 180f/2a1a"), "\(error)")
         }
@@ -172,8 +194,10 @@ struct GattApplicationTests {
         #expect(properties["Type"]?.text == "peripheral" && properties["LocalName"]?.text == "TK" && properties["Appearance"] == .uint16(0x0340))
         #expect(properties["ManufacturerData"] == .array(element: "{qv}", [.dictEntry(.uint16(0xffff), .variant(.bytes([1, 2])))]))
         #expect(advertising.estimatedLength == 3 + 4 + 6 + 4, "the name goes in the scan response")
+        #expect(properties["Discoverable"] == .bool(true))
         advertising.connectable = false
         #expect(try advertising.properties()["Type"]?.text == "broadcast")
+        #expect(try advertising.properties()["Discoverable"] == nil, "a broadcast carries no flags: bluetoothd refuses Discoverable on one")
         advertising.interval = .milliseconds(10) ... .milliseconds(100)
         #expect(throws: TransportError.self) { try advertising.properties() }
         advertising.interval = .milliseconds(100) ... .milliseconds(200)

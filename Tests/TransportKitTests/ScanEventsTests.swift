@@ -96,13 +96,19 @@ struct GattServerObjectsTests {
         let two = GattServerListener.objects(root: "/a", service: nus?.service ?? "", notify: nus?.rx ?? "", write: nus?.tx ?? "")
         #expect(Set(two.keys) == ["/a/service0", "/a/service0/char0", "/a/service0/char1"])
         #expect(two["/a/service0/char0"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["notify"])
-        #expect(two["/a/service0/char1"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["write-without-response", "write"])
+        #expect(two["/a/service0/char1"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["write", "write-without-response"])
         #expect(two["/a/service0/char1"]?["org.bluez.GattCharacteristic1"]?["UUID"]?.text == "6e400002-b5a3-f393-e0a9-e50e24dcca9e",
                 "the central writes NUS's RX")
         #expect(GattServerListener.writePath("/a", sameCharacteristic: false) == "/a/service0/char1")
         let one = GattServerListener.objects(root: "/b", service: hm10?.service ?? "", notify: hm10?.rx ?? "", write: hm10?.tx ?? "")
         #expect(Set(one.keys) == ["/b/service0", "/b/service0/char0"])
-        #expect(one["/b/service0/char0"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["notify", "write-without-response", "write"])
+        #expect(one["/b/service0/char0"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["write", "write-without-response", "notify"])
+        // security=medium and high: a central pairs before it writes or subscribes.
+        let medium = GattServerListener.objects(root: "/c", service: hm10?.service ?? "", notify: hm10?.rx ?? "", write: hm10?.tx ?? "", security: .medium)
+        #expect(medium["/c/service0/char0"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings
+                == ["write", "write-without-response", "encrypt-write", "notify", "encrypt-notify"])
+        let high = GattServerListener.objects(root: "/d", service: nus?.service ?? "", notify: nus?.rx ?? "", write: nus?.tx ?? "", security: .high)
+        #expect(high["/d/service0/char0"]?["org.bluez.GattCharacteristic1"]?["Flags"]?.strings == ["notify", "encrypt-authenticated-notify"])
         #expect(GattServerListener.writePath("/b", sameCharacteristic: true) == GattServerListener.notifyPath("/b"))
     }
 }

@@ -8,8 +8,9 @@
 // - MinInterval and MaxInterval are parsed only when bluetoothd runs with --experimental; without
 //   it they are dropped without a word. The manager's SupportedFeatures property exists only then
 //   too, so an interval is refused unless it is there.
-// - Legacy advertising carries 31 bytes; data that does not fit fails as
-//   org.bluez.Error.Failed "Failed to register advertisement", said here with the estimate.
+// - Legacy advertising carries 31 bytes; data that does not fit fails as org.bluez.Error.Failed
+//   ("Failed to parse advertisement." on the legacy path, "Failed to register advertisement" on
+//   the extended one), said here with the estimate.
 
 import TransportKitCore
 import TransportKitDBus
@@ -34,7 +35,8 @@ public struct BluetoothAdvertising: Sendable, Hashable {
     public var appearance: UInt16?
     /// Whether centrals may connect (a "peripheral" advertisement) or only listen (a "broadcast").
     public var connectable: Bool
-    /// Whether the advertisement sets the general discoverable flag.
+    /// Whether the advertisement sets the general discoverable flag (a connectable one only: a
+    /// broadcast carries no flags).
     public var discoverable: Bool
     /// The advertising interval; BlueZ 5.66 honours it only when bluetoothd runs with
     /// `--experimental`, so it is refused otherwise.
@@ -79,7 +81,8 @@ public struct BluetoothAdvertising: Sendable, Hashable {
             "Type": .string(connectable ? "peripheral" : "broadcast"),
             "ServiceUUIDs": .array(element: "s", (serviceUUIDs ?? []).map { .string($0) }),
         ]
-        if connectable || discoverable { properties["Discoverable"] = .bool(discoverable) }
+        // A broadcast sets no flags (advertising.c: "Broadcast cannot set flags").
+        if connectable { properties["Discoverable"] = .bool(discoverable) }
         if let localName { properties["LocalName"] = .string(localName) }
         if let appearance { properties["Appearance"] = .uint16(appearance) }
         if !manufacturerData.isEmpty {

@@ -20,9 +20,11 @@
 // security= asks the kernel for an encrypted (medium) or MITM-protected (high) link; the kernel
 // refuses an RFCOMM connect it cannot secure, and an L2CAP channel's level is read back and checked.
 // An LE listener admits no peer below it; an RFCOMM listener takes low or medium (bluetoothd's
-// Profile API asks for medium at most, and hands over sockets that cannot tell). Not built: security= for GATT
-// serial (BlueZ's GATT client raises the link's security by itself when a characteristic demands
-// it); it is refused.
+// Profile API asks for medium at most, and hands over sockets that cannot tell). On a GATT serial
+// connect, medium pairs with the device unless it is paired (bluetoothd then encrypts its link);
+// high is refused there: BlueZ 5.66's D-Bus API cannot ask for or tell a MITM-protected LE bond. A
+// GATT serial listener puts BlueZ's encrypt-* (medium) or encrypt-authenticated-* (high) flags on
+// its characteristics, so a central must pair before it writes or subscribes.
 
 import NIOCore
 import Synchronization
@@ -104,7 +106,7 @@ public struct BluetoothPlugin: TransportPlugin {
                 summary: "Bluetooth LE through BlueZ: GATT serial (ble://SERVICE/DEVICE) or an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE); no DEVICE: the strongest advertiser of SERVICE",
                 grammar: "ble://SERVICE[:PSM][/MAC][?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]; "
                     + "listening: ble://SERVICE:PSM[?adapter=hciN&advertise=true|false&mtu=N&security=…&backlog=N], "
-                    + "or a GATT serial peripheral: ble://SERVICE[?adapter=hciN&rx=UUID&tx=UUID&advertise=true|false]",
+                    + "or a GATT serial peripheral: ble://SERVICE[?adapter=hciN&rx=UUID&tx=UUID&advertise=true|false&security=…]",
                 examples: ["ble://nus/E3:2E:44:66:A2:4A", "ble://FFE0/E3:2E:44:66:A2:4A?rx=FFE1&tx=FFE1",
                            "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024", "ble://nus",
                            "ble://FFF0:128?adapter=hci1 (listening)", "ble://nus?adapter=hci1 (listening: a GATT serial peripheral)"],
@@ -113,11 +115,11 @@ public struct BluetoothPlugin: TransportPlugin {
                 modes: [SchemeMode("ble:// L2CAP connection", form: "ble://SERVICE:PSM[/MAC]", port: .required,
                                    options: [Self.adapter, Self.addressType, Self.mtu, Self.security]),
                         SchemeMode("ble:// GATT serial connection", form: "ble://SERVICE[/MAC]", port: .forbidden,
-                                   options: [Self.adapter, Self.rx, Self.tx, Self.acquire]),
+                                   options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.security]),
                         SchemeMode("ble:// L2CAP listener", role: .listen, form: "ble://SERVICE:PSM", port: .required,
                                    options: [Self.adapter, Self.advertise, Self.mtu, Self.security, Self.backlog]),
                         SchemeMode("ble:// GATT serial listener", role: .listen, form: "ble://SERVICE", port: .forbidden,
-                                   options: [Self.adapter, Self.rx, Self.tx, Self.advertise])]
+                                   options: [Self.adapter, Self.rx, Self.tx, Self.advertise, Self.security])]
             ), check: { request in try BluetoothConnector.checkBLE(request) },
                connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) },
                listen: { [bus] request in
@@ -243,6 +245,11 @@ enum BluetoothConnector {
         if request.url.port == nil {
             _ = try GattSerial.characteristicOption(request, BluetoothPlugin.rx)
             _ = try GattSerial.characteristicOption(request, BluetoothPlugin.tx)
+            if request[BluetoothPlugin.security] == .high {
+                throw TransportError(.unsupported, "\(request.url.shown): security=high on a GATT serial connect: BlueZ's D-Bus API can neither ask for "
+                                     + "nor tell a MITM-protected LE bond. Pair with an agent that can show or enter a passkey "
+                                     + "(`transportkit gatt ADDRESS pair`, BluetoothPairingAgent with .keyboardDisplay), then use security=medium")
+            }
         }
     }
 

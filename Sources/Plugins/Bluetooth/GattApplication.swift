@@ -10,7 +10,10 @@
 //   response ("type" is the client side's option). For a characteristic that takes writes without
 //   response, bluetoothd sends every write as a call expecting no reply and answers the central
 //   itself at once: a refusal cannot reach it (chrc_write_cb queues replies only for the others).
-//   A long write reaches the application as its parts, one call each, offsets rising.
+//   A long write reaches the application whole, at offset 0: bluetoothd's gatt-server joins the
+//   contiguous parts of a prepared write (store_prep_data) before it executes them.
+// - encrypt-write, encrypt-authenticated-write and secure-write each add the Write property
+//   (parse_chrc_flags): there is no way to secure writes without response alone.
 // - An error reply becomes an ATT error: Failed with a message "0x80"–"0x9f" is that
 //   application error, NotSupported, NotAuthorized, InvalidValueLength, InvalidOffset, InProgress
 //   and NotPermitted their ATT codes, any other name 0x0e (unlikely error).
@@ -91,8 +94,8 @@ public final class GATTServer: Sendable {
         /// Answers a read with the whole value; it is cut at the request's offset here. Throw a
         /// ``Failure`` to send the central an ATT error.
         public var onRead: (@Sendable (ReadRequest) async throws -> [UInt8])?
-        /// Takes a write (each part of a long write, with its offset). Throw a ``Failure`` to
-        /// refuse it; otherwise the value is stored as well. For a characteristic with
+        /// Takes a write (a long write arrives whole; a write at an offset goes into the stored
+        /// value there). Throw a ``Failure`` to refuse it; otherwise the value is stored as well. For a characteristic with
         /// ``Properties/writeWithoutResponse``, BlueZ 5.66 acknowledges every write to the
         /// central before this runs: a refusal keeps the value unstored but the central never
         /// hears of it. Publish the two kinds of write on separate characteristics when refusals matter.
@@ -144,7 +147,7 @@ public final class GATTServer: Sendable {
     /// A central's write, as bluetoothd passed it on.
     public struct WriteRequest: Sendable, Hashable {
         public var characteristic: String
-        /// The bytes written (one part of a long write).
+        /// The bytes written.
         public var value: [UInt8]
         /// Where in the characteristic's value they go.
         public var offset: Int
@@ -164,7 +167,7 @@ public final class GATTServer: Sendable {
         case invalidValueLength
         /// Request Not Supported (0x06).
         case notSupported
-        /// An application error, 0x80 to 0x9f.
+        /// An application error, 0x80 to 0x9f; another code is sent as ATT's 0x0e (unlikely error).
         case application(UInt8)
 
         /// The D-Bus error bluetoothd turns into the ATT error.
@@ -175,7 +178,8 @@ public final class GATTServer: Sendable {
             case .invalidOffset: .error(name: "org.bluez.Error.InvalidOffset", message: "invalid offset")
             case .invalidValueLength: .error(name: "org.bluez.Error.InvalidValueLength", message: "invalid value length")
             case .notSupported: .error(name: "org.bluez.Error.NotSupported", message: "not supported")
-            case .application(let code): .error(name: "org.bluez.Error.Failed", message: "0x" + String(min(max(code, 0x80), 0x9f), radix: 16))
+            case .application(let code) where (0x80...0x9f).contains(code): .error(name: "org.bluez.Error.Failed", message: "0x" + String(code, radix: 16))
+            case .application(let code): .error(name: "org.transportkit.Error.Unlikely", message: "application error 0x\(String(code, radix: 16)) is outside 0x80...0x9f")
             }
         }
     }
@@ -186,10 +190,11 @@ public final class GATTServer: Sendable {
         /// adapter made as a central shows here too).
         case centralConnected(address: String)
         case centralDisconnected(address: String)
-        /// A central subscribed to notifications or indications of the characteristic (the first
-        /// one: bluetoothd says nothing of later ones).
+        /// A central enabled notifications or indications of the characteristic (bluetoothd calls
+        /// StartNotify for each central's enabling; it does not say which central).
         case subscribed(characteristic: String)
-        /// The last subscriber went.
+        /// bluetoothd says the subscribers went (StopNotify); it does not say so for a bonded
+        /// central whose link dropped: follow ``centralDisconnected(address:)`` too.
         case unsubscribed(characteristic: String)
         /// A central confirmed an indication.
         case indicationConfirmed(characteristic: String)
@@ -361,6 +366,10 @@ extension GATTServer {
                     let what = "characteristic \(BluetoothUUID.short(characteristicUUID))"
                     guard !characteristic.properties.isEmpty else { throw TransportError(.misuse, "\(what) has no properties: give it read, write, notify, …") }
                     guard characteristic.value.count <= 512 else { throw TransportError(.misuse, "\(what): a value holds at most 512 bytes, not \(characteristic.value.count)") }
+                    if characteristic.security != .none, characteristic.properties.contains(.writeWithoutResponse), !characteristic.properties.contains(.write) {
+                        throw TransportError(.unsupported, "\(what): BlueZ cannot secure writes without response alone (its encrypt-write flags add "
+                                             + "the Write property); add .write, or publish it with security .none")
+                    }
                     let path = "\(servicePath)/char\(c)"
                     var normalized = characteristic
                     normalized.uuid = characteristicUUID
@@ -474,6 +483,9 @@ extension GATTServer {
                 let request = WriteRequest(characteristic: characteristic.uuid, value: value, offset: Int(options["offset"]?.integer ?? 0),
                                            mtu: options["mtu"]?.integer.map { Int($0) }, central: options["device"]?.text.map(BlueZ.address(inDevicePath:)))
                 do {
+                    // What the stored value would become is checked first: a write refused for
+                    // its offset or length reaches no handler.
+                    _ = try assembled(value, at: request.offset, onto: values.withLock { $0[call.path] ?? [] })
                     try await characteristic.onWrite?(request)
                     try write(value, at: request.offset, to: call.path)
                     return .reply([])
@@ -515,15 +527,17 @@ extension GATTServer {
             return .reply([.bytes(Array(value[offset...]))])
         }
 
-        /// Stores a central's write at `offset` (a long write's part after the ones before it).
+        /// Stores a central's write at `offset` (the value up to there kept).
         private func write(_ value: [UInt8], at offset: Int, to path: String) throws {
-            try values.withLock { values in
-                let stored = values[path] ?? []
-                guard offset <= stored.count else { throw Failure.invalidOffset }
-                let updated = Array(stored.prefix(offset)) + value
-                guard updated.count <= 512 else { throw Failure.invalidValueLength }
-                values[path] = updated
-            }
+            try values.withLock { values in values[path] = try assembled(value, at: offset, onto: values[path] ?? []) }
+        }
+
+        /// `stored` with `value` written at `offset`, or the ATT error that refuses it.
+        private func assembled(_ value: [UInt8], at offset: Int, onto stored: [UInt8]) throws -> [UInt8] {
+            guard offset <= stored.count else { throw Failure.invalidOffset }
+            let updated = Array(stored.prefix(offset)) + value
+            guard updated.count <= 512 else { throw Failure.invalidValueLength }
+            return updated
         }
 
         /// A handler's error as bluetoothd takes it: a ``Failure`` as its ATT error, anything else
@@ -541,7 +555,8 @@ extension GATTServer {
                     switch signal.member {
                     case "NameOwnerChanged" where signal.values.last?.text == "":
                         throw CancellationError()
-                    case "InterfacesRemoved" where signal.values.first?.text == adapter.path:
+                    case "InterfacesRemoved" where signal.values.first?.text == adapter.path
+                        && signal.values.dropFirst().first?.strings?.contains(BlueZ.adapterInterface) == true:
                         reason = "adapter \(adapter.name) went away"
                         throw CancellationError()
                     case "PropertiesChanged":

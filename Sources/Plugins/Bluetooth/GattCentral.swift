@@ -305,12 +305,9 @@ public final class BluetoothPeripheral: Sendable {
     /// The adapter the link is on (`hci0`).
     public let adapter: String
     private let bluez: BlueZ
-    /// The link's session: replaced when the reconnect policy brings the link back.
-    private let session: Mutex<GattSession>
-    /// Opens a new session to the device (the reconnect policy's attempts).
-    private let reopen: @Sendable (Duration) async throws -> GattSession
+    /// Opens a new session to the device on the first session's adapter (the reconnect policy's attempts).
+    private let reopen: @Sendable (Duration, String) async throws -> GattSession
     private let policy: ReconnectPolicy?
-    private let reconnecter = Mutex<Task<Void, Never>?>(nil)
     private let state: Mutex<State>
     /// One operation at a time, in order.
     private let turn = AsyncCondition(false)
@@ -319,6 +316,10 @@ public final class BluetoothPeripheral: Sendable {
     private let listeners = EventFanout<Event>()
 
     private struct State {
+        /// The link's session: replaced when the reconnect policy brings the link back.
+        var session: GattSession
+        /// The reconnect policy's attempts, while the link is down.
+        var reconnecter: Task<Void, Never>?
         var objects: BlueZObjects
         var device: BluetoothDevice
         /// Why the link ended, once it has.
@@ -336,14 +337,13 @@ public final class BluetoothPeripheral: Sendable {
         var down: TransportError?
     }
 
-    private init(session: GattSession, policy: ReconnectPolicy?, reopen: @escaping @Sendable (Duration) async throws -> GattSession) {
+    private init(session: GattSession, policy: ReconnectPolicy?, reopen: @escaping @Sendable (Duration, String) async throws -> GattSession) {
         bluez = session.bluez
-        self.session = Mutex(session)
         self.policy = policy
         self.reopen = reopen
         address = session.device.address.uppercased()
         adapter = session.adapter.name
-        state = Mutex(State(objects: session.objects, device: session.device))
+        state = Mutex(State(session: session, objects: session.objects, device: session.device))
     }
 
     /// Connects to the device at `address` over LE (or takes the link that is up) and reads its
@@ -367,13 +367,13 @@ public final class BluetoothPeripheral: Sendable {
             throw TransportError(.misuse, "a reconnect policy needs at least one attempt, a delay of zero or more and a timeout above zero: \(reconnect)")
         }
         let what = "Bluetooth device \(parsed)"
-        let open = { @Sendable (timeout: Duration) async throws -> GattSession in
+        let open = { @Sendable (timeout: Duration, adapter: String?) async throws -> GattSession in
             let deadline = ContinuousClock.now + timeout
             return try await withDeadline(deadline, TransportError(.timedOut, "connecting to \(what) took longer than \(timeout.secondsText)")) {
                 try await GattSession.open(bus: bus, address: parsed, adapterName: adapter, deadline: deadline, timeout: timeout, what: what)
             }
         }
-        let peripheral = BluetoothPeripheral(session: try await open(timeout), policy: reconnect, reopen: open)
+        let peripheral = BluetoothPeripheral(session: try await open(timeout, adapter), policy: reconnect, reopen: { try await open($0, $1) })
         peripheral.startWatching()
         return peripheral
     }
@@ -496,14 +496,16 @@ public final class BluetoothPeripheral: Sendable {
         // Registered only while the link is up and this object open (disconnect() may have run
         // since the turn began): otherwise nothing would ever end the stream.
         let registered = state.withLock { state -> Int? in
-            guard !state.closed, state.ended == nil else { return nil }
+            // Not while the link is down either: the reconnect may have listed the paths already.
+            guard !state.closed, state.ended == nil, state.down == nil else { return nil }
             state.nextSubscription += 1
             state.subscriptions[state.nextSubscription] = (continuation, found.path)
             return state.nextSubscription
         }
         guard let id = registered else {
             await bluez.notifySessions.stop(bluez, path: found.path)
-            throw state.withLock { $0.ended } ?? TransportError(.misuse, "\(describing) was disconnected by this side (disconnect())")
+            throw state.withLock { $0.ended ?? $0.down.map { TransportError(.disconnected, "\($0.message); reconnecting") } }
+                ?? TransportError(.misuse, "\(describing) was disconnected by this side (disconnect())")
         }
         let overflow = TransportError(.io, "\(describing): more than \(limit) notifications from \(found.shortUUID) waited unread: "
                                       + "read them as fast as the device sends", code: DBusSignalBuffering.overflowCode)
@@ -579,24 +581,26 @@ public final class BluetoothPeripheral: Sendable {
     /// Disconnects (if this object made the link) and ends the events and notification
     /// sequences. Calling it again does nothing.
     public func disconnect() async {
-        let (first, subscriptions) = state.withLock { state in
-            defer { state.closed = true; state.subscriptions = [:] }
-            return (!state.closed, state.subscriptions.values)
+        // The link is read in the lock that closes: a reconnect that succeeds after this finds
+        // the object closed and releases its own link.
+        let (first, subscriptions, link, reconnecter) = state.withLock { state in
+            defer { state.closed = true; state.subscriptions = [:]; state.reconnecter = nil }
+            return (!state.closed, state.subscriptions.values, state.session.link, state.reconnecter)
         }
         guard first else { return }
         watcher.withLock { $0 }?.cancel()
-        reconnecter.withLock { $0 }?.cancel()
+        reconnecter?.cancel()
         listeners.finish(with: nil)
         for subscription in subscriptions { subscription.continuation.finish(throwing: TransportError(.disconnected, "\(describing) was disconnected by this side")) }
-        await session.withLock { $0.link }.release()
+        await link.release()
     }
 
     deinit {
         watcher.withLock { $0 }?.cancel()
-        reconnecter.withLock { $0 }?.cancel()
+        let (closed, link, reconnecter) = state.withLock { ($0.closed, $0.session.link, $0.reconnecter) }
+        reconnecter?.cancel()
         // Dropped without disconnect(): the link this object made is released all the same.
-        if !state.withLock({ $0.closed }) {
-            let link = session.withLock { $0.link }
+        if !closed {
             Task.detached { await link.release() }
         }
     }
@@ -757,7 +761,7 @@ public final class BluetoothPeripheral: Sendable {
 
     /// Follows the link: objects kept current, the drop and service changes reported.
     private func startWatching() {
-        let current = session.withLock { $0 }
+        let current = state.withLock { $0.session }
         let events = current.events
         let devicePath = current.device.path
         let bluez = self.bluez
@@ -814,20 +818,22 @@ public final class BluetoothPeripheral: Sendable {
     }
 
     private func linkEnded(_ error: TransportError) {
-        if let policy, state.withLock({ state in
-            guard state.ended == nil, state.down == nil, !state.closed else { return false }
-            state.down = error
-            return true
-        }) {
-            // The link this object made is gone: nothing is left to disconnect.
-            session.withLock { $0.link }.forget()
-            listeners.yield(.disconnected(reason: error.message, willReconnect: true))
-            let task = Task { [weak self] in
-                guard let self else { return }
-                await self.reconnect(policy, after: error)
+        if let policy {
+            // The task is made and kept in the lock that marks the link down: a disconnect() from
+            // then on cancels it.
+            let (reconnecting, link) = state.withLock { state -> (Bool, GattLink?) in
+                guard state.ended == nil, state.down == nil, !state.closed else { return (false, nil) }
+                state.down = error
+                let peripheral: @Sendable () -> BluetoothPeripheral? = { [weak self] in self }
+                state.reconnecter = Task { await Self.reconnect(peripheral, policy, after: error) }
+                return (true, state.session.link)
             }
-            reconnecter.withLock { $0 = task }
-            return
+            if reconnecting {
+                // The link this object made is gone: nothing is left to disconnect.
+                link?.forget()
+                listeners.yield(.disconnected(reason: error.message, willReconnect: true))
+                return
+            }
         }
         end(error)
     }
@@ -849,7 +855,8 @@ public final class BluetoothPeripheral: Sendable {
 
     /// The reconnect policy's attempts, until one brings the link back (then the watching goes on
     /// with the new session and the notifications are subscribed again) or the last one failed.
-    private func reconnect(_ policy: ReconnectPolicy, after drop: TransportError) async {
+    /// The object is held only during an attempt's own steps: dropped, it stops the attempts.
+    private static func reconnect(_ peripheral: @Sendable () -> BluetoothPeripheral?, _ policy: ReconnectPolicy, after drop: TransportError) async {
         var delay = policy.delay
         var attempt = 0
         var last = drop
@@ -861,43 +868,58 @@ public final class BluetoothPeripheral: Sendable {
                 return
             }
             delay = min(delay * 2, policy.maximumDelay)
-            listeners.yield(.connecting(attempt: attempt))
+            guard let self = peripheral(), !self.state.withLock({ $0.closed }) else { return }
+            self.listeners.yield(.connecting(attempt: attempt))
             let opened: GattSession
             do {
-                opened = try await reopen(policy.timeout)
+                opened = try await self.reopen(policy.timeout, self.adapter)
             } catch let error as TransportError {
                 last = error
                 continue
             } catch {
                 return
             }
-            if Task.isCancelled || state.withLock({ $0.closed }) {
-                await opened.link.release()
-                return
-            }
-            session.withLock { $0 = opened }
-            let paths = state.withLock { state -> [Int: String] in
-                state.objects = opened.objects
-                state.device = opened.device
-                state.cache = nil
-                return state.subscriptions.mapValues(\.path)
-            }
-            // Subscribed again before anything else may run on the new link; a characteristic
-            // that is gone ends its sequence.
-            for (id, path) in paths.sorted(by: { $0.key < $1.key }) {
-                do {
-                    try await bluez.notifySessions.restart(bluez, path: path, about: "\(describing): subscribing again after a reconnect")
-                } catch {
-                    let subscription = state.withLock { $0.subscriptions.removeValue(forKey: id) }
-                    subscription?.continuation.finish(throwing: TransportError(.disconnected, "\(describing): the link came back, but "
-                                                                                 + "notifications could not be started again: \(error)"))
-                }
-            }
-            state.withLock { $0.down = nil }
-            startWatching()
-            listeners.yield(.connected)
+            guard await self.resume(with: opened) else { return }
             return
         }
-        end(TransportError(.disconnected, "\(drop.message); no reconnect after \(attempt) attempt\(attempt == 1 ? "" : "s"): \(last.message)"))
+        peripheral()?.end(TransportError(.disconnected, "\(drop.message); no reconnect after \(attempt) attempt\(attempt == 1 ? "" : "s"): \(last.message)"))
+    }
+
+    /// Takes the new session (unless disconnect() came first: then its link is released),
+    /// subscribes the notifications again, and goes on watching; `false` when closed.
+    private func resume(with opened: GattSession) async -> Bool {
+        let paths = state.withLock { state -> [Int: String]? in
+            guard !state.closed else { return nil }
+            state.session = opened
+            state.objects = opened.objects
+            state.device = opened.device
+            state.cache = nil
+            return state.subscriptions.mapValues(\.path)
+        }
+        guard let paths else {
+            await opened.link.release()
+            return false
+        }
+        // Subscribed again before anything else may run on the new link; a characteristic
+        // that is gone ends its sequence.
+        for (id, path) in paths.sorted(by: { $0.key < $1.key }) {
+            do {
+                try await bluez.notifySessions.restart(bluez, path: path, about: "\(describing): subscribing again after a reconnect")
+            } catch {
+                let subscription = state.withLock { $0.subscriptions.removeValue(forKey: id) }
+                subscription?.continuation.finish(throwing: TransportError(.disconnected, "\(describing): the link came back, but "
+                                                                             + "notifications could not be started again: \(error)"))
+            }
+        }
+        guard state.withLock({ state in
+            guard !state.closed else { return false }
+            state.down = nil
+            state.reconnecter = nil
+            return true
+        }) else { return false }
+        // Said before the new watcher may say anything of the new link.
+        listeners.yield(.connected)
+        startWatching()
+        return true
     }
 }

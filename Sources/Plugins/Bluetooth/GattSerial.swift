@@ -136,8 +136,14 @@ enum GattSerial {
                                                  deadline: request.deadline, timeout: request.timeout, what: url.shown)
         let (link, objects, device, adapter, events) = (session.link, session.objects, session.device, session.adapter, session.events)
         let describing = url.description
+        let security = request[BluetoothPlugin.security]
         do {
             let (rx, tx) = try pick(in: objects, device: device, service: wanted.uuid, rx: rxOption, tx: txOption, url: url)
+            // security=medium: a bonded device's link is encrypted by bluetoothd (device.c raises
+            // the ATT channel to BT_IO_SEC_MEDIUM when an LTK is known), a new pairing encrypts it.
+            if security == .medium, !device.paired {
+                try await BluetoothPairingAgent.pair(session.bluez, device: device.path, about: "\(url.shown): pairing for security=medium")
+            }
             let backend = try await GattBackend.open(link: link, rx: rx, tx: tx, acquire: request[BluetoothPlugin.acquire] == .auto,
                                                      events: events, describing: describing)
             var metadata = BluetoothConnector.metadata(device: device, address: address, adapter: adapter)
@@ -149,6 +155,7 @@ enum GattSerial {
             metadata.extra["attMTU"] = backend.attMTU.map(String.init) ?? ""
             metadata.extra["notify"] = backend.receivesThroughDescriptor ? "AcquireNotify" : "StartNotify"
             metadata.extra["write"] = backend.sendsThroughDescriptor ? "AcquireWrite" : "WriteValue (\(backend.writeType))"
+            metadata.extra["security"] = security.rawValue
             return Connection(url: url, backend: backend, metadata: metadata)
         } catch {
             await link.release()

@@ -79,7 +79,8 @@ final class GattServerListener: ListenerBackend {
         let bluez = try BlueZ.shared(bus)
         let adapter = try BlueZ.adapter(named: try BluetoothConnector.adapterName(request), among: try await bluez.adapters())
         let root = BlueZ.exportPath("gatt")
-        let objects = Self.objects(root: root, service: service, notify: notify, write: write)
+        let security = request[BluetoothPlugin.security]
+        let objects = Self.objects(root: root, service: service, notify: notify, write: write, security: security)
         let state = AsyncCondition(State())
         let describing = url.description
         let buffering = request.buffering
@@ -121,7 +122,7 @@ final class GattServerListener: ListenerBackend {
         let watcher = Task { await Self.follow(events, state: state, adapter: adapter) }
         let listener = GattServerListener(url: url, bluez: bluez, adapter: adapter, root: root, export: export, advertisement: advertisement,
                                           state: state, watcher: watcher)
-        return Listener(url: url, backend: listener, exposure: RFCOMMListener.exposure(.low, adapter: adapter.name))
+        return Listener(url: url, backend: listener, exposure: RFCOMMListener.exposure(security, adapter: adapter.name))
     }
 
     /// The served central leaving (its link dropped, its device removed) ends its connection;
@@ -137,7 +138,7 @@ final class GattServerListener: ListenerBackend {
                     throw failure
                 case "InterfacesRemoved":
                     guard let removed = signal.values.first?.text else { continue }
-                    if removed == adapter.path {
+                    if removed == adapter.path, signal.values.dropFirst().first?.strings?.contains(BlueZ.adapterInterface) == true {
                         failure = TransportError(.disconnected, "adapter \(adapter.name) went away while it served a GATT service")
                         throw failure
                     }
@@ -166,22 +167,29 @@ final class GattServerListener: ListenerBackend {
     static func notifyPath(_ root: String) -> String { root + "/service0/char0" }
     static func writePath(_ root: String, sameCharacteristic: Bool) -> String { sameCharacteristic ? notifyPath(root) : root + "/service0/char1" }
 
-    /// The application's objects: one service, and either one characteristic both ways (HM-10) or two.
-    static func objects(root: String, service: String, notify: String, write: String) -> [String: [String: [String: DBusValue]]] {
+    /// The application's objects: one service, and either one characteristic both ways (HM-10) or
+    /// two; with security=medium or high, BlueZ's encrypt-* or encrypt-authenticated-* flags too,
+    /// so a central pairs before it writes or subscribes.
+    static func objects(root: String, service: String, notify: String, write: String,
+                        security: BluetoothSocket.Security = .low) -> [String: [String: [String: DBusValue]]] {
         let servicePath = root + "/service0"
-        let characteristic = GattSerial.characteristicInterface
-        let writeFlags: [DBusValue] = [.string("write-without-response"), .string("write")]
+        let level: GATTServer.Security = switch security {
+        case .low: .none
+        case .medium: .encrypted
+        case .high: .authenticated
+        }
+        let characteristic = { (uuid: String, properties: GATTServer.Properties) -> [String: [String: DBusValue]] in
+            [GattSerial.characteristicInterface: ["UUID": .string(uuid), "Service": .objectPath(servicePath),
+                                                  "Flags": .array(element: "s", GATTServer.Core.flags(properties, level).map { .string($0) })]]
+        }
         var objects: [String: [String: [String: DBusValue]]] = [
             servicePath: [GattSerial.serviceInterface: ["UUID": .string(service), "Primary": .bool(true)]],
         ]
         if notify == write {
-            objects[notifyPath(root)] = [characteristic: [
-                "UUID": .string(notify), "Service": .objectPath(servicePath), "Flags": .array(element: "s", [.string("notify")] + writeFlags)]]
+            objects[notifyPath(root)] = characteristic(notify, [.notify, .write, .writeWithoutResponse])
         } else {
-            objects[notifyPath(root)] = [characteristic: [
-                "UUID": .string(notify), "Service": .objectPath(servicePath), "Flags": .array(element: "s", [.string("notify")])]]
-            objects[writePath(root, sameCharacteristic: false)] = [characteristic: [
-                "UUID": .string(write), "Service": .objectPath(servicePath), "Flags": .array(element: "s", writeFlags)]]
+            objects[notifyPath(root)] = characteristic(notify, .notify)
+            objects[writePath(root, sameCharacteristic: false)] = characteristic(write, [.write, .writeWithoutResponse])
         }
         return objects
     }

@@ -174,12 +174,8 @@ extension BluetoothPeripheral {
         if isPaired { return }
         do {
             _ = try await callDevice("Pair", about: "pairing")
-        } catch let error as TransportError where error.code == "org.bluez.Error.AlreadyExists" {
-        } catch let error as TransportError where error.code?.hasPrefix("org.bluez.Error.Authentication") == true {
-            var explained = TransportError(.permissionDenied, "\(error.message). Pairing needs an agent to answer bluetoothd: register one "
-                                           + "(BluetoothPairingAgent.register()), or run `bluetoothctl` with its agent on")
-            explained.code = error.code
-            throw explained
+        } catch let error as TransportError {
+            if let failure = BluetoothPairingAgent.pairingFailure(error) { throw failure }
         }
         updateDevice { $0.paired = true }
     }
@@ -217,5 +213,27 @@ extension BluetoothPeripheral {
         } catch let error as TransportError where error.code == "org.bluez.Error.DoesNotExist" {
             // Already gone.
         }
+    }
+}
+
+extension BluetoothPairingAgent {
+    /// Pairs with the device at `path` (Device1.Pair), as ``BluetoothPeripheral/pair()`` does:
+    /// for `security=medium` on a GATT URL.
+    static func pair(_ bluez: BlueZ, device path: String, about what: String) async throws {
+        do {
+            _ = try await bluez.call(path, BlueZ.deviceInterface, "Pair", timeout: .seconds(60), about: what)
+        } catch let error as TransportError {
+            if let failure = pairingFailure(error) { throw failure }
+        }
+    }
+
+    /// Device1.Pair's error as a person can act on it; nil when the device was paired already.
+    static func pairingFailure(_ error: TransportError) -> TransportError? {
+        if error.code == "org.bluez.Error.AlreadyExists" { return nil }
+        guard error.code?.hasPrefix("org.bluez.Error.Authentication") == true else { return error }
+        var explained = TransportError(.permissionDenied, "\(error.message). Pairing needs an agent to answer bluetoothd: register one "
+                                       + "(BluetoothPairingAgent.register()), or run `bluetoothctl` with its agent on")
+        explained.code = error.code
+        return explained
     }
 }

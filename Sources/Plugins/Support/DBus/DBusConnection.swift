@@ -235,7 +235,12 @@ public final class DBusConnection: Sendable {
     private func export(_ object: ExportedObject) async throws -> DBusExport {
         let path = object.path
         let loop = self.loop
-        try await perform { state in try object.register(on: state) }
+        do {
+            try await perform { state in try object.register(on: state) }
+        } catch {
+            object.onRemoval()
+            throw error
+        }
         return DBusExport(path: path) {
             await withCheckedContinuation { (done: CheckedContinuation<Void, Never>) in
                 loop.submit { state in
@@ -829,7 +834,8 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
         self.onRemoval = onRemoval
     }
 
-    func connectionEnded(_ error: TransportError) {}
+    /// The connection ended: no call comes any more (an in-order export's queue ends).
+    func connectionEnded(_ error: TransportError) { onRemoval() }
 
     /// On the bus thread.
     func register(on state: BusState) throws {
