@@ -200,6 +200,19 @@ struct BluetoothBenchLabTests {
     @Test func gattCentralBesideAPlainDBusClient() async throws {
         let (controllers, peripheral) = try await GattLabTests.setUp(echo: false)
         let count = 400
+        // TransportKit's peripheral role beside the lab's plain D-Bus peripheral (LabPeripheral,
+        // which emits PropertiesChanged and answers WriteValue itself), on the same hci1: a
+        // notifying characteristic and one written with response.
+        let benchService = "a0c1b000-7b2d-4a0e-9d4c-5e7a1b2c3d40", benchNotify = "a0c1b001-7b2d-4a0e-9d4c-5e7a1b2c3d40"
+        let benchWrite = "a0c1b002-7b2d-4a0e-9d4c-5e7a1b2c3d40", benchAcknowledged = "a0c1b003-7b2d-4a0e-9d4c-5e7a1b2c3d40"
+        let server = try await GATTServer.publish([GATTServer.Service(uuid: benchService, characteristics: [
+            GATTServer.Characteristic(uuid: benchNotify, properties: .notify),
+            // LabPeripheral's stored characteristic's flags: bluetoothd acknowledges the central's
+            // write before the application has it (GattApplication.swift's header).
+            GATTServer.Characteristic(uuid: benchWrite, properties: [.read, .write, .writeWithoutResponse]),
+            // Without write-without-response: the central's write waits for the application's answer.
+            GATTServer.Characteristic(uuid: benchAcknowledged, properties: [.read, .write]),
+        ])], advertising: nil, adapter: "hci1")
         // The connect, step by step, the way GattSession does it, timed from outside.
         let started = ContinuousClock.now
         let device = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0", timeout: .seconds(30))
@@ -208,6 +221,7 @@ struct BluetoothBenchLabTests {
         let levelPath = try #require(try await Self.characteristicPath("00002a19-0000-1000-8000-00805f9b34fb", under: devicePath))
         let storedPath = try #require(try await Self.characteristicPath(LabPeripheral.stored, under: devicePath))
         print("lab: bench GATT central connect (discovery, Connect, services resolved, one tree read): \(connectTook)")
+        print("lab: bench GATT central connect steps: " + device.connectSteps.map { "\($0.name) \(Int(Self.seconds($0.duration) * 1000)) ms" }.joined(separator: ", "))
 
         // Notifications: the central's sequence, ended (StopNotify) before the plain client's turn.
         func oursReceive() async throws -> Double {
@@ -257,7 +271,33 @@ struct BluetoothBenchLabTests {
                      writes, plainWrites, oursWrites, oursWrites / plainWrites))
         _ = try? await bus.call(destination: "org.bluez", path: levelPath, interface: "org.bluez.GattCharacteristic1", member: "StopNotify")
         await bus.close()
+
+        // The peripheral side: GATTServer's notify and write handling beside LabPeripheral's, the
+        // same central receiving and writing.
+        let served = try await device.notifications(of: benchNotify)
+        var servedIterator = served.makeAsyncIterator()
+        try await Task.sleep(for: .milliseconds(500))   // StartNotify reaches the server
+        clock = ContinuousClock.now
+        for index in 0..<count { try await server.notify([UInt8(truncatingIfNeeded: index)], to: benchNotify) }
+        var servedReceived = 0
+        while servedReceived < count, try await servedIterator.next() != nil { servedReceived += 1 }
+        let serverNotifications = Double(count) / Self.seconds(ContinuousClock.now - clock)
+        #expect(servedReceived == count)
+        print(String(format: "lab: bench GATT peripheral notifications (%d of 1 byte, received by BluetoothPeripheral): LabPeripheral (plain D-Bus) %.0f/s, "
+                     + "GATTServer %.0f/s, ratio %.2f", count, ours, serverNotifications, serverNotifications / ours))
+        clock = ContinuousClock.now
+        for index in 0..<writes { try await device.write([UInt8(truncatingIfNeeded: index)], to: benchWrite) }
+        let serverWrites = Double(writes) / Self.seconds(ContinuousClock.now - clock)
+        #expect(await eventually(5) { (try? server.value(of: benchWrite)) == [UInt8(truncatingIfNeeded: writes - 1)] })
+        clock = ContinuousClock.now
+        for index in 0..<writes { try await device.write([UInt8(truncatingIfNeeded: index)], to: benchAcknowledged) }
+        let acknowledgedWrites = Double(writes) / Self.seconds(ContinuousClock.now - clock)
+        #expect(try server.value(of: benchAcknowledged) == [UInt8(truncatingIfNeeded: writes - 1)])
+        print(String(format: "lab: bench GATT peripheral writes with response (%d of 1 byte, from BluetoothPeripheral, same flags as LabPeripheral's): "
+                     + "LabPeripheral (plain D-Bus) %.0f/s, GATTServer %.0f/s, ratio %.2f; GATTServer answering each write itself "
+                     + "(no write-without-response) %.0f/s", writes, oursWrites, serverWrites, serverWrites / oursWrites, acknowledgedWrites))
         await device.disconnect()
+        await server.close()
     }
 
     /// The object path bluetoothd gives the characteristic `uuid` of the device at `devicePath`.

@@ -38,6 +38,8 @@ struct GattSession: Sendable {
     /// before `objects` was read are already in it, and applying them again changes nothing).
     let events: AsyncThrowingStream<DBusSignal, any Error>
     let link: GattLink
+    /// Where the connect spent its time, step by step.
+    let steps: [GATTConnectStep]
 
     /// How many of bluetoothd's signals may wait unread during a connect (the caller reads them
     /// from then on): other devices' changes count too, and a scan with duplicates in a crowded
@@ -51,6 +53,13 @@ struct GattSession: Sendable {
     static func open(bus: DBusConnection.Bus, address: BluetoothAddress, adapterName: String?, deadline: ContinuousClock.Instant?,
                      timeout: Duration?, what: String) async throws -> GattSession {
         let bluez = try BlueZ.shared(bus)
+        var steps: [GATTConnectStep] = []
+        var mark = ContinuousClock.now
+        func step(_ name: String) {
+            let now = ContinuousClock.now
+            steps.append(GATTConnectStep(name: name, duration: now - mark))
+            mark = now
+        }
         let named = adapterName.flatMap { $0.hasPrefix("hci") ? "/org/bluez/\($0)" : nil }
         let events = try await bluez.bus.signals(matchingAnyOf: [
             DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
@@ -60,9 +69,11 @@ struct GattSession: Sendable {
             DBusMatch(sender: "org.freedesktop.DBus", path: "/org/freedesktop/DBus", interface: "org.freedesktop.DBus",
                       member: "NameOwnerChanged", arg0: BlueZ.service),
         ], buffering: .all(limit: signalLimit))
+        step("subscribing to bluetoothd's signals")
         var adapter = try BlueZ.adapter(named: adapterName, among: try await bluez.adapters())
         let devicePath = BlueZ.devicePath(on: adapter, address: address.description)
         let known = try await bluez.device(at: devicePath)
+        step("finding the adapter and the device")
         var device: BluetoothDevice
         let link: GattLink
         if let known, known.connected {
@@ -72,9 +83,11 @@ struct GattSession: Sendable {
             // One LE connect at a time on an adapter (see the header); the discovery and the
             // Connect together, so that Connect takes the bearer just seen.
             let (found, madeLink) = try await bluez.connectTurns.inTurn(adapter.path) { () async throws -> (BluetoothDevice, Bool) in
+                step("waiting for the adapter's turn")
                 // Seen over LE right now, so that Connect takes LE (GattSerial.swift's header).
                 let found = try await bluez.discover(address: address.description, on: adapter, transport: "le", deadline: deadline,
                                                      timeout: timeout, freshSighting: known != nil)
+                step("discovery")
                 // Connected by another program meanwhile: its link, left up on close.
                 guard !found.connected else { return (found, false) }
                 let remaining = deadline.map { max($0 - ContinuousClock.now, .milliseconds(1)) }
@@ -90,6 +103,7 @@ struct GattSession: Sendable {
                     }
                     throw error
                 }
+                step("Connect")
                 return (found, true)
             }
             device = found
@@ -98,14 +112,16 @@ struct GattSession: Sendable {
         let objects: BlueZObjects
         do {
             try await waitForServices(device, bluez: bluez, events: events, what: what)
+            step("services resolved")
             objects = try await bluez.objectTree(about: "reading the GATT services of Bluetooth device \(address)")
+            step("reading the object tree")
         } catch {
             await link.release()
             throw error
         }
         device = objects.device(at: device.path) ?? device
         adapter = objects.adapters.first { $0.path == adapter.path } ?? adapter
-        return GattSession(bluez: bluez, adapter: adapter, device: device, objects: objects, events: events, link: link)
+        return GattSession(bluez: bluez, adapter: adapter, device: device, objects: objects, events: events, link: link, steps: steps)
     }
 
     /// The signal says the device's link dropped (Connected false), or the device or its adapter
@@ -154,6 +170,13 @@ struct GattSession: Sendable {
         try Task.checkCancellation()
         throw TransportError(.disconnected, "\(what): Bluetooth device \(device.address) went away before its services were read")
     }
+}
+
+/// One step of a connect and how long it took: ``BluetoothPeripheral/connectSteps``.
+public struct GATTConnectStep: Sendable, Hashable {
+    /// `discovery`, `Connect`, `services resolved`, …
+    public let name: String
+    public let duration: Duration
 }
 
 /// Turns per key (an adapter's path): one holder at a time, the others in the order they came.
@@ -396,6 +419,15 @@ public final class BluetoothPeripheral: Sendable {
             return built
         }
     }
+
+    /// Where the last connect (or reconnect) spent its time: subscribing to bluetoothd's signals,
+    /// finding the adapter and the device, waiting for the adapter's turn, discovery, Connect,
+    /// services resolved, reading the object tree (the steps a link already up skips are absent).
+    ///
+    /// ```swift
+    /// for step in sensor.connectSteps { print(step.name, step.duration) }
+    /// ```
+    public var connectSteps: [GATTConnectStep] { state.withLock { $0.session.steps } }
 
     /// The device's name (what it advertises or its GAP name), if known.
     public var name: String? { state.withLock { $0.device.name ?? $0.device.alias } }
