@@ -274,15 +274,13 @@ struct BluetoothBenchLabTests {
 
         // The peripheral side: GATTServer's notify and write handling beside LabPeripheral's, the
         // same central receiving and writing.
-        let served = try await device.notifications(of: benchNotify)
-        var servedIterator = served.makeAsyncIterator()
-        try await Task.sleep(for: .milliseconds(500))   // StartNotify reaches the server
+        let serverEvents = Gathered(server.events())
+        let served = Gathered(try await device.notifications(of: benchNotify))
+        #expect(await serverEvents.wait(10) { $0.contains(.subscribed(characteristic: benchNotify)) }, "StartNotify reached the server")
         clock = ContinuousClock.now
         for index in 0..<count { try await server.notify([UInt8(truncatingIfNeeded: index)], to: benchNotify) }
-        var servedReceived = 0
-        while servedReceived < count, try await servedIterator.next() != nil { servedReceived += 1 }
+        #expect(await served.wait(60) { $0.count >= count }, "\(served.elements.count) of \(count) notifications")
         let serverNotifications = Double(count) / Self.seconds(ContinuousClock.now - clock)
-        #expect(servedReceived == count)
         print(String(format: "lab: bench GATT peripheral notifications (%d of 1 byte, received by BluetoothPeripheral): LabPeripheral (plain D-Bus) %.0f/s, "
                      + "GATTServer %.0f/s, ratio %.2f", count, ours, serverNotifications, serverNotifications / ours))
         clock = ContinuousClock.now

@@ -188,6 +188,39 @@ struct GattApplicationTests {
         #expect(throws: TransportError.self) { try core.store(Array(repeating: 0, count: 513), characteristic: "2a19", service: nil, notifying: true) }
     }
 
+    /// The server follows bluetoothd's signals: a central new to bluetoothd arrives as an
+    /// InterfacesAdded that is already connected (seen in the lab's full run, after earlier tests
+    /// had forgotten every device), a known one as PropertiesChanged; the adapter's removal
+    /// (with Adapter1 among the interfaces) stops the server, another interface's does not.
+    @Test func centralsComingAndGoingAndTheAdapterLeavingAreEvents() async throws {
+        let core = try GATTServer.Core(services: [GATTServer.Service(uuid: "180f", characteristics: [
+            GATTServer.Characteristic(uuid: "2a19", properties: .read),
+        ])], root: "/t")
+        let adapter = BluetoothAdapter(path: "/org/bluez/hci1", name: "hci1", index: 1, address: "00:AA:01:01:00:01", alias: nil, powered: true,
+                                       discoverable: false, discovering: false)
+        let central = "/org/bluez/hci1/dev_00_AA_01_00_00_00"
+        func signal(_ path: String, _ interface: String, _ member: String, _ values: [DBusValue]) -> DBusSignal {
+            DBusSignal(sender: ":1.2", path: path, interface: interface, member: member, values: values)
+        }
+        let objectManager = "org.freedesktop.DBus.ObjectManager", properties = "org.freedesktop.DBus.Properties"
+        let (signals, feed) = AsyncThrowingStream<DBusSignal, any Error>.makeStream()
+        for item in [
+            signal("/", objectManager, "InterfacesAdded", [.objectPath(central), .array(element: "{sa{sv}}", [
+                .dictEntry(.string("org.bluez.Device1"), .dictionary(["Connected": .variant(.bool(true))])),
+            ])]),
+            signal(central, properties, "PropertiesChanged", [.string("org.bluez.Device1"), .dictionary(["Connected": .variant(.bool(false))]), .array(element: "s", [])]),
+            signal(central, properties, "PropertiesChanged", [.string("org.bluez.Device1"), .dictionary(["Connected": .variant(.bool(true))]), .array(element: "s", [])]),
+            signal("/", objectManager, "InterfacesRemoved", [.objectPath(adapter.path), .array(element: "s", [.string("org.bluez.GattManager1")])]),
+            signal("/", objectManager, "InterfacesRemoved", [.objectPath(adapter.path), .array(element: "s", [.string("org.bluez.Adapter1")])]),
+        ] { feed.yield(item) }
+        let events = core.events.subscribe()
+        await core.follow(signals, adapter: adapter)
+        var seen: [GATTServer.Event] = []
+        for await event in events { seen.append(event) }
+        #expect(seen == [.centralConnected(address: "00:AA:01:00:00:00"), .centralDisconnected(address: "00:AA:01:00:00:00"),
+                         .centralConnected(address: "00:AA:01:00:00:00"), .stopped(reason: "adapter hci1 went away")])
+    }
+
     @Test func advertisingDataIsCheckedBeforeBluetoothdSeesIt() throws {
         var advertising = BluetoothAdvertising(localName: "TK", serviceUUIDs: ["180f"], manufacturerData: [0xffff: [1, 2]], appearance: 0x0340)
         let properties = try advertising.properties()

@@ -128,10 +128,12 @@ final class BlueZ: Sendable {
     }
 
     /// What a process serving centrals on `adapter` follows (a GATT server, the serial
-    /// peripheral): objects removed (the adapter, a central's device), the adapter's devices'
-    /// property changes (Connected), and bluetoothd leaving the bus.
+    /// peripheral): objects added (a central's device, new to bluetoothd, comes connected) and
+    /// removed (the adapter, a central's device), the adapter's devices' property changes
+    /// (Connected), and bluetoothd leaving the bus.
     static func servingMatches(_ adapter: BluetoothAdapter) -> [DBusMatch] {
         [
+            DBusMatch(sender: service, interface: objectManager, member: "InterfacesAdded"),
             DBusMatch(sender: service, interface: objectManager, member: "InterfacesRemoved"),
             DBusMatch(sender: service, pathNamespace: adapter.path, interface: GattSerial.properties, member: "PropertiesChanged",
                       arg0: deviceInterface),

@@ -564,6 +564,11 @@ extension GATTServer {
                               let connected = signal.values.dropFirst().first?.dictionary?["Connected"]?.boolValue else { continue }
                         let address = BlueZ.address(inDevicePath: signal.path)
                         events.yield(connected ? .centralConnected(address: address) : .centralDisconnected(address: address))
+                    case "InterfacesAdded":
+                        // A central bluetoothd did not know yet: its device object comes connected.
+                        guard let path = signal.values.first?.text, path.hasPrefix(adapter.path + "/dev_"),
+                              signal.values.dropFirst().first?.dictionary?[BlueZ.deviceInterface]?.dictionary?["Connected"]?.boolValue == true else { continue }
+                        events.yield(.centralConnected(address: BlueZ.address(inDevicePath: path)))
                     default:
                         continue
                     }

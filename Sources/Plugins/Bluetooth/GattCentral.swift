@@ -334,7 +334,6 @@ public final class BluetoothPeripheral: Sendable {
     private let state: Mutex<State>
     /// One operation at a time, in order.
     private let turn = AsyncCondition(false)
-    private let watcher = Mutex<Task<Void, Never>?>(nil)
     /// The ``events()`` sequences.
     private let listeners = EventFanout<Event>()
 
@@ -343,6 +342,8 @@ public final class BluetoothPeripheral: Sendable {
         var session: GattSession
         /// The reconnect policy's attempts, while the link is down.
         var reconnecter: Task<Void, Never>?
+        /// Follows the current session's signals (startWatching).
+        var watcher: Task<Void, Never>?
         var objects: BlueZObjects
         var device: BluetoothDevice
         /// Why the link ended, once it has.
@@ -615,24 +616,28 @@ public final class BluetoothPeripheral: Sendable {
     public func disconnect() async {
         // The link is read in the lock that closes: a reconnect that succeeds after this finds
         // the object closed and releases its own link.
-        let (first, subscriptions, link, reconnecter) = state.withLock { state in
-            defer { state.closed = true; state.subscriptions = [:]; state.reconnecter = nil }
-            return (!state.closed, state.subscriptions.values, state.session.link, state.reconnecter)
+        let (first, subscriptions, link, tasks) = state.withLock { state in
+            defer { state.closed = true; state.subscriptions = [:]; state.reconnecter = nil; state.watcher = nil }
+            return (!state.closed, state.subscriptions.values, state.session.link, [state.reconnecter, state.watcher])
         }
         guard first else { return }
-        watcher.withLock { $0 }?.cancel()
-        reconnecter?.cancel()
+        for task in tasks { task?.cancel() }
         listeners.finish(with: nil)
         for subscription in subscriptions { subscription.continuation.finish(throwing: TransportError(.disconnected, "\(describing) was disconnected by this side")) }
         await link.release()
     }
 
     deinit {
-        watcher.withLock { $0 }?.cancel()
-        let (closed, link, reconnecter) = state.withLock { ($0.closed, $0.session.link, $0.reconnecter) }
-        reconnecter?.cancel()
-        // Dropped without disconnect(): the link this object made is released all the same.
+        let (closed, link, tasks, subscriptions) = state.withLock { state in
+            (state.closed, state.session.link, [state.reconnecter, state.watcher], Array(state.subscriptions.values))
+        }
+        for task in tasks { task?.cancel() }
+        // Dropped without disconnect(): the link this object made is released all the same, and
+        // the sequences still iterated end rather than wait for values that cannot come.
         if !closed {
+            listeners.finish(with: nil)
+            let dropped = TransportError(.disconnected, "\(describing): the BluetoothPeripheral was dropped without disconnect()")
+            for subscription in subscriptions { subscription.continuation.finish(throwing: dropped) }
             Task.detached { await link.release() }
         }
     }
@@ -791,9 +796,14 @@ public final class BluetoothPeripheral: Sendable {
         }
     }
 
-    /// Follows the link: objects kept current, the drop and service changes reported.
+    /// Starts following the current session's link (once connected).
     private func startWatching() {
-        let current = state.withLock { $0.session }
+        state.withLock { state in state.watcher = watching(state.session) }
+    }
+
+    /// Follows `current`'s link: objects kept current, the drop and service changes reported.
+    /// The caller keeps the task in `state.watcher`.
+    private func watching(_ current: GattSession) -> Task<Void, Never> {
         let events = current.events
         let devicePath = current.device.path
         let bluez = self.bluez
@@ -802,7 +812,7 @@ public final class BluetoothPeripheral: Sendable {
                 for try await signal in events {
                     if GattSession.endsLink(signal, devicePath: devicePath), await GattSession.linkIsDown(bluez, devicePath: devicePath) {
                         self?.linkEnded(TransportError(.disconnected, "Bluetooth device \(BlueZ.address(inDevicePath: devicePath)) disconnected: "
-                                                       + "the link dropped (out of range, switched off, or its adapter went away)"))
+                                                       + "the link dropped (out of range, switched off, or its adapter went away)"), confirmedDown: true)
                         return
                     }
                     guard let self else { return }
@@ -818,12 +828,15 @@ public final class BluetoothPeripheral: Sendable {
                         self.emit(.servicesChanged)
                     }
                 }
-                self?.linkEnded(TransportError(.disconnected, "bluetoothd went away"))
+                // The stream ended (the bus connection closed): the link may still be up, and
+                // stays this object's to release; no reconnect.
+                self?.linkEnded(TransportError(.disconnected, "bluetoothd went away"), confirmedDown: false)
+            } catch is CancellationError {
             } catch {
-                self?.linkEnded(TransportError(.disconnected, "the D-Bus connection to bluetoothd ended: \(error)"))
+                self?.linkEnded(TransportError(.disconnected, "the D-Bus connection to bluetoothd ended: \(error)"), confirmedDown: false)
             }
         }
-        watcher.withLock { $0 = task }
+        return task
     }
 
     /// Applies one signal; `true` when the device's services were resolved again (they changed).
@@ -849,8 +862,10 @@ public final class BluetoothPeripheral: Sendable {
         listeners.yield(event)
     }
 
-    private func linkEnded(_ error: TransportError) {
-        if let policy {
+    /// The link ended; `confirmedDown` when bluetoothd said it is down (only then is it
+    /// forgotten and, with a policy, made again).
+    private func linkEnded(_ error: TransportError, confirmedDown: Bool) {
+        if let policy, confirmedDown {
             // The task is made and kept in the lock that marks the link down: a disconnect() from
             // then on cancels it.
             let (reconnecting, link) = state.withLock { state -> (Bool, GattLink?) in
@@ -909,6 +924,8 @@ public final class BluetoothPeripheral: Sendable {
                 last = error
                 continue
             } catch {
+                // Cancelled: by disconnect() (closed), or the task's owner went; otherwise end.
+                if !self.state.withLock({ $0.closed }) { self.end(TransportError(.disconnected, "\(drop.message); reconnecting stopped: \(error)")) }
                 return
             }
             guard await self.resume(with: opened) else { return }
@@ -943,15 +960,17 @@ public final class BluetoothPeripheral: Sendable {
                                                                              + "notifications could not be started again: \(error)"))
             }
         }
-        guard state.withLock({ state in
+        // Up again, said, and watched, in the lock that disconnect() closes with: a disconnect()
+        // before this finds the new link (and releases it), one after it cancels this watcher.
+        return state.withLock { state in
             guard !state.closed else { return false }
             state.down = nil
             state.reconnecter = nil
+            state.resolving = false
+            // Said before the new watcher may say anything of the new link.
+            listeners.yield(.connected)
+            state.watcher = watching(opened)
             return true
-        }) else { return false }
-        // Said before the new watcher may say anything of the new link.
-        listeners.yield(.connected)
-        startWatching()
-        return true
+        }
     }
 }

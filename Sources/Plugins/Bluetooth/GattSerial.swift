@@ -141,8 +141,12 @@ enum GattSerial {
             let (rx, tx) = try pick(in: objects, device: device, service: wanted.uuid, rx: rxOption, tx: txOption, url: url)
             // security=medium: a bonded device's link is encrypted by bluetoothd (device.c raises
             // the ATT channel to BT_IO_SEC_MEDIUM when an LTK is known), a new pairing encrypts it.
+            // Not read back: bluetoothd's D-Bus API does not say, and Paired is true for a
+            // dual-mode device bonded over BR/EDR only too (Docs/Schemes.md says so). The pairing
+            // is within the connect's timeout (a person entering a passkey needs a longer one).
             if security == .medium, !device.paired {
-                try await BluetoothPairingAgent.pair(session.bluez, device: device.path, about: "\(url.shown): pairing for security=medium")
+                let remaining = request.deadline.map { max($0 - ContinuousClock.now, .milliseconds(1)) } ?? .seconds(60)
+                try await BluetoothPairingAgent.pair(session.bluez, device: device.path, timeout: remaining, about: "\(url.shown): pairing for security=medium")
             }
             let backend = try await GattBackend.open(link: link, rx: rx, tx: tx, acquire: request[BluetoothPlugin.acquire] == .auto,
                                                      events: events, describing: describing)

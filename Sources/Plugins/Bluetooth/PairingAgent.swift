@@ -219,9 +219,9 @@ extension BluetoothPeripheral {
 extension BluetoothPairingAgent {
     /// Pairs with the device at `path` (Device1.Pair), as ``BluetoothPeripheral/pair()`` does:
     /// for `security=medium` on a GATT URL.
-    static func pair(_ bluez: BlueZ, device path: String, about what: String) async throws {
+    static func pair(_ bluez: BlueZ, device path: String, timeout: Duration = .seconds(60), about what: String) async throws {
         do {
-            _ = try await bluez.call(path, BlueZ.deviceInterface, "Pair", timeout: .seconds(60), about: what)
+            _ = try await bluez.call(path, BlueZ.deviceInterface, "Pair", timeout: timeout, about: what)
         } catch let error as TransportError {
             if let failure = pairingFailure(error) { throw failure }
         }
