@@ -200,6 +200,7 @@ let package = Package(
             // suite is disabled elsewhere. CBlueZ: the Bluetooth smoke test's raw sockets.
             name: "LabTests",
             dependencies: ["TransportKit", "TransportKitSerial", "CBlueZ", "TestSupport", system],
+            exclude: ["Peers"],
             swiftSettings: strict
         ),
         .testTarget(

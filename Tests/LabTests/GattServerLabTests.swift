@@ -123,6 +123,42 @@ struct GattServerLabTests {
         await expectServerError(.disconnected) { try await server.notify([1], to: Self.notifier) }
     }
 
+    /// bleak (Debian's python3-bleak 0.20, the central most Linux users know) against the same
+    /// services: it finds the device, reads what the handler answers, writes with response,
+    /// receives a notification, and the link holds 3 s more (Peers/bleak_central.py keeps one
+    /// event loop: bleak disconnects when the loop that connected ends, the 2-s link loss
+    /// PEERS.md recorded).
+    @Test func bleakAsTheCentralReadsWritesAndIsNotified() async throws {
+        let (controllers, peripheral) = try await GattLabTests.setUp()
+        let seen = Seen()
+        let server = try await GATTServer.publish(Self.services(seen), advertising: nil, adapter: "hci1")
+        try await Self.disconnect(controllers.peripheralText)
+        // btvirt reports an advertisement only as advertising or scanning starts: the lab
+        // peripheral on hci1 announces itself again while bleak's scan runs (LabPeripheral explains).
+        let announcer = peripheral.announceWhileDiscovering()
+        defer { announcer.cancel() }
+        let events = Gathered(server.events())
+        // Notifies once bleak has subscribed, until the script ends.
+        let notifier = Self.notifier
+        let notifying = Task {
+            while !Task.isCancelled {
+                if events.elements.contains(.subscribed(characteristic: notifier)) { try? await server.notify([0x2a], to: notifier) }
+                try? await Task.sleep(for: .milliseconds(300))
+            }
+        }
+        let script = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Peers/bleak_central.py").path
+        let result = try await Lab.run("/usr/bin/python3", [script, controllers.peripheralText, Self.counter, Self.writable, Self.notifier])
+        notifying.cancel()
+        print("lab: bleak as the central: \(result.stdout)\(result.stderr.suffix(2000))")
+        #expect(result.status == 0, "bleak_central.py exited \(result.status)")
+        #expect(result.stdout.contains("read 01"), "the read handler's answer")
+        #expect(try server.value(of: Self.writable) == [1, 2, 3], "bleak's write arrived")
+        #expect(result.stdout.contains("notified 2a"))
+        #expect(result.stdout.contains("connected after 3 s: True"), "the link held")
+        #expect(seen.reads.withLock { $0.first?.central } == controllers.centralText)
+        await server.close()
+    }
+
     @Test func advertisingThatBluetoothdWouldIgnoreOrCannotCarryIsRefused() async throws {
         _ = try await GattLabTests.setUp()
         let seen = Seen()

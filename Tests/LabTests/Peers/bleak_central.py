@@ -1,0 +1,45 @@
+#!/usr/bin/python3
+"""bleak (Debian's python3-bleak 0.20) as the central against a GATT server under test.
+
+Usage: bleak_central.py ADDRESS READ_UUID WRITE_UUID NOTIFY_UUID [ADAPTER]
+
+Scans hci0 for ADDRESS, connects, reads READ_UUID, writes 01 02 03 (with response) to
+WRITE_UUID, subscribes to NOTIFY_UUID and waits for one value, then keeps the link 3 s and says
+whether it held. One event loop for the whole run: bleak sends Device1.Disconnect when the loop
+that connected ends (its disconnect monitor is cancelled), which a run per step would do.
+Each step prints one line; the exit status is 0 only if every step passed.
+"""
+import asyncio
+import sys
+
+from bleak import BleakClient, BleakScanner
+
+
+async def main(address, read_uuid, write_uuid, notify_uuid, adapter):
+    device = await BleakScanner.find_device_by_address(address, timeout=20.0, adapter=adapter)
+    if device is None:
+        print(f"not found: {address} on {adapter}", flush=True)
+        return 2
+    print(f"found {device.address}", flush=True)
+    async with BleakClient(device, adapter=adapter, timeout=20.0) as client:
+        value = await client.read_gatt_char(read_uuid)
+        print(f"read {bytes(value).hex()}", flush=True)
+        await client.write_gatt_char(write_uuid, b"\x01\x02\x03", response=True)
+        print("wrote 010203", flush=True)
+        values = asyncio.Queue()
+        await client.start_notify(notify_uuid, lambda _, data: values.put_nowait(bytes(data)))
+        print("subscribed", flush=True)
+        notified = await asyncio.wait_for(values.get(), 15.0)
+        print(f"notified {notified.hex()}", flush=True)
+        await asyncio.sleep(3.0)
+        print(f"connected after 3 s: {client.is_connected}", flush=True)
+        return 0 if client.is_connected else 3
+
+
+if __name__ == "__main__":
+    arguments = sys.argv[1:]
+    if len(arguments) not in (4, 5):
+        print(__doc__, file=sys.stderr)
+        sys.exit(64)
+    adapter = arguments[4] if len(arguments) == 5 else "hci0"
+    sys.exit(asyncio.run(main(*arguments[:4], adapter)))
