@@ -132,6 +132,7 @@ struct GattServerLabTests {
         let (controllers, peripheral) = try await GattLabTests.setUp()
         let seen = Seen()
         let server = try await GATTServer.publish(Self.services(seen), advertising: nil, adapter: "hci1")
+        defer { Task { await server.close() } }
         try await Self.disconnect(controllers.peripheralText)
         // btvirt reports an advertisement only as advertising or scanning starts: the lab
         // peripheral on hci1 announces itself again while bleak's scan runs (LabPeripheral explains).
@@ -146,9 +147,9 @@ struct GattServerLabTests {
                 try? await Task.sleep(for: .milliseconds(300))
             }
         }
+        defer { notifying.cancel() }
         let script = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Peers/bleak_central.py").path
         let result = try await Lab.run("/usr/bin/python3", [script, controllers.peripheralText, Self.counter, Self.writable, Self.notifier])
-        notifying.cancel()
         print("lab: bleak as the central: \(result.stdout)\(result.stderr.suffix(2000))")
         #expect(result.status == 0, "bleak_central.py exited \(result.status)")
         #expect(result.stdout.contains("read 01"), "the read handler's answer")
