@@ -12,7 +12,7 @@
 //   ("Failed to parse advertisement." on the legacy path, "Failed to register advertisement" on
 //   the extended one), said here with the estimate.
 
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 import TransportKitDBus
 
 /// What a ``GATTServer`` (or a `ble://` listener) advertises.
@@ -97,8 +97,7 @@ public struct BluetoothAdvertising: Sendable, Hashable {
         }
         if includesTxPower { properties["Includes"] = .array(element: "s", [.string("tx-power")]) }
         if let interval {
-            let milliseconds = { (duration: Duration) in UInt32(clamping: duration.components.seconds * 1000 + duration.components.attoseconds / 1_000_000_000_000_000) }
-            let (low, high) = (milliseconds(interval.lowerBound), milliseconds(interval.upperBound))
+            let (low, high) = (UInt32(clamping: interval.lowerBound.wholeMilliseconds), UInt32(clamping: interval.upperBound.wholeMilliseconds))
             // advertising.c: 0x20 to 0xFFFFFF units of 0.625 ms.
             guard low >= 20, high <= 10_485_759 else {
                 throw TransportError(.misuse, "an advertising interval runs from 20 ms to 10485.759 s; \(low) ms to \(high) ms is outside it")

@@ -79,6 +79,16 @@ public final class GATTServer: Sendable {
         case authenticated
         /// LE Secure Connections, authenticated.
         case secure
+
+        /// What BlueZ's flags for this level begin with (`encrypt-read`); nil for none.
+        var flagPrefix: String? {
+            switch self {
+            case .none: nil
+            case .encrypted: "encrypt-"
+            case .authenticated: "encrypt-authenticated-"
+            case .secure: "secure-"
+            }
+        }
     }
 
     /// A characteristic: its properties and security, its value, and the handlers that answer
@@ -405,12 +415,7 @@ extension GATTServer {
 
         /// GattCharacteristic1's Flags for `properties` under `security`.
         static func flags(_ properties: Properties, _ security: Security) -> [String] {
-            let prefix: String? = switch security {
-            case .none: nil
-            case .encrypted: "encrypt-"
-            case .authenticated: "encrypt-authenticated-"
-            case .secure: "secure-"
-            }
+            let prefix = security.flagPrefix
             var flags: [String] = []
             if properties.contains(.read) { flags.append((prefix ?? "") + "read") }
             if properties.contains(.write) { flags.append("write") }
@@ -423,12 +428,7 @@ extension GATTServer {
 
         /// GattDescriptor1's Flags.
         static func flags(_ descriptor: Descriptor) -> [String] {
-            let prefix: String = switch descriptor.security {
-            case .none: ""
-            case .encrypted: "encrypt-"
-            case .authenticated: "encrypt-authenticated-"
-            case .secure: "secure-"
-            }
+            let prefix = descriptor.security.flagPrefix ?? ""
             return [prefix + "read"] + (descriptor.writable ? [prefix + "write"] : [])
         }
 

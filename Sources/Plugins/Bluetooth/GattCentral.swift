@@ -327,7 +327,8 @@ public final class BluetoothPeripheral: Sendable {
     public let address: String
     /// The adapter the link is on (`hci0`).
     public let adapter: String
-    private let bluez: BlueZ
+    /// The bluetoothd client of every session this object has (pairing and forgetting use it too).
+    let bluez: BlueZ
     /// Opens a new session to the device on the first session's adapter (the reconnect policy's attempts).
     private let reopen: @Sendable (Duration, String) async throws -> GattSession
     private let policy: ReconnectPolicy?
@@ -537,7 +538,7 @@ public final class BluetoothPeripheral: Sendable {
         }
         guard let id = registered else {
             await bluez.notifySessions.stop(bluez, path: found.path)
-            throw state.withLock { $0.ended ?? $0.down.map { TransportError(.disconnected, "\($0.message); reconnecting") } }
+            throw state.withLock { $0.ended ?? $0.down.map(Self.reconnecting) }
                 ?? TransportError(.misuse, "\(describing) was disconnected by this side (disconnect())")
         }
         let overflow = TransportError(.io, "\(describing): more than \(limit) notifications from \(found.shortUUID) waited unread: "
@@ -649,7 +650,6 @@ public final class BluetoothPeripheral: Sendable {
     /// The device as bluetoothd last reported it.
     var deviceSnapshot: BluetoothDevice { state.withLock { $0.device } }
 
-    var sessionBlueZ: BlueZ { bluez }
 
     /// Records what a call's success says, before bluetoothd's signal about it arrives.
     func updateDevice(_ body: (inout BluetoothDevice) -> Void) { state.withLock { body(&$0.device) } }
@@ -678,7 +678,7 @@ public final class BluetoothPeripheral: Sendable {
         try state.withLock { state in
             if state.closed { throw TransportError(.misuse, "\(describing) was disconnected by this side (disconnect())") }
             if let ended = state.ended { throw ended }
-            if let down = state.down { throw TransportError(.disconnected, "\(down.message); reconnecting") }
+            if let down = state.down { throw Self.reconnecting(down) }
         }
         return try await body()
     }
@@ -883,6 +883,11 @@ public final class BluetoothPeripheral: Sendable {
             }
         }
         end(error)
+    }
+
+    /// What an operation asked for while the link is down (after `drop`) fails with.
+    private static func reconnecting(_ drop: TransportError) -> TransportError {
+        TransportError(.disconnected, "\(drop.message); reconnecting")
     }
 
     /// The link ended for good: the event sequences end after saying so, and the notification sequences with `error`.

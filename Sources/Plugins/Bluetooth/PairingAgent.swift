@@ -208,7 +208,7 @@ extension BluetoothPeripheral {
         let snapshot = deviceSnapshot
         await disconnect()
         do {
-            _ = try await sessionBlueZ.call(snapshot.adapterPath, BlueZ.adapterInterface, "RemoveDevice", [.objectPath(snapshot.path)],
+            _ = try await bluez.call(snapshot.adapterPath, BlueZ.adapterInterface, "RemoveDevice", [.objectPath(snapshot.path)],
                                             about: "forgetting \(address)")
         } catch let error as TransportError where error.code == "org.bluez.Error.DoesNotExist" {
             // Already gone.

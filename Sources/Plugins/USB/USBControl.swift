@@ -117,7 +117,7 @@ extension USBTransferEngine {
         }
         libusb_fill_control_setup(buffer, requestType, request, value, index, UInt16(length))
         if !data.isEmpty { (buffer + setup).update(from: data, count: data.count) }
-        let milliseconds = UInt32(clamping: max(1, timeout.components.seconds * 1000 + timeout.components.attoseconds / 1_000_000_000_000_000))
+        let milliseconds = UInt32(clamping: max(1, timeout.wholeMilliseconds))
         let box = USBControlRequest(transfer: transfer, engine: self)
         try beginControl(box)
         let retained = Unmanaged.passRetained(box)

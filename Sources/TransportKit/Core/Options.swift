@@ -350,6 +350,11 @@ extension Duration {
         let value = Double(seconds) + Double(attoseconds) / 1e18
         return "\(value.formatted3) s"
     }
+
+    /// Whole milliseconds (rounded down), for the C and D-Bus APIs that count in them.
+    @_spi(Plugins) public var wholeMilliseconds: Int64 {
+        components.seconds * 1000 + components.attoseconds / 1_000_000_000_000_000
+    }
 }
 
 extension Double {
