@@ -286,8 +286,9 @@ struct BridgeServer: Sendable {
     /// Opens a listener, reports it, accepts one connection and closes the listener.
     static func acceptOne(on url: String, status: StatusPrinter) async throws -> Connection {
         let listener = try await Transport.listen(on: url)
-        status(["event": "listening", "url": listener.url.description])
+        // Warnings first: whoever waits for "listening" has then seen them.
         warnIfOpenToStrangers(listener, target: nil, status: status)
+        status(["event": "listening", "url": listener.url.description])
         let accepted: Connection?
         do {
             accepted = try await listener.accept()
@@ -329,9 +330,9 @@ struct BridgeServer: Sendable {
     /// is closed (its socket file removed) before this returns or throws.
     func serve(on url: String) async throws {
         let listener = try await Transport.registry.listen(on: url, buffering: .compact)
+        Self.warnIfOpenToStrangers(listener, target: settings.target, status: settings.status)
         settings.status(["event": "listening", "url": listener.url.description, "target": settings.target,
                          "clients": settings.exclusive ? "1 at a time" : "up to \(settings.limit)"])
-        Self.warnIfOpenToStrangers(listener, target: settings.target, status: settings.status)
         do {
             if settings.exclusive {
                 try await serveExclusive(listener)
