@@ -230,4 +230,60 @@ struct GattCentralLabTests {
         let missing = try await Lab.run(Lab.cli, ["gatt", address, "read", "2a00", "--adapter", "hci0"])
         #expect(missing.status == 1 && missing.stderr.contains("has no characteristic 2a00"), "\(missing.stderr)")
     }
+
+    /// A GATT server no one here wrote: bluez-peripheral (PyPI 0.1.7, on dbus-next; Scripts/lab
+    /// installs it into its cache) publishes Peers/bluez_peripheral_server.py's service on hci1.
+    /// The central lists it, reads a value longer than one packet (bluetoothd reads it at offsets,
+    /// which the server's handler cuts), writes with and without response and is notified.
+    @Test func aServerWrittenWithBluezPeripheralServesTheCentral() async throws {
+        let (controllers, _) = try await GattLabTests.setUp()
+        let library = try #require(ProcessInfo.processInfo.environment["TRANSPORTKIT_LAB_PYTHONPATH"], "Scripts/lab installs bluez-peripheral")
+        let script = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Peers/bluez_peripheral_server.py").path
+        let server = try Lab.Background("/usr/bin/python3", [script, "hci1"], environment: ["PYTHONPATH": library])
+        defer { Task { await server.stop() } }
+        let printed = { server.output }
+        try #require(await eventually(20, every: .milliseconds(50)) { printed().contains("ready") }, "bluez_peripheral_server.py: \(printed())")
+
+        // A link made before the server registered carries the services of then: connect anew,
+        // and once more if bluetoothd answered from its cache of the device (as bleak's script does).
+        try await GattServerLabTests.disconnect(controllers.peripheralText)
+        var device = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0")
+        if !device.services.contains(where: { $0.uuid == Self.bpService }) {
+            await device.disconnect()
+            device = try await BluetoothPeripheral.connect(to: controllers.peripheralText, adapter: "hci0")
+        }
+        do {
+            let service = try #require(device.services.first { $0.uuid == Self.bpService }, "\(device.services.map(\.uuid))")
+            let flags = Dictionary(uniqueKeysWithValues: service.characteristics.map { ($0.uuid, Set($0.flags)) })
+            #expect(flags[Self.bpLong] == ["read"], "\(flags)")
+            #expect(flags[Self.bpStored] == ["read", "write", "write-without-response"], "\(flags)")
+            #expect(flags[Self.bpTicker] == ["read", "notify"], "\(flags)")
+
+            #expect(try await device.read(Self.bpLong) == Array(0..<100), "read whole, past one packet")
+            try await device.write([0xca, 0xfe], to: Self.bpStored)
+            // The characteristic also takes writes without response, so bluetoothd (5.66) answers
+            // the central before the application has the value: wait for it.
+            #expect(await eventually(5) { printed().contains("wrote cafe") }, "\(printed())")
+            #expect(try await device.read(Self.bpStored) == [0xca, 0xfe])
+            try await device.write([0x5a], to: Self.bpStored, type: .withoutResponse)
+            #expect(await eventually(5) { printed().contains("wrote 5a") }, "\(printed())")
+
+            let ticks = try await device.notifications(of: Self.bpTicker)
+            var received: [UInt8] = []
+            for try await value in ticks {
+                received.append(contentsOf: value)
+                if received.count == 3 { break }
+            }
+            #expect(received.count == 3 && zip(received, received.dropFirst()).allSatisfy { $1 == $0 &+ 1 }, "consecutive counts: \(received)")
+        } catch {
+            Issue.record(error, "bluez_peripheral_server.py: \(printed())")
+        }
+        await device.disconnect()
+        await server.stop()
+    }
+
+    static let bpService = "7e1a0000-6c3d-4b8e-9f1a-3c5e2d4b6a70"
+    static let bpLong = "7e1a0001-6c3d-4b8e-9f1a-3c5e2d4b6a70"
+    static let bpStored = "7e1a0002-6c3d-4b8e-9f1a-3c5e2d4b6a70"
+    static let bpTicker = "7e1a0003-6c3d-4b8e-9f1a-3c5e2d4b6a70"
 }

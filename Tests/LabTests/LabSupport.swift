@@ -93,6 +93,60 @@ enum Lab {
                       stderr: String(decoding: stderr.get(), as: UTF8.self))
     }
 
+    /// A peer program that runs beside a test (a python GATT server, bluez-tools' bt-agent):
+    /// standard input from `input`, standard output and error into one file that `output` reads.
+    /// posix_spawn, as `run`; `stop` ends it (SIGTERM, then SIGKILL) and reaps it off the pool.
+    final class Background: Sendable {
+        let pid: pid_t
+        let log: String
+        private let stopped = Mutex(false)
+
+        init(_ executable: String, _ arguments: [String], input: String = "", environment: [String: String] = [:]) throws {
+            log = temporaryPath("peer.out")
+            let inputPath = temporaryPath("peer.in")
+            guard FileManager.default.createFile(atPath: inputPath, contents: Data(input.utf8)) else {
+                throw TransportError(.io, "cannot write \(inputPath)")
+            }
+            var actions = posix_spawn_file_actions_t()
+            posix_spawn_file_actions_init(&actions)
+            defer { posix_spawn_file_actions_destroy(&actions) }
+            posix_spawn_file_actions_addopen(&actions, 0, inputPath, O_RDONLY, 0)
+            posix_spawn_file_actions_addopen(&actions, 1, log, O_WRONLY | O_CREAT | O_TRUNC, 0o600)
+            posix_spawn_file_actions_adddup2(&actions, 1, 2)
+            let argv = ([executable] + arguments).map { strdup($0) } + [nil]
+            defer { argv.forEach { free($0) } }
+            var environment = environment
+            for (key, value) in ProcessInfo.processInfo.environment where environment[key] == nil { environment[key] = value }
+            let envp = environment.map { strdup("\($0.key)=\($0.value)") } + [nil]
+            defer { envp.forEach { free($0) } }
+            var pid: pid_t = 0
+            let spawned = posix_spawn(&pid, executable, &actions, nil, argv, envp)
+            guard spawned == 0 else {
+                throw TransportError(.io, "posix_spawn \(executable)", errno: Errno(rawValue: spawned), syscall: "posix_spawn")
+            }
+            self.pid = pid
+        }
+
+        /// What it printed so far.
+        var output: String { (try? String(contentsOfFile: log, encoding: .utf8)) ?? "" }
+
+        /// Ends it; once (a reaped pid may be another process's).
+        func stop() async {
+            guard !stopped.withLock({ stopped in defer { stopped = true }; return stopped }) else { return }
+            let pid = pid
+            _ = kill(pid, SIGTERM)
+            await Lab.onThread {
+                var status: Int32 = 0
+                for _ in 0..<40 {
+                    if waitpid(pid, &status, WNOHANG) != 0 { return }
+                    usleep(50_000)
+                }
+                _ = kill(pid, SIGKILL)
+                while waitpid(pid, &status, 0) < 0 && errno == EINTR {}
+            }
+        }
+    }
+
     private static func readToEnd(_ fd: Int32) -> [UInt8] {
         var bytes: [UInt8] = []
         var buffer = [UInt8](repeating: 0, count: 4096)

@@ -500,15 +500,27 @@ struct OptionModeLabTests {
         _ = try await BlueZLabTests.setUp(advertising: false)   // bluetoothd up when this test runs alone
         try await Self.settleAndForget()
         let (controllers, peripheral) = try await GattLabTests.setUp()
-        // security=medium pairs (Just Works) with the device first: an agent answers bluetoothd.
-        let agent = try await BluetoothPairingAgent.register()
+        // security=medium pairs (Just Works) with the device first. This process's agent answers
+        // for the pairing it starts; the device's side is bluez-tools' bt-agent, the default agent
+        // (bluetoothd asks it about pairings it did not start), which refuses the first and
+        // authorizes the second (its answers come from standard input).
+        let peerAgent = try Lab.Background("/usr/bin/stdbuf", ["-oL", "/usr/bin/bt-agent", "--capability", "NoInputNoOutput"], input: "no\nyes\n")
+        defer { Task { await peerAgent.stop() } }
+        try #require(await eventually(10, every: .milliseconds(50)) { peerAgent.output.contains("Default agent requested") }, "bt-agent: \(peerAgent.output)")
+        let agent = try await BluetoothPairingAgent.register(asDefault: false)
         do {
             let url = "ble://6E400001-B5A3-F393-E0A9-E50E24DCCA9E/\(controllers.peripheralText)?adapter=hci0"
                 + "&rx=6E400003-B5A3-F393-E0A9-E50E24DCCA9E&tx=6E400002-B5A3-F393-E0A9-E50E24DCCA9E&acquire=never&security=medium&timeout=30"
             #expect(try Self.missing(url, mode: "ble:// GATT serial connection", scheme: "ble").isEmpty)
+            let refused = await expectLabError(.permissionDenied) { try await Transport.connect(to: url) }
+            print("lab: the device's agent refused pairing: \(String(describing: refused))")
+            #expect(refused?.message.contains("refused") == true, "\(String(describing: refused))")
+            #expect(peerAgent.output.contains("Authorize this device pairing"), "bt-agent was asked: \(peerAgent.output)")
+            #expect(try await !Self.isPaired(controllers.peripheralText, on: "hci0"))
             let connection = try await GattLabTests.echo(through: url, controllers, peripheral)   // 10 KiB out, echoed back
             #expect(connection.metadata.extra["security"] == "medium")
             #expect(try await Self.isPaired(controllers.peripheralText, on: "hci0"), "security=medium paired with the device")
+            #expect(peerAgent.output.components(separatedBy: "Authorize this device pairing").count == 3, "bt-agent authorized the second: \(peerAgent.output)")
             let link = try await Self.link(to: controllers.peripheralText, on: "hci0")
             #expect(link?.contains("ENCRYPT") == true, "security=medium: the LE link is encrypted: \(link ?? "no link")")
             #expect(connection.metadata.extra["rx"] == "6e400003-b5a3-f393-e0a9-e50e24dcca9e")
@@ -535,6 +547,7 @@ struct OptionModeLabTests {
         #expect(absent?.message.contains("not found within the 3 s timeout") == true, "\(String(describing: absent))")
         #expect(ContinuousClock.now - started < .seconds(8))
         await agent.unregister()
+        await peerAgent.stop()
         // The peripheral goes, and hci1 gets a fresh advertising state and its own advertising back
         // for the suites after this one (GattLabTests explains the controller's stale advertising set).
         if let previous = GattLabTests.current.withLock({ $0.take() }) { await previous.close() }

@@ -380,8 +380,14 @@ final class BlueZ: Sendable {
             return TransportError(.unsupported, "\(what): the adapter is not ready (powered off?): `bluetoothctl power on`. \(message)")
         }
         if has("AuthenticationFailed") || has("AuthenticationRejected") || has("AuthenticationCanceled") || has("AuthenticationTimeout") {
-            return TransportError(.permissionDenied, "\(what): pairing failed: pair the device first (`bluetoothctl pair ADDRESS`) "
-                                  + "with an agent running (bluetoothctl is one), or ask for less security. \(message)")
+            // bluetoothd asks the agent of the client that called Pair, else the default agent.
+            if BluetoothPairingAgent.registered.load(ordering: .relaxed) > 0 {
+                return TransportError(.permissionDenied, "\(what): pairing failed: the device refused it or did not answer (its agent or its "
+                                      + "user said no, or it has no agent to answer); accept the pairing on the device, or ask for less security. \(message)")
+            }
+            return TransportError(.permissionDenied, "\(what): pairing failed: no agent answered bluetoothd on this side, or the device refused. "
+                                  + "Register one (BluetoothPairingAgent.register(), or run `bluetoothctl` with its agent on) and pair again "
+                                  + "(`bluetoothctl pair ADDRESS`), or ask for less security. \(message)")
         }
         if has("NotAuthorized") || has("NotPermitted") {
             return TransportError(.permissionDenied, "\(what): BlueZ refused: the device needs pairing or authorization (`bluetoothctl pair ADDRESS`, "

@@ -12,6 +12,7 @@
 //   bluetoothd gives up on an unanswered request after its own timeout and calls Cancel.
 // - A rejection is the error org.bluez.Error.Rejected; an agent that gives up, org.bluez.Error.Canceled.
 
+import Synchronization
 @_spi(Plugins) import TransportKitCore
 import TransportKitDBus
 
@@ -71,6 +72,11 @@ public final class BluetoothPairingAgent: Sendable {
     public let path: String
     private let bluez: BlueZ
     private let export: DBusExport
+    private let unregistered = Atomic(false)
+
+    /// How many agents this process has registered: with one, a failed pairing is the device's
+    /// refusal, not a missing agent here (bluetoothd asks the agent of the client that called Pair).
+    static let registered = Atomic(0)
 
     private init(path: String, bluez: BlueZ, export: DBusExport) {
         self.path = path
@@ -111,11 +117,14 @@ public final class BluetoothPairingAgent: Sendable {
             await export.remove()
             throw error
         }
+        registered.add(1, ordering: .relaxed)
         return BluetoothPairingAgent(path: path, bluez: bluez, export: export)
     }
 
     /// Unregisters the agent; bluetoothd asks it nothing more.
     public func unregister() async {
+        guard !unregistered.exchange(true, ordering: .relaxed) else { return }
+        Self.registered.subtract(1, ordering: .relaxed)
         _ = try? await bluez.call("/org/bluez", "org.bluez.AgentManager1", "UnregisterAgent", [.objectPath(path)], about: "unregistering a pairing agent")
         await export.remove()
     }
@@ -227,13 +236,8 @@ extension BluetoothPairingAgent {
         }
     }
 
-    /// Device1.Pair's error as a person can act on it; nil when the device was paired already.
+    /// Device1.Pair's error (explained by `BlueZ.explain`); nil when the device was paired already.
     static func pairingFailure(_ error: TransportError) -> TransportError? {
-        if error.code == "org.bluez.Error.AlreadyExists" { return nil }
-        guard error.code?.hasPrefix("org.bluez.Error.Authentication") == true else { return error }
-        var explained = TransportError(.permissionDenied, "\(error.message). Pairing needs an agent to answer bluetoothd: register one "
-                                       + "(BluetoothPairingAgent.register()), or run `bluetoothctl` with its agent on")
-        explained.code = error.code
-        return explained
+        error.code == "org.bluez.Error.AlreadyExists" ? nil : error
     }
 }
