@@ -110,6 +110,13 @@ let package = Package(
             swiftSettings: strict
         ),
         .target(
+            // rfc2217:// (Telnet COM-PORT-OPTION): the client layer over TCP or TLS; no C.
+            name: "TransportKitRFC2217",
+            dependencies: ["TransportKitCore", "TransportKitSockets", nioCore],
+            path: "Sources/Plugins/RFC2217",
+            swiftSettings: strict
+        ),
+        .target(
             name: "TransportKitLoop",
             dependencies: ["TransportKitCore", nioCore],
             path: "Sources/Plugins/Loop",
@@ -148,7 +155,7 @@ let package = Package(
         .target(
             name: "TransportKit",
             dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy", "TransportKitBluetooth",
-                           "TransportKitUSB", "TransportKitTLS", "TransportKitWeb"],
+                           "TransportKitUSB", "TransportKitTLS", "TransportKitWeb", "TransportKitRFC2217"],
             path: "Sources/TransportKit/BuiltIns",
             swiftSettings: strict
         ),
@@ -185,7 +192,7 @@ let package = Package(
             name: "TransportKitTests",
             // CUdev: the libudev reference enumeration the sysfs listing is checked against.
             dependencies: ["TransportKit", "TransportKitFoundation", "TransportKitLinux", "TransportKitUdev", "TransportKitSerial", "TransportKitDBus",
-                           "TransportKitUSB", "TransportKitBluetooth",
+                           "TransportKitUSB", "TransportKitBluetooth", "TransportKitRFC2217",
                            "CUdev", "TestSupport", nioPosix, system, logging],
             exclude: ["Peers"],
             swiftSettings: strict

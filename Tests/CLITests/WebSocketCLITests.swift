@@ -14,24 +14,7 @@ struct WebSocketCLITests {
     /// Runs `body` with the port of a python peer started with `arguments` and port 0; the peer
     /// prints "ready PORT" once it listens on the port it chose.
     static func withPeer(_ arguments: [String], _ body: (Int) async throws -> Void) async throws {
-        let log = temporaryPath("peer.out")
-        _ = FileManager.default.createFile(atPath: log, contents: nil)
-        let server = Process()
-        server.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
-        server.arguments = arguments
-        server.standardOutput = try FileHandle(forWritingTo: URL(fileURLWithPath: log))
-        server.standardError = FileHandle.nullDevice
-        try server.run()
-        defer { kill(server.processIdentifier, SIGKILL) }
-        var port: Int?
-        #expect(await eventually(10, every: .milliseconds(20)) {
-            let text = (try? String(contentsOfFile: log, encoding: .utf8)) ?? ""
-            // Whole lines only: a print may reach the file in pieces.
-            let lines = text.split(separator: "\n", omittingEmptySubsequences: false).dropLast()
-            port = lines.first { $0.hasPrefix("ready ") }?.split(separator: " ").last.flatMap { Int($0) }
-            return port.map(portAccepts) ?? false
-        })
-        try await body(try #require(port))
+        try await TestSupport.withPeer(arguments, body)
     }
 
     /// Runs `body` with the port of a python websockets server (ws_peer.py serve).

@@ -258,33 +258,3 @@ final class EventCollector: Sendable {
 
     func stop() { task.withLock { $0?.cancel() } }
 }
-
-/// Gathers what a sequence yields (notifications, a server's or a device's events) in a task of
-/// its own, so a test waits for it with a limit instead of hanging on `next()`.
-final class Gathered<Element: Sendable>: Sendable {
-    private let state = Mutex<(elements: [Element], failure: (any Error)?, ended: Bool)>(([], nil, false))
-    private let task: Mutex<Task<Void, Never>?> = Mutex(nil)
-
-    init<S: AsyncSequence & Sendable>(_ sequence: S) where S.Element == Element {
-        let consumer = Task { [self] in
-            do {
-                for try await element in sequence { self.state.withLock { $0.elements.append(element) } }
-            } catch {
-                self.state.withLock { $0.failure = error }
-            }
-            self.state.withLock { $0.ended = true }
-        }
-        task.withLock { $0 = consumer }
-    }
-
-    var elements: [Element] { state.withLock { $0.elements } }
-    var failure: (any Error)? { state.withLock { $0.failure } }
-    var ended: Bool { state.withLock { $0.ended } }
-
-    /// Waits up to `seconds` until `condition` holds for what came so far.
-    func wait(_ seconds: Double, until condition: @escaping ([Element]) -> Bool) async -> Bool {
-        await eventually(seconds, every: .milliseconds(50)) { condition(self.elements) }
-    }
-
-    func stop() { task.withLock { $0?.cancel() } }
-}

@@ -672,10 +672,10 @@ struct OptionModeLabTests {
         do {
             let port = try #require(tty.serialPort)
             // The modem lines first: another open of the port raises DTR and RTS again (tty_port_block_til_ready).
-            let lines = try port.modemLines()
+            let lines = try await port.modemLines()
             #expect(!lines.contains(.dtr) && lines.contains(.rts), "dtr=false&rts=true: \(lines)")
             // cdc_acm keeps 7E2 (SET_LINE_CODING carries it to the device): read back, no error.
-            #expect(try port.settings() == SerialSettings(baudRate: 57600, dataBits: 7, parity: .even, stopBits: 2, flowControl: .rtscts))
+            #expect(try await port.settings() == SerialSettings(baudRate: 57600, dataBits: 7, parity: .even, stopBits: 2, flowControl: .rtscts))
             let now = try Self.view(host)
             during = now
             #expect(now.speed == speed_t(B57600))
@@ -738,9 +738,9 @@ struct OptionModeLabTests {
             #expect(tty.metadata.extra["interface"] == "0")
             #expect(tty.metadata.extra["lowLatency"] == nil, "lowLatency=false asks nothing of the driver")
             let port = try #require(tty.serialPort)
-            let lines = try port.modemLines()
+            let lines = try await port.modemLines()
             #expect(lines.contains(.dtr) && !lines.contains(.rts), "dtr=true&rts=false: \(lines)")
-            #expect(try port.settings() == SerialSettings(baudRate: 115_200, dataBits: 8, parity: .odd, stopBits: 1, flowControl: .xonxoff))
+            #expect(try await port.settings() == SerialSettings(baudRate: 115_200, dataBits: 8, parity: .odd, stopBits: 1, flowControl: .xonxoff))
             let now = try Self.view(hostAgain)
             #expect(now.speed == speed_t(B115200))
             #expect(now.cflag & tcflag_t(PARENB | PARODD) == tcflag_t(PARENB | PARODD))

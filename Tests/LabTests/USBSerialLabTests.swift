@@ -52,7 +52,7 @@ struct USBSerialLabTests {
             let opened = connection.metadata.remoteAddress.map { URL(fileURLWithPath: $0).resolvingSymlinksInPath().path }
             #expect(opened == host, "\(url) opened \(connection.metadata.remoteAddress ?? "nothing")")
             let port = try #require(connection.serialPort)
-            #expect(try port.settings() == expected, "\(url)")
+            #expect(try await port.settings() == expected, "\(url)")
 
             // Seven data bits: payload below 0x80, as a device at 7 bits would send.
             let limit = expected.dataBits == 8 ? 256 : 128
@@ -132,12 +132,48 @@ struct USBSerialLabTests {
 
     @Sendable static func pattern(_ index: Int) -> UInt8 { UInt8(truncatingIfNeeded: index % 251) }
 
+    /// Threads of this process that watch modem lines (/proc/self/task/*/comm).
+    static func watchThreads() -> Int {
+        let tasks = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/task")) ?? []
+        return tasks.filter { ((try? String(contentsOfFile: "/proc/self/task/\($0)/comm", encoding: .utf8)) ?? "").hasPrefix("tk modem lines") }.count
+    }
+
+    @Test("closing a port while its modem lines are watched ends the watch and returns at once")
+    func closingEndsAModemLineWatch() async throws {
+        _ = try await Gadget.plug()
+        let connection = try await Transport.connect(to: "tty://\(Gadget.byID)")
+        let changes = Gathered(try await #require(connection.serialPort).modemLineChanges())
+        #expect(await changes.wait(5) { $0.count == 1 })
+        let started = ContinuousClock.now
+        try await connection.close()
+        #expect(ContinuousClock.now - started < .seconds(2), "close did not wait for the watch")
+        #expect(await eventually(3) { changes.ended && Self.watchThreads() == 0 }, "\(changes.elements)")
+        #expect(changes.failure == nil, "closed by the app: the sequence ends without an error: \(String(describing: changes.failure))")
+        // The port is free again at once (no duplicate of its descriptor holds the lock).
+        let again = try await Transport.connect(to: "tty://\(Gadget.byID)")
+        try await again.close()
+    }
+
+    /// Also the modem lines' changes (TIOCMIWAIT on cdc_acm): the ACM gadget raises DSR and CD
+    /// when its side of the port is opened (f_acm's acm_connect, a SERIAL_STATE notification), and
+    /// the watch ends with `.disconnected` at the unplug.
     @Test("bytes the host received before the unplug are all delivered after it, then .disconnected")
     func bufferedBytesSurviveTheUnplug() async throws {
         let (_, gadgetNode) = try await Gadget.plug()
         let descriptorsBefore = Descriptors.targets()
         let connection = try await Transport.connect(to: "tty://\(Gadget.byID)")
+        // A watch the app stops (its sequence dropped) ends its thread: TIOCMIWAIT interrupted.
+        let dropped = Gathered(try await #require(connection.serialPort).modemLineChanges())
+        #expect(await dropped.wait(5) { $0.count == 1 })
+        #expect(Self.watchThreads() == 1, "one thread per watch")
+        dropped.stop()
+        #expect(await eventually(3) { Self.watchThreads() == 0 }, "the dropped watch's thread ended")
+        let changes = Gathered(try await #require(connection.serialPort).modemLineChanges())
+        defer { changes.stop() }
+        #expect(await changes.wait(5) { $0.count == 1 }, "the lines now, first: \(changes.elements)")
+        #expect(changes.elements.first.map { !$0.contains(.dsr) && !$0.contains(.cd) } == true, "\(changes.elements)")
         let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
+        #expect(await changes.wait(5) { $0.last?.isSuperset(of: [.dsr, .cd]) == true }, "the gadget's open raised DSR and CD: \(changes.elements)")
         let payload = (0..<20_000).map { UInt8(truncatingIfNeeded: $0 * 31) }
         try await gadget.write(payload)
         // Drained on the gadget: the bytes crossed the bus and cdc_acm acknowledged them.
@@ -150,6 +186,9 @@ struct USBSerialLabTests {
         let (received, ending) = await Lab.readToEnd(connection)
         #expect(received == payload, "\(received.count) of \(payload.count) bytes delivered")
         #expect(ending?.kind == .disconnected, "\(String(describing: ending))")
+        #expect(await eventually(5) { changes.ended }, "the watch ends at the unplug")
+        #expect((changes.failure as? TransportError)?.kind == .disconnected, "\(String(describing: changes.failure))")
+        #expect(await eventually(3) { Self.watchThreads() == 0 })
         try await connection.close()
         try await gadget.close()
         try Gadget.setBound(true)

@@ -4,6 +4,7 @@
 
 import Foundation
 import Glibc
+import Synchronization
 
 /// Polls `condition` every `interval` for up to `seconds`; `true` as soon as it holds.
 ///
@@ -71,4 +72,71 @@ public func portAccepts(_ port: Int) -> Bool {
     return withUnsafePointer(to: &address) {
         $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
     } == 0
+}
+
+/// A peer program did not say it was ready.
+public struct PeerNotReady: Error, CustomStringConvertible {
+    public var description: String
+}
+
+/// Runs `body` with the port of a peer program (a python server no one here wrote) started with
+/// `arguments`; the peer prints "ready PORT" once it listens on the port it chose. The peer is
+/// killed when `body` returns or throws.
+///
+/// ```swift
+/// try await withPeer([script, "serve", "0"]) { port in … }
+/// ```
+public func withPeer(_ arguments: [String], executable: String = "/usr/bin/python3", _ body: (Int) async throws -> Void) async throws {
+    let log = temporaryPath("peer.out")
+    _ = FileManager.default.createFile(atPath: log, contents: nil)
+    defer { unlink(log) }
+    let server = Process()
+    server.executableURL = URL(fileURLWithPath: executable)
+    server.arguments = arguments
+    server.standardOutput = try FileHandle(forWritingTo: URL(fileURLWithPath: log))
+    server.standardError = FileHandle.nullDevice
+    try server.run()
+    defer { kill(server.processIdentifier, SIGKILL) }
+    var port: Int?
+    let ready = await eventually(10, every: .milliseconds(20)) {
+        let text = (try? String(contentsOfFile: log, encoding: .utf8)) ?? ""
+        // Whole lines only: a print may reach the file in pieces.
+        let lines = text.split(separator: "\n", omittingEmptySubsequences: false).dropLast()
+        port = lines.first { $0.hasPrefix("ready ") }?.split(separator: " ").last.flatMap { Int($0) }
+        return port.map(portAccepts) ?? false
+    }
+    guard ready, let port else {
+        throw PeerNotReady(description: "\(executable) \(arguments.joined(separator: " ")) did not print 'ready PORT' and listen within 10 s")
+    }
+    try await body(port)
+}
+
+/// Gathers what a sequence yields (notifications, a server's or a device's events) in a task of
+/// its own, so a test waits for it with a limit instead of hanging on `next()`.
+public final class Gathered<Element: Sendable>: Sendable {
+    private let state = Mutex<(elements: [Element], failure: (any Error)?, ended: Bool)>(([], nil, false))
+    private let task: Mutex<Task<Void, Never>?> = Mutex(nil)
+
+    public init<S: AsyncSequence & Sendable>(_ sequence: S) where S.Element == Element {
+        let consumer = Task { [self] in
+            do {
+                for try await element in sequence { self.state.withLock { $0.elements.append(element) } }
+            } catch {
+                self.state.withLock { $0.failure = error }
+            }
+            self.state.withLock { $0.ended = true }
+        }
+        task.withLock { $0 = consumer }
+    }
+
+    public var elements: [Element] { state.withLock { $0.elements } }
+    public var failure: (any Error)? { state.withLock { $0.failure } }
+    public var ended: Bool { state.withLock { $0.ended } }
+
+    /// Waits up to `seconds` until `condition` holds for what came so far.
+    public func wait(_ seconds: Double = 5, until condition: @escaping ([Element]) -> Bool) async -> Bool {
+        await eventually(seconds, every: .milliseconds(50)) { condition(self.elements) }
+    }
+
+    public func stop() { task.withLock { $0?.cancel() } }
 }

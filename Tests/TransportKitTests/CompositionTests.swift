@@ -70,11 +70,11 @@ struct SpyTests {
         defer { unlink(file) }
         let connection = try await Transport.connect(to: "spy+pty://?baud=9600&spy.file=\(file)")
         let port = try #require(connection.serialPort, "serialPort reaches through spy")
-        try port.apply(SerialSettings(baudRate: 19200))
-        #expect(try port.settings().baudRate == 19200)
-        try port.flush(.input)
+        try await port.apply(SerialSettings(baudRate: 19200))
+        #expect(try await port.settings().baudRate == 19200)
+        try await port.flush(.input)
         try await port.sendBreak(duration: .milliseconds(10))
-        await expectTransportError(.unsupported) { try port.setDTR(true) }
+        await expectTransportError(.unsupported) { try await port.setDTR(true) }
         try await connection.close()
         let text = trace(file)
         #expect(text.contains("CTRL  settings 19200 8N1\n"), "\(text)")

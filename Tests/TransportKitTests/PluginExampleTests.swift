@@ -86,7 +86,7 @@ struct PluginExampleTests {
             #expect(connection.metadata.name == "loopback", "metadata is the wrapped connection's")
         }
         let pty = try await registry.connect(to: "crlf+pty://?baud=19200")
-        #expect(try pty.serialPort?.settings().baudRate == 19200, "serialPort reaches through the wrapper")
+        #expect(try await pty.serialPort?.settings().baudRate == 19200, "serialPort reaches through the wrapper")
         #expect(pty.preferredExecutor != nil, "so does the wrapped transport's executor")
         try await pty.close()
         await expectTransportError(.invalidURL) { try await registry.connect(to: "crlf+loop://?crlf.mode=1") }

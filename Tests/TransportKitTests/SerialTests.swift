@@ -148,7 +148,7 @@ struct TTYTests {
         let pty = try TestPTY()
         defer { pty.closeMaster() }
         let connection = try await Transport.connect(to: "tty://adapter:19200\(pty.path)")
-        #expect(try connection.serialPort?.settings().baudRate == 19200)
+        #expect(try await connection.serialPort?.settings().baudRate == 19200)
         try await connection.close()
         let error = await expectTransportError(.invalidURL) {
             try await Transport.connect(to: "tty://adapter:19200\(pty.path)?baud=9600")
@@ -162,15 +162,15 @@ struct TTYTests {
         defer { pty.closeMaster() }
         let connection = try await Transport.connect(to: "tty://\(pty.path)")
         let port = try #require(connection.serialPort)
-        #expect(try port.settings() == SerialSettings())
+        #expect(try await port.settings() == SerialSettings())
         // dataBits/parity stay 8/none: a pty forces them (see lineOptions).
         let changed = SerialSettings(baudRate: 57_600, dataBits: 8, parity: .none, stopBits: 2, flowControl: .rtscts)
-        try port.apply(changed)
+        try await port.apply(changed)
         #expect(Termios.settings(of: try pty.termios2()) == changed)
-        #expect(try port.settings() == changed)
-        try port.apply(SerialSettings(baudRate: 123_456))
+        #expect(try await port.settings() == changed)
+        try await port.apply(SerialSettings(baudRate: 123_456))
         #expect(try pty.termios2().c_ospeed == 123_456)
-        #expect(throws: TransportError.self) { try port.apply(SerialSettings(dataBits: 9)) }
+        await #expect(throws: TransportError.self) { try await port.apply(SerialSettings(dataBits: 9)) }
         try await connection.close()
     }
 
@@ -236,10 +236,12 @@ struct TTYTests {
         defer { pty.closeMaster() }
         let connection = try await Transport.connect(to: "tty://\(pty.path)")
         let port = try #require(connection.serialPort)
-        let error = await expectTransportError(.unsupported) { try port.modemLines() }
+        let error = await expectTransportError(.unsupported) { _ = try await port.modemLines() }
         #expect(error?.message.contains("modem control lines") == true)
-        await expectTransportError(.unsupported) { try port.setDTR(true) }
-        await expectTransportError(.unsupported) { try port.setRTS(false) }
+        await expectTransportError(.unsupported) { try await port.setDTR(true) }
+        let changes = await expectTransportError(.unsupported) { _ = try await port.modemLineChanges() }
+        #expect(changes?.message.contains("modem control lines") == true, "\(String(describing: changes))")
+        await expectTransportError(.unsupported) { try await port.setRTS(false) }
         try await connection.close()
         // Asked for on open: refused before the connection exists, descriptor released.
         await expectTransportError(.unsupported) { try await Transport.connect(to: "tty://\(pty.path)?dtr=true") }
@@ -268,12 +270,12 @@ struct TTYTests {
         let port = try #require(connection.serialPort)
         pty.write("stale bytes")
         try await Task.sleep(for: .milliseconds(200))
-        try port.flush(.input)
+        try await port.flush(.input)
         pty.write("fresh")
         let frame = try await connection.readFrame(.fixedLength(5))
         #expect(frame.map { String(decoding: $0, as: UTF8.self) } == "fresh")
-        try port.flush(.output)
-        #expect(try port.outputQueueBytes() == 0)
+        try await port.flush(.output)
+        #expect(try #require(connection.ttyPort).outputQueueBytes() == 0)
         try await connection.close()
     }
 
@@ -287,7 +289,7 @@ struct TTYTests {
         let reader = Task { await pty.read(count: payload.count) }
         try await connection.write(payload)
         try await port.drain()
-        #expect(try port.outputQueueBytes() == 0)
+        #expect(try #require(connection.ttyPort).outputQueueBytes() == 0)
         let received = await reader.value
         #expect(received.count == payload.count)
         try await connection.close()

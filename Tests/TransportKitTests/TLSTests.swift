@@ -306,6 +306,28 @@ struct TLSTests {
         try? await connection.close()
     }
 
+    /// tls+rfc2217://: RFC 2217 over TLS (the tls+ wrapper puts TLS beneath the Telnet layer), to
+    /// pyserial's RFC 2217 server behind socat's TLS termination.
+    @Test func rfc2217RunsOverTLS() async throws {
+        let ca = await Certificates.path("ca.pem")
+        let script = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Peers/rfc2217_server.py").path
+        try await withPeer([script, "loop://"]) { plain in
+            let port = Peer.freePort()
+            let terminator = try Peer(["socat", "OPENSSL-LISTEN:\(port),bind=127.0.0.1,reuseaddr,fork,verify=0,cert=\(await Certificates.path("cert.pem")),"
+                                       + "key=\(await Certificates.path("key.pem"))", "TCP:127.0.0.1:\(plain)"])
+            defer { terminator.kill() }
+            try await terminator.waitForPort(port)
+            let connection = try await Transport.connect(to: "tls+rfc2217://localhost:\(port)?baud=19200&tls.ca=\(ca)")
+            #expect(connection.metadata.extra["tls.version"] != nil && connection.metadata.extra["rfc2217"] == "COM-PORT-OPTION", "\(connection.metadata.extra)")
+            #expect(try await connection.serialPort?.settings().baudRate == 19200)
+            try await connection.write([0x41, 0xff, 0x42])
+            #expect(try await connection.readFrame(.fixedLength(3), timeout: .seconds(10)) == [0x41, 0xff, 0x42], "loop:// echoes through TLS and Telnet")
+            try await connection.close()
+            let untrusted = await expectTransportError(.protocolError) { try await Transport.connect(to: "tls+rfc2217://localhost:\(port)") }
+            #expect(untrusted?.message.contains("not trusted here") == true, "certificates are checked: \(untrusted?.message ?? "")")
+        }
+    }
+
     @Test func tlsWrapsAUnixSocket() async throws {
         let ca = await Certificates.path("ca.pem")
         let (server, port) = try await opensslServer()

@@ -10,7 +10,7 @@ import TransportKitUdev
 
 enum PseudoTerminal {
     @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {
-        let settings = try request.serialSettings()
+        let settings = try request.ttySettings()
         var masterFD: Int32 = -1
         var peerFD: Int32 = -1
         try Syscall.run("openpty", on: "a new pseudo-terminal") { openpty(&masterFD, &peerFD, nil, nil, nil) }

@@ -33,14 +33,13 @@ public struct SerialPlugin: TransportPlugin {
     /// The plugin; `Transport.builtInPlugins` has one.
     public init() {}
 
-    static let baud = URLOption.integer("baud", in: 1...20_000_000, help: "Bit rate, any value the adapter can generate (default 9600, or the URL's port)")
-    static let dataBits = URLOption.integer("dataBits", in: 5...8, default: 8, help: "Data bits per character")
-    static let parity = URLOption.choice("parity", default: SerialSettings.Parity.none, help: "Parity bit")
-    static let stopBits = URLOption.integer("stopBits", in: 1...2, default: 1, help: "Stop bits")
-    static let flowControl = URLOption.choice("flowControl", default: SerialSettings.FlowControl.none,
-                                           help: "Hardware (RTS/CTS) or software (XON/XOFF) flow control")
-    static let dtr = URLOption.bool("dtr", help: "Raise (true) or lower (false) DTR on open; unset leaves it as the driver has it")
-    static let rts = URLOption.bool("rts", help: "Raise (true) or lower (false) RTS on open; unset leaves it as the driver has it")
+    static let baud = SerialLineOptions.baud
+    static let dataBits = SerialLineOptions.dataBits
+    static let parity = SerialLineOptions.parity
+    static let stopBits = SerialLineOptions.stopBits
+    static let flowControl = SerialLineOptions.flowControl
+    static let dtr = SerialLineOptions.dtr
+    static let rts = SerialLineOptions.rts
     static let exclusive = URLOption.bool("exclusive", default: true, help: "Lock the port (TIOCEXCL and flock) so no other program can open it")
     static let lowLatency = URLOption.bool("lowLatency", default: false,
                                         help: "Ask the driver to pass bytes on at once (ASYNC_LOW_LATENCY; FTDI latency timer 1 ms)")
@@ -52,7 +51,7 @@ public struct SerialPlugin: TransportPlugin {
                                         help: "Put the port's previous line settings back when the connection closes (as socat does)")
     static let link = URLOption.string("link", help: "Also create this symlink to the peer node (removed on close)")
 
-    static let lineOptions: [any OptionDeclaration] = [baud, dataBits, parity, stopBits, flowControl]
+    static let lineOptions = SerialLineOptions.settings
     /// What opening any tty takes, by path or by USB identity.
     static let ttyOptions: [any OptionDeclaration] = lineOptions + [dtr, rts, exclusive, lowLatency, wait, restore]
 
@@ -96,28 +95,27 @@ public struct SerialPlugin: TransportPlugin {
 }
 
 extension Connection {
-    /// Run-time control of a `tty://` or `pty://` connection (also through wrappers such as
-    /// `spy+tty://`); `nil` for other transports.
-    public var serialPort: SerialPort? {
+    /// The local port of a `tty://` or `pty://` connection (also through wrappers such as
+    /// `spy+tty://`), with what only a local port has; `nil` for other transports.
+    /// ``Connection/serialPort`` is the same port as `any SerialControl`.
+    ///
+    /// ```swift
+    /// connection.ttyPort?.restoresSettingsOnClose = true
+    /// ```
+    public var ttyPort: SerialPort? {
         backend(as: SerialBackend.self).map { SerialPort(backend: $0, connection: self) }
     }
 }
 
 extension ConnectRequest {
-    /// The line settings asked for: options, with the URL's port as the bit rate
+    /// The line settings asked for, with the URL's port as the bit rate
     /// (CornucopiaStreams' `tty://adapter:19200/dev/ttyUSB0`).
-    func serialSettings() throws -> SerialSettings {
+    func ttySettings() throws -> SerialSettings {
         let baud = self[SerialPlugin.baud]
         if let baud, let port = url.port, port != baud {
             throw TransportError(.invalidURL, "\(url.shown) gives two bit rates (port \(port) and baud=\(baud)); use one. Grammar: \(scheme.grammar)")
         }
-        return try SerialSettings(
-            baudRate: baud ?? url.port ?? 9600,
-            dataBits: self[SerialPlugin.dataBits],
-            parity: self[SerialPlugin.parity],
-            stopBits: self[SerialPlugin.stopBits],
-            flowControl: self[SerialPlugin.flowControl]
-        ).validated()
+        return try serialSettings(baudRate: url.port ?? 9600)
     }
 }
 
@@ -127,10 +125,12 @@ extension ConnectRequest {
 /// A tty in raw mode never reports end-of-file; read(2) returns 0 only after a hang-up (USB
 /// adapter unplugged) and a pty master gets EIO once its peer is closed. Both end the connection
 /// with `.disconnected`, after every byte received before.
-final class SerialBackend: ConnectionBackend {
+final class SerialBackend: ConnectionBackend, SerialControlling {
     let device: TTYDevice
     let channel: ChannelBackend
     let describing: String
+    /// `modemLineChanges()` threads, stopped before the descriptor closes.
+    let modemWatches = ModemLineWatches()
     /// Extra cleanup after the descriptors are closed (a pty's peer side, its symlink), run once
     /// whether close() or connectionDropped() (an abort, possibly during close()) comes first.
     private let extraCleanup: @Sendable () -> Void
@@ -149,6 +149,8 @@ final class SerialBackend: ConnectionBackend {
     }
 
     var preferredExecutor: (any TaskExecutor)? { channel.preferredExecutor }
+
+    func serialControl(through connection: Connection) -> any SerialControl { SerialPort(backend: self, connection: connection) }
 
     func read() async throws -> ByteBuffer? {
         do {
@@ -177,6 +179,7 @@ final class SerialBackend: ConnectionBackend {
     }
 
     func close() async throws {
+        await modemWatches.stopAll()
         defer {
             device.close()
             cleanup()
@@ -192,6 +195,7 @@ final class SerialBackend: ConnectionBackend {
         // Output flushed before any descriptor closes, so neither NIO's duplicate nor ours waits
         // for a queue that flow control holds.
         device.discardOutput()
+        modemWatches.stopSoon()
         channel.connectionDropped()
         device.close(discardingOutput: true)
         cleanup()

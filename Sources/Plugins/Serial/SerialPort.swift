@@ -11,59 +11,20 @@ import SystemPackage
 @_spi(Plugins) import TransportKitCore
 import TransportKitLinux
 
-/// The modem control and status lines of a serial port.
-public struct ModemLines: OptionSet, Sendable, Hashable, CustomStringConvertible {
-    /// The `TIOCM_*` bits.
-    public let rawValue: Int32
-    /// Lines from their `TIOCM_*` bits.
-    public init(rawValue: Int32) { self.rawValue = rawValue }
-
-    /// Data Terminal Ready (output).
-    public static let dtr = ModemLines(rawValue: TIOCM_DTR)
-    /// Request To Send (output).
-    public static let rts = ModemLines(rawValue: TIOCM_RTS)
-    /// Clear To Send (input).
-    public static let cts = ModemLines(rawValue: TIOCM_CTS)
-    /// Data Set Ready (input).
-    public static let dsr = ModemLines(rawValue: TIOCM_DSR)
-    /// Ring Indicator (input).
-    public static let ri = ModemLines(rawValue: TIOCM_RI)
-    /// Carrier Detect (input).
-    public static let cd = ModemLines(rawValue: TIOCM_CD)
-
-    /// The raised lines by name, such as `"DTR RTS CTS"`, or `"none"`.
-    public var description: String {
-        let names: [(ModemLines, String)] = [(.dtr, "DTR"), (.rts, "RTS"), (.cts, "CTS"), (.dsr, "DSR"), (.ri, "RI"), (.cd, "CD")]
-        let raised = names.filter { contains($0.0) }.map(\.1)
-        return raised.isEmpty ? "none" : raised.joined(separator: " ")
-    }
-}
-
-/// Which queued bytes ``SerialPort/flush(_:)`` discards.
-public enum FlushQueue: String, Sendable, Equatable {
-    /// Received but not yet read (the kernel's queue and bytes TransportKit holds unread).
-    case input
-    /// Written but not yet sent by the driver.
-    case output
-    /// Both queues.
-    case both
-}
-
-/// Run-time control of an open serial port: line settings, modem lines, break, flush and drain.
-/// Get it from a `tty://` or `pty://` connection with `connection.serialPort` (also through a
-/// wrapper such as `spy+tty://`, which then traces every call).
+/// Run-time control of a `tty://` or `pty://` connection: the local ``SerialControl``, with what
+/// only a local port has (its path, restoring its settings on close, the driver's output queue).
+/// `connection.serialPort` gives it as `any SerialControl`; `connection.ttyPort` as this type.
 ///
 /// ```swift
 /// let connection = try await Transport.connect(to: "tty:///dev/ttyUSB0?baud=115200")
-/// if let port = connection.serialPort {
-///     try port.setDTR(false)               // reset an Arduino-style board …
+/// if let port = connection.ttyPort {
+///     try await port.setDTR(false)          // reset an Arduino-style board …
 ///     try await Task.sleep(for: .milliseconds(100))
-///     try port.setDTR(true)
-///     print(try port.modemLines().contains(.cts))
-///     try await port.sendBreak()
+///     try await port.setDTR(true)
+///     print(try await port.modemLines().contains(.cts), try port.outputQueueBytes())
 /// }
 /// ```
-public struct SerialPort: Sendable {
+public struct SerialPort: SerialControl {
     let backend: SerialBackend
     /// The connection the port was reached through: control calls are announced to its layers.
     let connection: Connection
@@ -77,6 +38,8 @@ public struct SerialPort: Sendable {
 
     /// The device node as opened, such as `/dev/ttyUSB0` or `/dev/pts/3`.
     public var path: String { device.path }
+    /// The device node as opened (``path``).
+    public var port: String { device.path }
 
     /// Whether the port gets the line settings it had before this connection back when the
     /// connection closes (also after a signal, if the program closes its connections then).
@@ -84,7 +47,7 @@ public struct SerialPort: Sendable {
     /// for every tty they open, as socat does.
     ///
     /// ```swift
-    /// connection.serialPort?.restoresSettingsOnClose = true
+    /// connection.ttyPort?.restoresSettingsOnClose = true
     /// ```
     public var restoresSettingsOnClose: Bool {
         get { device.restoresOnClose.load(ordering: .relaxed) }
@@ -94,14 +57,14 @@ public struct SerialPort: Sendable {
     // MARK: Line settings
 
     /// The line settings the driver holds now.
-    public func settings() throws -> SerialSettings {
+    public func settings() async throws -> SerialSettings {
         try connection.performControl(ControlOperation("settings?"), describe: { $0.summary }) {
             Termios.settings(of: try Termios.get(try device.descriptor(), path: path))
         }
     }
 
     /// Changes the line settings at once (bytes in flight may be garbled, as on any UART).
-    public func apply(_ settings: SerialSettings) throws {
+    public func apply(_ settings: SerialSettings) async throws {
         try connection.performControl(ControlOperation("settings", settings.summary)) {
             let fd = try device.descriptor()
             try Termios.apply(try settings.validated(), over: try Termios.get(fd, path: path), to: fd, path: path)
@@ -112,22 +75,25 @@ public struct SerialPort: Sendable {
 
     /// The state of every modem line (inputs CTS, DSR, RI, CD and outputs DTR, RTS).
     /// Throws `.unsupported` on a device without modem lines, such as a pty.
-    public func modemLines() throws -> ModemLines {
+    public func modemLines() async throws -> ModemLines {
         try connection.performControl(ControlOperation("modem lines?"), describe: { $0.description }) {
             try TTYLines(fd: device.descriptor(), path: path).get()
         }
     }
 
-    /// Raises or lowers DTR.
-    public func setDTR(_ on: Bool) throws { try setLines(.dtr, on) }
-
-    /// Raises or lowers RTS. With `flowControl=rtscts` the driver also drives RTS itself.
-    public func setRTS(_ on: Bool) throws { try setLines(.rts, on) }
-
     /// Raises (`on`) or lowers the given output lines.
-    public func setLines(_ lines: ModemLines, _ on: Bool) throws {
+    public func setLines(_ lines: ModemLines, _ on: Bool) async throws {
         try connection.performControl(ControlOperation(lines.description, on ? "on" : "off")) {
             try TTYLines(fd: device.descriptor(), path: path).set(lines, on)
+        }
+    }
+
+    /// The input lines each time one changes (TIOCMIWAIT, on a thread of its own), starting with
+    /// their state now. Throws `.unsupported` on a device without modem lines (a pty), and on a
+    /// driver that cannot wait for their changes.
+    public func modemLineChanges() async throws -> AsyncThrowingStream<ModemLines, any Error> {
+        try connection.performControl(ControlOperation("modem line changes")) {
+            try backend.modemWatches.start(device)
         }
     }
 
@@ -150,7 +116,7 @@ public struct SerialPort: Sendable {
 
     /// Discards queued bytes. Input flushing also drops bytes TransportKit read from the kernel
     /// that the application has not read yet.
-    public func flush(_ queue: FlushQueue = .both) throws {
+    public func flush(_ queue: FlushQueue) async throws {
         try connection.performControl(ControlOperation("flush", queue.rawValue)) {
             let fd = try device.descriptor()
             let selector: Int32 = switch queue {
@@ -211,6 +177,15 @@ final class TTYDevice: Sendable {
     func descriptor() throws -> FileDescriptor {
         guard let fd = self.fd.withLock({ $0 }) else { throw TransportError(.disconnected, "the serial port \(path) is closed") }
         return fd
+    }
+
+    /// Runs `body` with the descriptor under the lock `close()` takes, so the number is neither
+    /// closed nor reused meanwhile (a duplicate made here is of this port).
+    func withDescriptor<Result>(_ body: (FileDescriptor) throws -> Result) throws -> Result {
+        try fd.withLock { fd in
+            guard let fd else { throw TransportError(.disconnected, "the serial port \(path) is closed") }
+            return try body(fd)
+        }
     }
 
     /// Drops what the driver has not sent yet (tcflush(3) TCOFLUSH). Best effort.

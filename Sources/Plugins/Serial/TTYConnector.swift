@@ -10,7 +10,7 @@ import TransportKitUdev
 
 enum TTYConnector {
     @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {
-        let settings = try request.serialSettings()
+        let settings = try request.ttySettings()
         let (path, record) = try await resolve(request)
         request.logger.debug("opening serial port", metadata: ["path": "\(path)"])
         let fd = try await DeviceAccess.openTTY(path, exclusive: request[SerialPlugin.exclusive])
@@ -57,7 +57,7 @@ enum TTYConnector {
     /// path that can never be a serial port (a directory, a regular file, a socket, a FIFO,
     /// /dev/ptmx). A path that is missing may be plugged in later.
     @Sendable static func check(_ request: ConnectRequest) async throws {
-        _ = try request.serialSettings()
+        _ = try request.ttySettings()
         if request.url.host?.lowercased() == "usb" {
             _ = try USBSelector(request)
             return

@@ -8,76 +8,8 @@
 
 import Glibc
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 import TransportKitLinux
-
-/// Line settings of a serial port.
-///
-/// ```swift
-/// var settings = SerialSettings(baudRate: 115_200)
-/// settings.parity = .even
-/// try connection.serialPort?.apply(settings)
-/// ```
-public struct SerialSettings: Sendable, Equatable, Codable {
-    /// The parity bit.
-    public enum Parity: String, Sendable, Codable, CaseIterable {
-        /// No parity bit.
-        case none
-        /// Set so that the number of one bits is even.
-        case even
-        /// Set so that the number of one bits is odd.
-        case odd
-        /// Always one (`CMSPAR`).
-        case mark
-        /// Always zero (`CMSPAR`).
-        case space
-    }
-
-    /// Flow control.
-    public enum FlowControl: String, Sendable, Codable, CaseIterable {
-        /// None.
-        case none
-        /// Hardware: RTS/CTS (`CRTSCTS`).
-        case rtscts
-        /// Software: XON/XOFF characters (`IXON | IXOFF`).
-        case xonxoff
-    }
-
-    /// Bits per second; any positive rate (non-standard rates go through BOTHER).
-    public var baudRate: Int
-    /// 5, 6, 7 or 8.
-    public var dataBits: Int
-    /// The parity bit.
-    public var parity: Parity
-    /// 1 or 2.
-    public var stopBits: Int
-    /// Flow control.
-    public var flowControl: FlowControl
-
-    /// Settings; the defaults are 9600 8N1 without flow control.
-    public init(baudRate: Int = 9600, dataBits: Int = 8, parity: Parity = .none, stopBits: Int = 1,
-                flowControl: FlowControl = .none) {
-        self.baudRate = baudRate
-        self.dataBits = dataBits
-        self.parity = parity
-        self.stopBits = stopBits
-        self.flowControl = flowControl
-    }
-
-    /// "115200 8N1", with the flow control when there is one ("9600 7E2 rtscts").
-    public var summary: String {
-        let parityLetter = parity.rawValue.prefix(1).uppercased()
-        return "\(baudRate) \(dataBits)\(parity == .none ? "N" : parityLetter)\(stopBits)" + (flowControl == .none ? "" : " \(flowControl.rawValue)")
-    }
-
-    /// Checks the values a kernel would reject or silently change.
-    func validated() throws -> SerialSettings {
-        guard baudRate > 0 else { throw TransportError(.invalidURL, "baud rate \(baudRate) is not positive") }
-        guard (5...8).contains(dataBits) else { throw TransportError(.invalidURL, "data bits must be 5, 6, 7 or 8, not \(dataBits)") }
-        guard stopBits == 1 || stopBits == 2 else { throw TransportError(.invalidURL, "stop bits must be 1 or 2, not \(stopBits)") }
-        return self
-    }
-}
 
 /// `struct termios2` as the kernel declares it (asm-generic/termbits.h, NCCS = 19).
 struct KernelTermios2 {

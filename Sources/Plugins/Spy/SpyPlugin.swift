@@ -38,7 +38,7 @@ import TransportKitLinux
 ///
 /// ```swift
 /// let port = try await Transport.connect(to: "spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/home/me/trace.txt")
-/// try port.serialPort?.setDTR(true)          // traced: "CTRL  DTR on"
+/// try await port.serialPort?.setDTR(true)    // traced: "CTRL  DTR on"
 /// try await port.write("AT\r")               // traced: "TX    0000  41 54 0d …"
 /// ```
 public struct SpyPlugin: TransportPlugin {

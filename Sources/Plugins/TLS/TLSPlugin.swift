@@ -130,8 +130,12 @@ public struct TLSPlugin: TransportPlugin {
         }
         warnIfInsecure(settings, request)
         let context = try settings.clientContext()
-        let inner = try await request.connectInner()
         let layer = TLSLayer.client(context, settings: settings, serverName: settings.serverName, describing: request.url.shown)
+        // A protocol over TCP (tls+rfc2217://) runs over TLS: TLS goes beneath it, on its channel.
+        if request.innerTakesLayersBeneath {
+            return try await request.connectInner(beneath: [layer])
+        }
+        let inner = try await request.connectInner()
         return try await ConnectionLayering.layer([layer], over: inner, request: request)
     }
 

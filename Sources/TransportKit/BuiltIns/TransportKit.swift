@@ -11,6 +11,7 @@
 @_exported import TransportKitUSB
 @_exported import TransportKitTLS
 @_exported import TransportKitWeb
+@_exported import TransportKitRFC2217
 
 extension TransportRegistry {
     /// A registry with every built-in plugin registered. `Transport` uses it; applications add
@@ -42,7 +43,7 @@ extension TransportRegistry {
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), WebPlugin(), SerialPlugin(), SpyPlugin(), BluetoothPlugin(), USBPlugin()]
+        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), WebPlugin(), SerialPlugin(), RFC2217Plugin(), SpyPlugin(), BluetoothPlugin(), USBPlugin()]
     }
 
     /// The registry behind these functions.

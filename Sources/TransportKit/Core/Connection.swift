@@ -514,6 +514,17 @@ public final class Connection: Sendable {
         (backend as? Backend) ?? wrapped?.backend(as: type)
     }
 
+    /// The first backend that is a `T` (a protocol plugins' backends adopt, such as
+    /// ``SerialControlling``), looking through wrapping layers, or `nil`.
+    ///
+    /// ```swift
+    /// let control = connection.firstBackend((any SerialControlling).self)
+    /// ```
+    @_spi(Plugins)
+    public func firstBackend<T>(_ type: T.Type) -> T? {
+        (backend as? T) ?? wrapped?.firstBackend(type)
+    }
+
     /// Drops bytes this connection holds that the application has not read (a chunk larger than
     /// `maxBytes`, the rest of a message). A serial port's input flush calls this.
     @_spi(Plugins)

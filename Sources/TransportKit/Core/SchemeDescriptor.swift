@@ -64,6 +64,11 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// name is always the scheme's own option and is never sent; `server.NAME=VALUE` sends
     /// `NAME=VALUE` to the server when NAME is also one of the scheme's options.
     public var serverQuery: Bool = false
+    /// `true` for a scheme that runs its protocol over a TCP channel and takes layers beneath its
+    /// own (``ConnectRequest/layersBeneath``): a `tls+` wrapper around it then runs TLS under the
+    /// protocol (`tls+rfc2217://`: RFC 2217 over TLS), where around any other URL it runs TLS
+    /// over that URL's bytes.
+    public var layersBeneath: Bool = false
     /// The registry's key: the name, with a `+` for a wrapper (a wrapper and a plain scheme may
     /// share a name).
     var tableKey: String { wraps ? scheme + "+" : scheme }

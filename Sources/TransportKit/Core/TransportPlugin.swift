@@ -115,11 +115,15 @@ public struct ConnectRequest: Sendable {
     /// How much of the connection's data may be held in memory (a listener: of each connection it
     /// accepts); plugins whose backends buffer pass it on (``ChannelBackend``, ``InboundQueue``).
     public let buffering: Buffering
+    /// Protocol layers a wrapper asked to run beneath this scheme's own, nearest the wire first
+    /// (TLS, for `tls+rfc2217://`); empty unless the descriptor says ``SchemeDescriptor/layersBeneath``.
+    @_spi(Plugins) public let layersBeneath: [ProtocolLayer]
     let registry: TransportRegistry
 
     init(url: TransportURL, scheme: SchemeDescriptor, mode: SchemeMode?, options: OptionValues, timeout: Duration?, deadline: ContinuousClock.Instant?,
-         logger: Logger, buffering: Buffering, registry: TransportRegistry) {
+         logger: Logger, buffering: Buffering, layersBeneath: [ProtocolLayer] = [], registry: TransportRegistry) {
         self.buffering = buffering
+        self.layersBeneath = layersBeneath
         self.url = url
         self.scheme = scheme
         self.mode = mode
@@ -181,6 +185,27 @@ public struct ConnectRequest: Sendable {
             throw TransportError.misuse("\(url.shown) wraps no URL; only a wrapper scheme's handler may call connectInner()")
         }
         return try await connect(to: inner)
+    }
+
+    /// `true` when the wrapped URL's scheme takes layers beneath its protocol
+    /// (``SchemeDescriptor/layersBeneath``).
+    @_spi(Plugins) public var innerTakesLayersBeneath: Bool {
+        guard let inner = url.inner else { return false }
+        return registry.descriptor(of: inner)?.layersBeneath ?? false
+    }
+
+    /// Opens the wrapped URL with `layers` beneath its scheme's protocol, for a scheme whose
+    /// descriptor says ``SchemeDescriptor/layersBeneath`` (check ``innerTakesLayersBeneath``).
+    ///
+    /// ```swift
+    /// // tls+rfc2217://…: RFC 2217 over TLS over TCP.
+    /// if request.innerTakesLayersBeneath { return try await request.connectInner(beneath: [tlsLayer]) }
+    /// ```
+    @_spi(Plugins) public func connectInner(beneath layers: [ProtocolLayer]) async throws -> Connection {
+        guard let inner = url.inner else {
+            throw TransportError.misuse("\(url.shown) wraps no URL; only a wrapper scheme's handler may call connectInner(beneath:)")
+        }
+        return try await registry.connectWithin(inner, deadline: deadline, buffering: buffering, beneath: layers)
     }
 }
 

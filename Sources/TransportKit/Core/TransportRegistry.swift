@@ -137,8 +137,11 @@ public final class TransportRegistry: Sendable {
     /// Validates every layer and returns this layer's request; `deadline` nil means "from the
     /// bottom URL's timeout, starting now". The layers a wrapper wraps are always connected to.
     private func resolveEntry(_ url: TransportURL, role: SchemeMode.Role = .connect, deadline: ContinuousClock.Instant?, fromNow: Bool = false,
-                              buffering: Buffering = .standard) throws -> (request: ConnectRequest, entry: Entry) {
+                              buffering: Buffering = .standard, beneath: [ProtocolLayer] = []) throws -> (request: ConnectRequest, entry: Entry) {
         let entry = try entry(for: url)
+        if !beneath.isEmpty, !entry.scheme.descriptor.layersBeneath {
+            throw TransportError.misuse("\(url.scheme):// takes no protocol layers beneath its own; wrap its connection instead")
+        }
         if role == .listen, entry.scheme.listen == nil {
             let able = schemes.filter(\.canListen).map { $0.scheme + "://" }.joined(separator: ", ")
             throw TransportError(.unsupported, "\(url.scheme):// cannot listen for connections; schemes that can: \(able)")
@@ -157,8 +160,14 @@ public final class TransportRegistry: Sendable {
         logger[metadataKey: "scheme"] = "\(url.scheme)"
         let deadline = deadline ?? (fromNow ? timeout.map { ContinuousClock.now + $0 } : nil)
         let request = ConnectRequest(url: url, scheme: entry.scheme.descriptor, mode: entry.scheme.descriptor.mode(for: url, role: role),
-                                     options: options, timeout: timeout, deadline: deadline, logger: logger, buffering: buffering, registry: self)
+                                     options: options, timeout: timeout, deadline: deadline, logger: logger, buffering: buffering,
+                                     layersBeneath: beneath, registry: self)
         return (request, entry)
+    }
+
+    /// The descriptor of the scheme that serves `url`, if one is registered.
+    func descriptor(of url: TransportURL) -> SchemeDescriptor? {
+        (try? entry(for: url))?.scheme.descriptor
     }
 
     /// The options `request`'s URL gave that its plugin never read: a plugin that declares an
@@ -254,8 +263,8 @@ public final class TransportRegistry: Sendable {
 
     /// Connects `url` for a plugin's request: same deadline, in the calling task, no timer of its
     /// own (the outer connect's timer cancels this task, and reports the one timeout).
-    func connectWithin(_ url: TransportURL, deadline: ContinuousClock.Instant?, buffering: Buffering) async throws -> Connection {
-        let (request, entry) = try resolveEntry(url, deadline: deadline, buffering: buffering)
+    func connectWithin(_ url: TransportURL, deadline: ContinuousClock.Instant?, buffering: Buffering, beneath: [ProtocolLayer] = []) async throws -> Connection {
+        let (request, entry) = try resolveEntry(url, deadline: deadline, buffering: buffering, beneath: beneath)
         let connection = try await Self.connect(request, with: entry)
         connection.setLogger(request.logger)
         return connection

@@ -1,0 +1,134 @@
+import Foundation
+import Glibc
+import TestSupport
+import Testing
+@testable import TransportKit
+@testable import TransportKitSerial
+
+/// rfc2217:// against RFC 2217 servers no one here wrote: ser2net (Debian's 4.3, gensio's
+/// telnet(rfc2217) on a pty) and pyserial's PortManager (Peers/rfc2217_server.py, in front of
+/// pyserial's loop:// device, whose CTS follows RTS and DSR follows DTR). On the pty the settings
+/// are read from outside with TCGETS2 while connected.
+@Suite("rfc2217:// against ser2net and pyserial", .serialized)
+struct RFC2217PeerTests {
+    static let peer = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Peers/rfc2217_server.py").path
+
+    /// Runs ser2net in the foreground serving `device` with RFC 2217 on a port of its own.
+    static func withSer2net(_ device: String, _ body: (Int) async throws -> Void) async throws {
+        // A port nobody listens on: bound without listen(2) to learn a free one, then released.
+        let probe = try Support.RawListener(listening: false)
+        let port = probe.port
+        probe.close()
+        let config = temporaryPath("ser2net") + ".yaml"
+        let yaml = """
+            %YAML 1.1
+            ---
+            connection: &tk
+              accepter: telnet(rfc2217),tcp,127.0.0.1,\(port)
+              connector: serialdev,\(device),9600n81,local
+            """
+        try yaml.write(toFile: config, atomically: true, encoding: .utf8)
+        defer { unlink(config) }
+        let server = Process()
+        server.executableURL = URL(fileURLWithPath: "/usr/sbin/ser2net")
+        // -n: stay in the foreground; -d: log to standard output; -c: this configuration only.
+        server.arguments = ["-n", "-d", "-c", config]
+        server.standardOutput = FileHandle.nullDevice
+        server.standardError = FileHandle.nullDevice
+        try server.run()
+        defer { kill(server.processIdentifier, SIGKILL) }
+        try #require(await eventually(10, every: .milliseconds(50)) { portAccepts(port) }, "ser2net listens on \(port)")
+        try await body(port)
+    }
+
+    /// Runs pyserial's RFC 2217 server in front of `url` (a pyserial port URL).
+    static func withPyserial(_ url: String, _ body: (Int) async throws -> Void) async throws {
+        try await withPeer([peer, url], body)
+    }
+
+    @Test func ser2netOnAPtyTakesTheSettingsAndCarriesEveryByte() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        try await Self.withSer2net(pty.path) { port in
+            let connection = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)?baud=57600&stopBits=2&timeout=10")
+            let remote = try #require(connection.serialPort)
+            #expect(remote.port == "rfc2217://127.0.0.1:\(port)")
+            #expect(try await remote.settings() == SerialSettings(baudRate: 57600, stopBits: 2), "as ser2net answered")
+            // Read from outside: a pty keeps the speed and the stop bits.
+            let tio = try pty.termios2()
+            #expect(tio.c_ospeed == 57600, "\(tio.c_ospeed)")
+            #expect(tio.c_cflag & UInt32(CSTOPB) != 0)
+            #expect(connection.metadata.extra["rfc2217"] == "COM-PORT-OPTION")
+
+            // Every byte value both ways, IAC (0xff) included: doubled on the wire, single at the ends.
+            let all = (0..<512).map { UInt8(truncatingIfNeeded: $0) }
+            try await connection.write(all)
+            #expect(await pty.read(count: all.count) == all)
+            Support.writeAll(pty.master, all)
+            #expect(try await connection.readFrame(.fixedLength(all.count), timeout: .seconds(5)) == all)
+
+            // At run time, as on a local port.
+            try await remote.apply(SerialSettings(baudRate: 19200))
+            #expect(try pty.termios2().c_ospeed == 19200 && pty.termios2().c_cflag & UInt32(CSTOPB) == 0)
+            try await remote.flush(.both)
+            try await remote.sendBreak(duration: .milliseconds(20))
+            // A pty has no modem lines: ser2net does not answer DTR; the error says so and the
+            // connection goes on.
+            let dtr = await expectTransportError(.timedOut) { try await remote.setDTR(true) }
+            #expect(dtr?.message.contains("SET-CONTROL") == true && dtr?.message.contains("ignoreSetControl=true") == true, "\(String(describing: dtr))")
+            try await connection.write("still here")
+            #expect(await pty.read(count: 10) == Array("still here".utf8))
+            try await connection.close()
+
+            // ignoreSetControl: DTR and RTS are sent and not waited for (pyserial's ign_set_control).
+            let tolerant = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)?dtr=true&rts=false&ignoreSetControl=true")
+            #expect(tolerant.metadata.extra["rfc2217.setControl"]?.contains("ignoreSetControl") == true)
+            try await #require(tolerant.serialPort).setRTS(true)
+            try await tolerant.close()
+        }
+    }
+
+    @Test func pyserialsPortManagerAnswersEverySetAndNotifiesModemLines() async throws {
+        try await Self.withPyserial("loop://") { port in
+            // Every option of the mode at once (the registry refuses one the plugin left unread).
+            let connection = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)?baud=115200&dataBits=7&parity=odd&stopBits=1&flowControl=rtscts"
+                                                             + "&dtr=false&rts=false&answerTimeout=2&ignoreSetControl=false&noDelay=true&keepAlive=true&keepAliveIdle=30")
+            let remote = try #require(connection.serialPort)
+            #expect(try await remote.settings() == SerialSettings(baudRate: 115_200, dataBits: 7, parity: .odd, flowControl: .rtscts))
+            // loop:// echoes: every byte value comes back.
+            let all = (0..<256).map { UInt8($0) } + [0xff, 0xff]
+            try await connection.write(all)
+            #expect(try await connection.readFrame(.fixedLength(all.count), timeout: .seconds(5)) == all)
+
+            // Modem lines: CTS follows RTS, DSR follows DTR on loop://; PortManager notifies changes.
+            let changes = Gathered(try await remote.modemLineChanges())
+            #expect(await changes.wait { $0.count == 1 }, "the lines now, first: \(changes.elements)")
+            #expect(changes.elements.first.map { !$0.contains(.cts) && !$0.contains(.dsr) } == true, "\(changes.elements)")
+            try await remote.setRTS(true)
+            #expect(await changes.wait { $0.last?.contains(.cts) == true }, "RTS on raised CTS: \(changes.elements)")
+            try await remote.setDTR(true)
+            #expect(await changes.wait { $0.last?.isSuperset(of: [.cts, .dsr]) == true }, "\(changes.elements)")
+            #expect(try await remote.modemLines().isSuperset(of: [.cts, .dsr, .dtr, .rts]))
+            try await remote.flush(.input)
+            try await remote.sendBreak(duration: .milliseconds(10))
+            try await connection.close()
+            #expect(await eventually(5) { changes.ended }, "the sequence ends with the connection")
+            #expect(changes.failure == nil, "closed by the app: no error: \(String(describing: changes.failure))")
+        }
+    }
+
+    @Test func spyTracesRemoteControlCallsAsLocalOnes() async throws {
+        let file = temporaryPath("spy-rfc2217") + ".txt"
+        defer { unlink(file) }
+        try await Self.withPyserial("loop://") { port in
+            let connection = try await Transport.connect(to: "spy+rfc2217://127.0.0.1:\(port)?spy.file=\(file)")
+            let remote = try #require(connection.serialPort, "serialPort reaches through spy+")
+            try await remote.apply(SerialSettings(baudRate: 38400))
+            try await remote.setDTR(true)
+            try await connection.close()
+        }
+        let text = (try? String(contentsOfFile: file, encoding: .utf8)) ?? ""
+        #expect(text.contains("CTRL  settings 38400 8N1 → ok"), "\(text)")
+        #expect(text.contains("CTRL  DTR on → ok"), "\(text)")
+    }
+}
