@@ -9,16 +9,33 @@ import Testing
 /// telnet(rfc2217) on a pty) and pyserial's PortManager (Peers/rfc2217_server.py, in front of
 /// pyserial's loop:// device, whose CTS follows RTS and DSR follows DTR). On the pty the settings
 /// are read from outside with TCGETS2 while connected.
-@Suite("rfc2217:// against ser2net and pyserial", .serialized)
+@Suite("rfc2217:// against ser2net, gensiot, sredird and pyserial", .serialized)
 struct RFC2217PeerTests {
     static let peer = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Peers/rfc2217_server.py").path
 
+    /// A port nobody listens on: bound without listen(2) to learn a free one, then released.
+    static func freePort() throws -> Int {
+        let probe = try Support.RawListener(listening: false)
+        defer { probe.close() }
+        return probe.port
+    }
+
+    /// Runs `arguments` (a server that listens on `port`) until `body` returns.
+    static func withServer(_ arguments: [String], port: Int, _ body: (Int) async throws -> Void) async throws {
+        let server = Process()
+        server.executableURL = URL(fileURLWithPath: arguments[0])
+        server.arguments = Array(arguments.dropFirst())
+        server.standardOutput = FileHandle.nullDevice
+        server.standardError = FileHandle.nullDevice
+        try server.run()
+        defer { kill(server.processIdentifier, SIGKILL) }
+        try #require(await eventually(10, every: .milliseconds(50)) { portAccepts(port) }, "\(arguments[0]) listens on \(port)")
+        try await body(port)
+    }
+
     /// Runs ser2net in the foreground serving `device` with RFC 2217 on a port of its own.
     static func withSer2net(_ device: String, _ body: (Int) async throws -> Void) async throws {
-        // A port nobody listens on: bound without listen(2) to learn a free one, then released.
-        let probe = try Support.RawListener(listening: false)
-        let port = probe.port
-        probe.close()
+        let port = try freePort()
         let config = temporaryPath("ser2net") + ".yaml"
         let yaml = """
             %YAML 1.1
@@ -29,16 +46,46 @@ struct RFC2217PeerTests {
             """
         try yaml.write(toFile: config, atomically: true, encoding: .utf8)
         defer { unlink(config) }
-        let server = Process()
-        server.executableURL = URL(fileURLWithPath: "/usr/sbin/ser2net")
         // -n: stay in the foreground; -d: log to standard output; -c: this configuration only.
-        server.arguments = ["-n", "-d", "-c", config]
-        server.standardOutput = FileHandle.nullDevice
-        server.standardError = FileHandle.nullDevice
-        try server.run()
-        defer { kill(server.processIdentifier, SIGKILL) }
-        try #require(await eventually(10, every: .milliseconds(50)) { portAccepts(port) }, "ser2net listens on \(port)")
-        try await body(port)
+        try await withServer(["/usr/sbin/ser2net", "-n", "-d", "-c", config], port: port, body)
+    }
+
+    /// Settings at connect and every byte value both ways, through a server in front of a pty.
+    static func settingsAndBytes(_ port: Int, _ pty: TestPTY) async throws {
+        let connection = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)?baud=57600&stopBits=2&timeout=10")
+        let tio = try pty.termios2()
+        #expect(tio.c_ospeed == 57600 && tio.c_cflag & UInt32(CSTOPB) != 0, "\(tio.c_ospeed)")
+        let all = (0..<512).map { UInt8(truncatingIfNeeded: $0) }
+        try await connection.write(all)
+        #expect(await pty.read(count: all.count) == all)
+        Support.writeAll(pty.master, all)
+        #expect(try await connection.readFrame(.fixedLength(all.count), timeout: .seconds(5)) == all)
+        try await connection.close()
+    }
+
+    /// gensio's own tool, gensiot, as an RFC 2217 server (ser2net's library, another front end).
+    @Test func gensiotInServerModeTakesTheSettingsAndCarriesEveryByte() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let port = try Self.freePort()
+        // --signature: without one, a SIGNATURE request crashes gensiot 2.6.2.
+        try await Self.withServer(["/usr/bin/gensiot", "--server", "--signature", "tk-test", "-a", "-i", "serialdev,\(pty.path),9600n81,local",
+                                   "telnet(rfc2217),tcp,127.0.0.1,\(port)"], port: port) { port in
+            try await Self.settingsAndBytes(port, pty)
+        }
+    }
+
+    /// sredird, the classic inetd-style RFC 2217 server, behind socat (one sredird per client).
+    @Test func sredirdBehindSocatTakesTheSettingsAndCarriesEveryByte() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let port = try Self.freePort()
+        // sredird answers SET-BAUDRATE with eight bytes (the rate and four zero bytes). A lock file
+        // of its own per connection: the one socat starts for the port probe may still hold its lock.
+        try await Self.withServer(["/usr/bin/socat", "TCP-LISTEN:\(port),bind=127.0.0.1,reuseaddr,fork",
+                                   "SYSTEM:exec /usr/sbin/sredird 3 \(pty.path) $(mktemp -u /tmp/tk-sredird.XXXXXX)"], port: port) { port in
+            try await Self.settingsAndBytes(port, pty)
+        }
     }
 
     /// Runs pyserial's RFC 2217 server in front of `url` (a pyserial port URL).
