@@ -200,6 +200,7 @@ let package = Package(
         .testTarget(
             name: "CLITests",
             dependencies: ["TransportKit", "TestSupport", system],
+            exclude: ["Peers"],
             swiftSettings: strict
         ),
         .testTarget(

@@ -119,6 +119,13 @@ struct Bridge: AsyncParsableCommand {
                 ToolConnection.warnIfInsecure(try TransportURL(url))
             }
             for url in listen { _ = try Transport.registry.resolve(url, role: .listen) }
+            // An RFC 2217 client sets a serial line: the target must carry one.
+            let serial: Set<String> = ["tty", "pty", "rfc2217"]
+            if listen.contains(where: { (try? TransportURL($0))?.innermost.scheme == "rfc2217" }),
+               let target = urls.first, let scheme = try? TransportURL(target).innermost.scheme, !serial.contains(scheme) {
+                throw ValidationError("an rfc2217:// listener serves a serial port: its clients set the line (bit rate, DTR, break); "
+                                      + "\(scheme):// has none. Bridge it to tty://, pty:// or rfc2217://, or listen on tcp:// for the bytes alone")
+            }
             try await Signals.run {
                 if let settings {
                     try await BridgeServer(settings).serve(on: listen[0])
@@ -444,6 +451,9 @@ struct BridgeServer: Sendable {
                 throw error
             }
             target = connection
+            // An RFC 2217 client's settings, lines and purges go to the target's port.
+            let serving = client.rfc2217Session.flatMap { remote in connection.serialPort.map { port in Task { await remote.serve(port) } } }
+            defer { serving?.cancel() }
             if keepTarget {
                 // Drop what the target sent while nobody listened: what is buffered now, for at
                 // most 20 ms (a device that never stops talking must not keep the client waiting).

@@ -26,6 +26,7 @@ struct OptionModeTests {
         "tty:// connection to a device node": "tty:///dev/ttyUSB0",
         "pty:// connection": "pty://",
         "rfc2217:// connection": "rfc2217://127.0.0.1:9",
+        "rfc2217:// listener": "rfc2217://127.0.0.1:0",
         "spy:// connection": "spy+loop://",
         "rfcomm:// connection to a channel": "rfcomm://00:11:22:33:44:55:3",
         "rfcomm:// connection found through SDP": "rfcomm://00:11:22:33:44:55",

@@ -55,14 +55,8 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
     private var ready: EventLoopPromise<Void>?
     private var negotiationTimeout: Scheduled<Void>?
     private var comPortAgreed = false
-    /// Telnet options in effect on this side (WILL) and the server's (DO), and the requests this
-    /// side sent that are not answered yet (RFC 854: a request is not answered again, and only a
-    /// change of state is acknowledged).
-    private var local: Set<UInt8> = []
-    private var remote: Set<UInt8> = []
-    private var asked: Set<[UInt8]> = []
-    /// The options this side takes: BINARY and SGA both ways, COM-PORT-OPTION on this side.
-    private static let wanted: Set<UInt8> = [Telnet.binary, Telnet.suppressGoAhead, Telnet.comPortOption]
+    /// BINARY and SGA both ways, COM-PORT-OPTION on this side (TelnetOptions answers the rest).
+    private var telnet = TelnetOptions(wanted: [Telnet.binary, Telnet.suppressGoAhead, Telnet.comPortOption])
 
     private struct Pending {
         var command: UInt8
@@ -85,13 +79,8 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
     /// The application closed the connection: sequences end without an error.
     private var closingLocally = false
 
-    /// Writes and commands held while the server asked to suspend (FLOWCONTROL-SUSPEND).
-    private enum Held {
-        case data(ByteBuffer, EventLoopPromise<Void>?)
-        case command([UInt8], sent: () -> Void)
-    }
-    private var suspended = false
-    private var held: [Held] = []
+    /// Data and commands, held while the server has suspended this side (FLOWCONTROL-SUSPEND).
+    private var outbound = TelnetOutbound()
 
     init(options: RFC2217ClientOptions) {
         self.options = options
@@ -118,12 +107,8 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
     private func start(_ context: ChannelHandlerContext) {
         guard !started else { return }
         started = true
-        var bytes: [UInt8] = []
-        for (verb, option) in [(Telnet.will, Telnet.binary), (Telnet.do, Telnet.binary), (Telnet.do, Telnet.suppressGoAhead),
-                               (Telnet.will, Telnet.comPortOption)] {
-            bytes += Telnet.command(verb, option)
-            asked.insert([verb, option])
-        }
+        let bytes = telnet.ask([(Telnet.will, Telnet.binary), (Telnet.do, Telnet.binary), (Telnet.do, Telnet.suppressGoAhead),
+                                (Telnet.will, Telnet.comPortOption)])
         send(context, bytes)
         let describing = options.describing
         let seconds = options.answerTimeoutText
@@ -184,9 +169,7 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
         for (_, continuation) in watchers {
             if closingLocally && !failingSequences { continuation.finish() } else { continuation.finish(throwing: error) }
         }
-        let writes = held
-        held.removeAll()
-        for case .data(_, let promise) in writes { promise?.fail(error) }
+        ChannelHandlerContext.fail(outbound.drop(), error)
     }
 
     // MARK: Inbound
@@ -219,48 +202,25 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
     /// Answers the server's negotiation (RFC 854): an option this side takes is agreed to once,
     /// one it does not is refused, and a request's answer is taken without a reply.
     private func negotiate(_ context: ChannelHandlerContext, _ verb: UInt8, _ option: UInt8) {
-        let takes = Self.wanted.contains(option)
-        switch verb {
-        case Telnet.will:
-            let answering = asked.remove([Telnet.do, option]) != nil
-            if takes {
-                if remote.insert(option).inserted && !answering { send(context, Telnet.command(Telnet.do, option)) }
-            } else if !answering {
-                send(context, Telnet.command(Telnet.dont, option))
-            }
-        case Telnet.wont:
-            let answering = asked.remove([Telnet.do, option]) != nil
-            if remote.remove(option) != nil && !answering { send(context, Telnet.command(Telnet.dont, option)) }
-        case Telnet.do:
-            let answering = asked.remove([Telnet.will, option]) != nil
-            if takes {
-                if local.insert(option).inserted && !answering { send(context, Telnet.command(Telnet.will, option)) }
-                if option == Telnet.comPortOption { agreed(context) }
-            } else if !answering {
-                send(context, Telnet.command(Telnet.wont, option))
-            }
-        case Telnet.dont:
-            let answering = asked.remove([Telnet.will, option]) != nil
-            let was = local.remove(option) != nil
-            if was && !answering { send(context, Telnet.command(Telnet.wont, option)) }
-            if option == Telnet.comPortOption {
-                let error = TransportError(.unsupported, comPortAgreed
-                    ? "\(options.describing) withdrew COM-PORT-OPTION (DONT 44): it no longer takes RFC 2217 control"
-                    : "\(options.describing) refused COM-PORT-OPTION (DONT 44): it serves bytes without RFC 2217 control; connect with tcp:// for "
-                        + "the bytes alone, or turn rfc2217 on in the server (ser2net: accepter telnet(rfc2217),tcp,…)")
-                if comPortAgreed {
-                    let waiting = pending
-                    pending.removeAll()
-                    for request in waiting {
-                        request.timeout?.cancel()
-                        request.promise.fail(error)
-                    }
-                } else {
-                    failReady(error)
+        if let reply = telnet.answer(verb, option) { send(context, reply) }
+        guard option == Telnet.comPortOption else { return }
+        if verb == Telnet.do {
+            agreed(context)
+        } else if verb == Telnet.dont {
+            let error = TransportError(.unsupported, comPortAgreed
+                ? "\(options.describing) withdrew COM-PORT-OPTION (DONT 44): it no longer takes RFC 2217 control"
+                : "\(options.describing) refused COM-PORT-OPTION (DONT 44): it serves bytes without RFC 2217 control; connect with tcp:// for "
+                    + "the bytes alone, or turn rfc2217 on in the server (ser2net: accepter telnet(rfc2217),tcp,…)")
+            if comPortAgreed {
+                let waiting = pending
+                pending.removeAll()
+                for request in waiting {
+                    request.timeout?.cancel()
+                    request.promise.fail(error)
                 }
+            } else {
+                failReady(error)
             }
-        default:
-            break
         }
     }
 
@@ -320,10 +280,10 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
         let value = Array(payload.dropFirst())
         switch command {
         case ComPort.flowControlSuspend:
-            suspended = true
+            outbound.suspend()
             return
         case ComPort.flowControlResume:
-            resume(context)
+            context.send(outbound.resume())
             return
         case ComPort.notifyModemState:
             if let state = value.first { modemStateChanged(ComPort.modemLines(state)) }
@@ -420,9 +380,7 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
         }
         if command == ComPort.purgeData && (value.first == 1 || value.first == 3) { purgingInput += 1 }
         let bytes = Telnet.subnegotiation(Telnet.comPortOption, [command] + value)
-        if suspended {
-            held.append(.command(bytes, sent: sent))
-        } else {
+        if outbound.command(bytes, sent: sent) {
             send(context, bytes)
             sent()
         }
@@ -500,34 +458,13 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
     // MARK: Outbound
 
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
-        var buffer = unwrapOutboundIn(data)
-        if let escaped = Telnet.escaped(buffer.readableBytesView) {
-            buffer = context.channel.allocator.buffer(bytes: escaped)
+        if let buffer = outbound.data(unwrapOutboundIn(data), promise: promise, allocator: context.channel.allocator) {
+            context.write(wrapOutboundOut(buffer), promise: promise)
         }
-        if suspended {
-            held.append(.data(buffer, promise))
-            return
-        }
-        context.write(wrapOutboundOut(buffer), promise: promise)
     }
 
-    private func resume(_ context: ChannelHandlerContext) {
-        suspended = false
-        let waiting = held
-        held.removeAll()
-        for item in waiting {
-            switch item {
-            case .data(let buffer, let promise):
-                context.write(wrapOutboundOut(buffer), promise: promise)
-            case .command(let bytes, let sent):
-                context.write(wrapOutboundOut(context.channel.allocator.buffer(bytes: bytes)), promise: nil)
-                sent()
-            }
-        }
-        if !waiting.isEmpty { context.flush() }
-    }
-
-    /// Telnet commands go out from this handler, past the escaping of data.
+    /// Telnet negotiation goes out from this handler, past the escaping of data (and is not held:
+    /// RFC 2217's suspension is of its own option's traffic and the data).
     private func send(_ context: ChannelHandlerContext, _ bytes: [UInt8]) {
         context.writeAndFlush(wrapOutboundOut(context.channel.allocator.buffer(bytes: bytes)), promise: nil)
     }

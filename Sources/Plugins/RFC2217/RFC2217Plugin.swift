@@ -41,11 +41,28 @@ public struct RFC2217Plugin: TransportPlugin {
             grammar: "rfc2217://HOST:PORT[?OPTIONS]",
             examples: ["rfc2217://rack-pi:4001?baud=115200", "rfc2217://127.0.0.1:3333?ignoreSetControl=true",
                        "tls+rfc2217://rack-pi:4443?baud=9600&tls.ca=/etc/lab/ca.pem"],
-            host: .required, port: .required, portRange: 1...65535, path: .forbidden,
-            options: Self.options,
-            modes: [SchemeMode("rfc2217:// connection", form: "rfc2217://HOST:PORT", options: Self.options)])
+            host: .required, port: .required, portRange: 0...65535, path: .forbidden,
+            options: Self.options + [SocketsPlugin.backlog],
+            modes: [SchemeMode("rfc2217:// connection", form: "rfc2217://HOST:PORT", options: Self.options),
+                    SchemeMode("rfc2217:// listener", role: .listen, form: "rfc2217://ADDRESS:PORT", options: Self.listenOptions)])
         descriptor.layersBeneath = true
-        return [Scheme(descriptor, connect: Self.connect)]
+        return [Scheme(descriptor, connect: Self.connect, listen: Self.listen)]
+    }
+
+    static var listenOptions: [any OptionDeclaration] {
+        [SocketsPlugin.noDelay, SocketsPlugin.keepAlive, SocketsPlugin.keepAliveIdle, SocketsPlugin.backlog]
+    }
+
+    /// An RFC 2217 server: each accepted connection carries a client's bytes, and its
+    /// `rfc2217Session` the client's COM-PORT requests for whoever serves them with a port.
+    @Sendable static func listen(_ request: ConnectRequest) async throws -> Listener {
+        let layer = ProtocolLayer(name: "rfc2217") { channel in
+            let handler = RFC2217ServerHandler()
+            try channel.pipeline.syncOperations.addHandler(handler)
+            RFC2217Session.register(RFC2217Session(handler: handler, eventLoop: channel.eventLoop, signature: "TransportKit"), for: channel)
+            return nil
+        }
+        return try await TCPSocket.listen(request, layers: request.layersBeneath + [layer], peerScheme: "rfc2217")
     }
 
     @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {

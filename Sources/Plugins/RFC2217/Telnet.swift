@@ -7,6 +7,8 @@
 // start of the next are one command. A subnegotiation is bounded (a peer that never sends IAC SE
 // cannot make it grow without limit).
 
+import NIOCore
+
 /// Telnet's command bytes and the options RFC 2217 sessions use.
 enum Telnet {
     static let se: UInt8 = 240
@@ -63,6 +65,131 @@ enum Telnet {
         case dont: "DONT"
         default: "command \(verb)"
         }
+    }
+}
+
+/// The state of Telnet options on both sides of one connection, and the answers to the peer's
+/// negotiation (RFC 854): an option this side takes is agreed to once, one it does not is refused,
+/// only a change of state is acknowledged, and the answer to this side's own request is taken
+/// without a reply (so neither side loops).
+struct TelnetOptions {
+    /// The options this side takes, on either side.
+    let wanted: Set<UInt8>
+    /// In effect on this side (it said WILL and the peer DO, or the reverse).
+    private(set) var local: Set<UInt8> = []
+    /// In effect on the peer's side.
+    private(set) var remote: Set<UInt8> = []
+    /// Requests this side sent that are not answered yet.
+    private var asked: Set<[UInt8]> = []
+
+    init(wanted: Set<UInt8>) { self.wanted = wanted }
+
+    /// This side's requests, recorded, as bytes to send.
+    mutating func ask(_ requests: [(verb: UInt8, option: UInt8)]) -> [UInt8] {
+        var bytes: [UInt8] = []
+        for (verb, option) in requests {
+            asked.insert([verb, option])
+            bytes += Telnet.command(verb, option)
+        }
+        return bytes
+    }
+
+    /// The reply to the peer's `verb` for `option`, if one is due.
+    mutating func answer(_ verb: UInt8, _ option: UInt8) -> [UInt8]? {
+        let takes = wanted.contains(option)
+        switch verb {
+        case Telnet.will:
+            let answering = asked.remove([Telnet.do, option]) != nil
+            if takes { return remote.insert(option).inserted && !answering ? Telnet.command(Telnet.do, option) : nil }
+            return answering ? nil : Telnet.command(Telnet.dont, option)
+        case Telnet.wont:
+            let answering = asked.remove([Telnet.do, option]) != nil
+            return remote.remove(option) != nil && !answering ? Telnet.command(Telnet.dont, option) : nil
+        case Telnet.do:
+            let answering = asked.remove([Telnet.will, option]) != nil
+            if takes { return local.insert(option).inserted && !answering ? Telnet.command(Telnet.will, option) : nil }
+            return answering ? nil : Telnet.command(Telnet.wont, option)
+        case Telnet.dont:
+            let answering = asked.remove([Telnet.will, option]) != nil
+            return local.remove(option) != nil && !answering ? Telnet.command(Telnet.wont, option) : nil
+        default:
+            return nil
+        }
+    }
+}
+
+/// The outbound half of a Telnet session, on its channel's event loop: data with its IACs
+/// doubled, and held, with commands, while the peer has suspended this side (RFC 2217's
+/// FLOWCONTROL-SUSPEND: no data and no commands until RESUME), in their order. It only decides:
+/// the handler does the I/O after, because a write can close the channel and re-enter the handler
+/// (channelInactive) while this state would still be being changed.
+struct TelnetOutbound {
+    /// What waits for the peer's RESUME: data with its write's promise, or a command and what to
+    /// do once it went out (start its answer's timer).
+    enum Held {
+        case data(ByteBuffer, EventLoopPromise<Void>?)
+        case command([UInt8], sent: () -> Void)
+    }
+
+    private(set) var suspended = false
+    private var held: [Held] = []
+
+    /// `buffer` with its IACs doubled to write now, or nil when it is held.
+    mutating func data(_ buffer: ByteBuffer, promise: EventLoopPromise<Void>?, allocator: ByteBufferAllocator) -> ByteBuffer? {
+        var buffer = buffer
+        if let escaped = Telnet.escaped(buffer.readableBytesView) {
+            buffer = allocator.buffer(bytes: escaped)
+        }
+        guard !suspended else {
+            held.append(.data(buffer, promise))
+            return nil
+        }
+        return buffer
+    }
+
+    /// `true` when a command goes out now; else it is held with `sent`.
+    mutating func command(_ bytes: [UInt8], sent: @escaping () -> Void) -> Bool {
+        guard !suspended else {
+            held.append(.command(bytes, sent: sent))
+            return false
+        }
+        return true
+    }
+
+    mutating func suspend() { suspended = true }
+
+    /// What was held, to send in order.
+    mutating func resume() -> [Held] {
+        suspended = false
+        defer { held.removeAll() }
+        return held
+    }
+
+    /// What was held, to fail (the connection ended).
+    mutating func drop() -> [Held] {
+        defer { held.removeAll() }
+        return held
+    }
+}
+
+extension ChannelHandlerContext {
+    /// Sends what a TelnetOutbound held, in order.
+    func send(_ items: [TelnetOutbound.Held]) {
+        for item in items {
+            switch item {
+            case .data(let buffer, let promise):
+                write(NIOAny(buffer), promise: promise)
+            case .command(let bytes, let sent):
+                write(NIOAny(channel.allocator.buffer(bytes: bytes)), promise: nil)
+                sent()
+            }
+        }
+        if !items.isEmpty { flush() }
+    }
+
+    /// Fails the writes among what a TelnetOutbound held.
+    static func fail(_ items: [TelnetOutbound.Held], _ error: any Error) {
+        for case .data(_, let promise) in items { promise?.fail(error) }
     }
 }
 

@@ -1,0 +1,315 @@
+// RFC2217Server.swift: the server side of RFC 2217, for `transportkit bridge --listen
+// rfc2217://…`: a SwiftNIO handler on each accepted channel (Telnet negotiation, IAC escaping,
+// the client's COM-PORT commands as requests) and RFC2217Session, which serves those requests
+// with the target's SerialControl and answers each with what is in force.
+//
+// Not yet: an open-ended BREAK (BREAK on is a 250-ms break; SerialControl has no setBreak), the
+// line-state notifications (NOTIFY-LINESTATE is answered 0), and a tls+rfc2217 listener.
+//
+// What clients expect, from pyserial 3.5 and the research notes: an answer to every command,
+// PURGE-DATA included (pyserial waits for both purges at open, even with ign_set_control), with
+// the value in force; pyserial rejects an answer that differs from its request, so on a port
+// without modem lines (a pty) DTR and RTS are answered as asked and kept as a virtual state.
+
+import NIOCore
+import Synchronization
+@_spi(Plugins) import TransportKitCore
+
+/// A COM-PORT command from an RFC 2217 client: the command (0…12) and its value.
+struct RFC2217Request: Sendable, Equatable {
+    var command: UInt8
+    var value: [UInt8]
+}
+
+/// The server's protocol state, on the accepted channel's event loop.
+final class RFC2217ServerHandler: ChannelDuplexHandler, RemovableChannelHandler {
+    typealias InboundIn = ByteBuffer
+    typealias InboundOut = ByteBuffer
+    typealias OutboundIn = ByteBuffer
+    typealias OutboundOut = ByteBuffer
+
+    private var parser = TelnetParser()
+    private var context: ChannelHandlerContext?
+    private var telnet = TelnetOptions(wanted: [Telnet.binary, Telnet.suppressGoAhead, Telnet.comPortOption])
+    /// The client's requests, in order, for the session that serves them.
+    let requests: AsyncStream<RFC2217Request>
+    private let requestsIn: AsyncStream<RFC2217Request>.Continuation
+    /// Data and answers for the client, held while it has suspended this side (FLOWCONTROL-SUSPEND).
+    private var outbound = TelnetOutbound()
+    /// Which modem-state bits the client wants notified (SET-MODEMSTATE-MASK; 255 at first).
+    private(set) var modemStateMask: UInt8 = 255
+    private(set) var lineStateMask: UInt8 = 0
+
+    init() {
+        (requests, requestsIn) = AsyncStream<RFC2217Request>.makeStream(bufferingPolicy: .bufferingNewest(256))
+    }
+
+    func handlerAdded(context: ChannelHandlerContext) {
+        self.context = context
+        if context.channel.isActive { start(context) }
+    }
+
+    func channelActive(context: ChannelHandlerContext) {
+        start(context)
+        context.fireChannelActive()
+    }
+
+    private var started = false
+    private func start(_ context: ChannelHandlerContext) {
+        guard !started else { return }
+        started = true
+        // As ser2net opens: this side's BINARY and SGA offered, the client's asked for, and the
+        // client's COM-PORT-OPTION invited.
+        let bytes = telnet.ask([(Telnet.will, Telnet.binary), (Telnet.do, Telnet.binary), (Telnet.will, Telnet.suppressGoAhead),
+                                (Telnet.do, Telnet.suppressGoAhead), (Telnet.do, Telnet.comPortOption)])
+        send(context, bytes)
+    }
+
+    func channelInactive(context: ChannelHandlerContext) {
+        RFC2217Session.forget(context.channel)
+        requestsIn.finish()
+        ChannelHandlerContext.fail(outbound.drop(), TransportError(.disconnected, "the RFC 2217 client left"))
+        context.fireChannelInactive()
+    }
+
+    func handlerRemoved(context: ChannelHandlerContext) {
+        requestsIn.finish()
+        self.context = nil
+    }
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        var buffer = unwrapInboundIn(data)
+        guard let bytes = buffer.readBytes(length: buffer.readableBytes) else { return }
+        for event in parser.parse(bytes) {
+            switch event {
+            case .data(let payload):
+                context.fireChannelRead(wrapInboundOut(context.channel.allocator.buffer(bytes: payload)))
+            case .negotiation(let verb, let option):
+                negotiate(context, verb, option)
+            case .subnegotiation(let option, let payload):
+                guard option == Telnet.comPortOption, let command = payload.first, command < ComPort.serverOffset else { continue }
+                request(context, RFC2217Request(command: command, value: Array(payload.dropFirst())))
+            case .malformed(let what):
+                context.fireErrorCaught(TransportError(.protocolError, "an RFC 2217 client broke the Telnet protocol: \(what)"))
+                context.close(promise: nil)
+                return
+            }
+        }
+    }
+
+    /// Commands this handler answers itself (flow of data to the client, masks); the rest go to
+    /// the session.
+    private func request(_ context: ChannelHandlerContext, _ request: RFC2217Request) {
+        switch request.command {
+        case ComPort.flowControlSuspend:
+            outbound.suspend()
+        case ComPort.flowControlResume:
+            context.send(outbound.resume())
+        case ComPort.setModemStateMask:
+            modemStateMask = request.value.first ?? modemStateMask
+            answer(ComPort.setModemStateMask, [modemStateMask])
+        case ComPort.setLineStateMask:
+            lineStateMask = request.value.first ?? lineStateMask
+            answer(ComPort.setLineStateMask, [lineStateMask])
+        default:
+            requestsIn.yield(request)
+        }
+    }
+
+    private func negotiate(_ context: ChannelHandlerContext, _ verb: UInt8, _ option: UInt8) {
+        if let reply = telnet.answer(verb, option) { send(context, reply) }
+    }
+
+    /// Sends the answer to `command` (as command + 100) with `value`.
+    func answer(_ command: UInt8, _ value: [UInt8]) {
+        guard let context else { return }
+        let bytes = Telnet.subnegotiation(Telnet.comPortOption, [command + ComPort.serverOffset] + value)
+        if outbound.command(bytes, sent: {}) { send(context, bytes) }
+    }
+
+    /// Notifies the client of the modem lines, as its mask asks (state and change bits).
+    func notifyModemState(_ lines: ModemLines, changed: ModemLines) {
+        var state = ComPort.modemState(lines)
+        if changed.contains(.cts) { state |= 0x01 }
+        if changed.contains(.dsr) { state |= 0x02 }
+        if changed.contains(.ri) && !lines.contains(.ri) { state |= 0x04 }
+        if changed.contains(.cd) { state |= 0x08 }
+        let masked = state & modemStateMask
+        if masked != 0 { answer(ComPort.notifyModemState, [masked]) }
+    }
+
+    func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
+        if let buffer = outbound.data(unwrapOutboundIn(data), promise: promise, allocator: context.channel.allocator) {
+            context.write(wrapOutboundOut(buffer), promise: promise)
+        }
+    }
+
+    private func send(_ context: ChannelHandlerContext, _ bytes: [UInt8]) {
+        context.writeAndFlush(wrapOutboundOut(context.channel.allocator.buffer(bytes: bytes)), promise: nil)
+    }
+}
+
+/// One RFC 2217 client of a listener: its requests, served with a serial port's control.
+///
+/// ```swift
+/// // In a bridge, once the target is open:
+/// if let session = client.rfc2217Session, let port = target.serialPort { await session.serve(port) }
+/// ```
+public final class RFC2217Session: Sendable {
+    let handler: NIOLoopBound<RFC2217ServerHandler>
+    let eventLoop: any EventLoop
+    /// Requests read once: the handler's stream, taken by the first serve().
+    private let requests: Mutex<AsyncStream<RFC2217Request>?>
+    /// DTR and RTS as last asked, for a port without modem lines (answered as asked).
+    private let virtualLines = Mutex<ModemLines>([.dtr, .rts])
+    private let signature: String
+
+    /// The session of each accepted channel, until it closes.
+    private static let sessions = Mutex<[ObjectIdentifier: RFC2217Session]>([:])
+
+    static func register(_ session: RFC2217Session, for channel: any Channel) {
+        sessions.withLock { $0[ObjectIdentifier(channel)] = session }
+    }
+
+    static func forget(_ channel: any Channel) {
+        _ = sessions.withLock { $0.removeValue(forKey: ObjectIdentifier(channel)) }
+    }
+
+    static func session(of channel: any Channel) -> RFC2217Session? {
+        sessions.withLock { $0[ObjectIdentifier(channel)] }
+    }
+
+    init(handler: RFC2217ServerHandler, eventLoop: any EventLoop, signature: String) {
+        self.handler = NIOLoopBound(handler, eventLoop: eventLoop)
+        self.eventLoop = eventLoop
+        requests = Mutex(handler.requests)
+        self.signature = signature
+    }
+
+    private func answer(_ command: UInt8, _ value: [UInt8]) {
+        let handler = handler
+        eventLoop.execute { handler.value.answer(command, value) }
+    }
+
+    /// Serves the client's requests with `port` until the client leaves: each SET applied and
+    /// answered with what is in force, queries answered, PURGE-DATA flushed, and the modem lines'
+    /// changes notified as the client's mask asks.
+    public func serve(_ port: any SerialControl) async {
+        guard let requests = self.requests.withLock({ stream in defer { stream = nil }; return stream }) else { return }
+        let notifier = Task {
+            guard let changes = try? await port.modemLineChanges() else { return }
+            var last: ModemLines?
+            do {
+                for try await lines in changes {
+                    let changed = last.map { lines.symmetricDifference($0) } ?? []
+                    last = lines
+                    let handler = handler
+                    eventLoop.execute { handler.value.notifyModemState(lines, changed: changed) }
+                }
+            } catch {}
+        }
+        defer { notifier.cancel() }
+        for await request in requests {
+            let value = await serve(request, with: port)
+            if let value { answer(request.command, value) }
+        }
+    }
+
+    /// The answer's value for `request`, or nil for none (a client's own signature).
+    private func serve(_ request: RFC2217Request, with port: any SerialControl) async -> [UInt8]? {
+        let first = request.value.first ?? 0
+        func settings(_ change: (inout SerialSettings) -> Void) async -> SerialSettings? {
+            guard var settings = try? await port.settings() else { return nil }
+            change(&settings)
+            try? await port.apply(settings)
+            return try? await port.settings()
+        }
+        switch request.command {
+        case ComPort.signature:
+            return request.value.isEmpty ? Array(signature.utf8) : nil
+        case ComPort.setBaudRate:
+            let rate = ComPort.baudRate(request.value) ?? 0
+            let now = rate == 0 ? try? await port.settings() : await settings { $0.baudRate = rate }
+            return ComPort.baudRateValue(now?.baudRate ?? 0)
+        case ComPort.setDataSize:
+            let now = first == 0 ? try? await port.settings() : await settings { $0.dataBits = Int(first) }
+            return [UInt8(now?.dataBits ?? 0)]
+        case ComPort.setParity:
+            let parity = ComPort.parity(first)
+            let now = parity == nil ? try? await port.settings() : await settings { $0.parity = parity ?? .none }
+            return [now.map { ComPort.parityValue($0.parity) } ?? 0]
+        case ComPort.setStopSize:
+            let bits = ComPort.stopBits(first)
+            let now = bits == nil ? try? await port.settings() : await settings { $0.stopBits = bits ?? 1 }
+            return [UInt8(now?.stopBits ?? 0)]
+        case ComPort.setControl:
+            return [await control(first, port)]
+        case ComPort.notifyModemState:
+            let lines = (try? await port.modemLines()) ?? []
+            return [ComPort.modemState(lines)]
+        case ComPort.notifyLineState:
+            return [0]
+        case ComPort.purgeData:
+            let queue: FlushQueue? = switch first {
+            case 1: .input
+            case 2: .output
+            case 3: .both
+            default: nil
+            }
+            if let queue { try? await port.flush(queue) }
+            return [first]
+        default:
+            return nil
+        }
+    }
+
+    /// SET-CONTROL: applied where asked, answered with the state in force.
+    private func control(_ value: UInt8, _ port: any SerialControl) async -> UInt8 {
+        switch value {
+        case ComPort.Control.askFlowControl...ComPort.Control.hardware:
+            if let flow = ComPort.flowControl(value), var settings = try? await port.settings() {
+                settings.flowControl = flow
+                try? await port.apply(settings)
+            }
+            let now = (try? await port.settings())?.flowControl ?? .none
+            return ComPort.flowControlValue(now)
+        case ComPort.Control.askBreak:
+            return ComPort.Control.breakOff
+        case ComPort.Control.breakOn, ComPort.Control.breakOff:
+            // A timed break for BREAK on; BREAK off ends nothing more (SerialControl has no open-ended break yet).
+            if value == ComPort.Control.breakOn { try? await port.sendBreak(duration: .milliseconds(250)) }
+            return value
+        case ComPort.Control.askDTR...ComPort.Control.rtsOff:
+            let isDTR = value <= ComPort.Control.dtrOff
+            let line: ModemLines = isDTR ? .dtr : .rts
+            let asked: Bool? = switch value {
+            case ComPort.Control.dtrOn, ComPort.Control.rtsOn: true
+            case ComPort.Control.dtrOff, ComPort.Control.rtsOff: false
+            default: nil
+            }
+            if let asked {
+                do {
+                    try await port.setLines(line, asked)
+                } catch {
+                    // No modem lines (a pty): kept as asked, and answered so.
+                    virtualLines.withLock { if asked { $0.insert(line) } else { $0.remove(line) } }
+                }
+            }
+            let lines = (try? await port.modemLines()) ?? virtualLines.withLock { $0 }
+            let on = lines.contains(line)
+            return isDTR ? (on ? ComPort.Control.dtrOn : ComPort.Control.dtrOff) : (on ? ComPort.Control.rtsOn : ComPort.Control.rtsOff)
+        case ComPort.Control.askInboundFlowControl...ComPort.Control.inboundHardware:
+            return ComPort.Control.inboundNone
+        default:
+            return value
+        }
+    }
+}
+
+extension Connection {
+    /// On a connection an `rfc2217://` listener accepted: the client's COM-PORT requests, to be
+    /// served with a serial port (``RFC2217Session/serve(_:)``); `nil` on any other connection.
+    public var rfc2217Session: RFC2217Session? {
+        backend(as: ChannelBackend.self).flatMap { RFC2217Session.session(of: $0.channel) }
+    }
+}
