@@ -158,18 +158,23 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
     /// broke (`failingSequences`) or ended under the application, not when it closed it.
     private func end(_ error: TransportError, failingSequences: Bool = false) {
         failReady(error)
-        let waiting = pending
-        pending.removeAll()
-        for request in waiting {
-            request.timeout?.cancel()
-            request.promise.fail(error)
-        }
+        failPending(error)
         let watchers = modemWatchers
         modemWatchers.removeAll()
         for (_, continuation) in watchers {
             if closingLocally && !failingSequences { continuation.finish() } else { continuation.finish(throwing: error) }
         }
         ChannelHandlerContext.fail(outbound.drop(), error)
+    }
+
+    /// Fails every request that waits for an answer.
+    private func failPending(_ error: TransportError) {
+        let waiting = pending
+        pending.removeAll()
+        for request in waiting {
+            request.timeout?.cancel()
+            request.promise.fail(error)
+        }
     }
 
     // MARK: Inbound
@@ -212,12 +217,7 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
                 : "\(options.describing) refused COM-PORT-OPTION (DONT 44): it serves bytes without RFC 2217 control; connect with tcp:// for "
                     + "the bytes alone, or turn rfc2217 on in the server (ser2net: accepter telnet(rfc2217),tcp,…)")
             if comPortAgreed {
-                let waiting = pending
-                pending.removeAll()
-                for request in waiting {
-                    request.timeout?.cancel()
-                    request.promise.fail(error)
-                }
+                failPending(error)
             } else {
                 failReady(error)
             }

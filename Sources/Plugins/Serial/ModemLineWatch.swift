@@ -109,22 +109,22 @@ final class ModemLineWatches: Sendable {
 
     /// Stops every watch and waits until their threads have ended (the port is closing).
     func stopAll() async {
-        let threads = state.withLock { state in
-            state.closed = true
-            defer { state.running = [:] }
-            return Array(state.running.values)
-        }
-        for thread in threads { await thread.stop() }
+        for thread in closeAndTake() { await thread.stop() }
     }
 
     /// Stops every watch without waiting (the connection was dropped).
     func stopSoon() {
-        let threads = state.withLock { state in
+        let threads = closeAndTake()
+        if !threads.isEmpty { Task { for thread in threads { await thread.stop() } } }
+    }
+
+    /// No watch starts from now on; the running ones, to stop.
+    private func closeAndTake() -> [WorkerThread] {
+        state.withLock { state in
             state.closed = true
             defer { state.running = [:] }
             return Array(state.running.values)
         }
-        if !threads.isEmpty { Task { for thread in threads { await thread.stop() } } }
     }
 
     private static func failure(_ call: String, _ code: Int32, _ path: String) -> TransportError {
