@@ -110,9 +110,9 @@ let package = Package(
             swiftSettings: strict
         ),
         .target(
-            // rfc2217:// (Telnet COM-PORT-OPTION): the client layer over TCP or TLS; no C.
+            // rfc2217:// (Telnet COM-PORT-OPTION): client and server over TCP or TLS; ports on the network through avahi (D-Bus); no C.
             name: "TransportKitRFC2217",
-            dependencies: ["TransportKitCore", "TransportKitSockets", nioCore],
+            dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitDBus", nioCore],
             path: "Sources/Plugins/RFC2217",
             swiftSettings: strict
         ),

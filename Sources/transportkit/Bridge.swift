@@ -24,7 +24,10 @@ struct Bridge: AsyncParsableCommand {
             reach lets anyone there use the target, and the tool says so. Share a serial port on \
             this machine only, and reach it from elsewhere through ssh -L:
               transportkit bridge --listen tcp://127.0.0.1:2000 tty:///dev/ttyUSB0?baud=115200
-            Status lines (listening, accepted, closed, refused, replaced, failed, warning) go to \
+            --announce publishes an rfc2217:// server on the local network by mDNS (DNS-SD type \
+            _telnetcpcd._tcp, through avahi-daemon) with the device's USB attributes, until the bridge \
+            stops; `transportkit list --network` elsewhere finds it.
+            Status lines (listening, announced, accepted, closed, refused, replaced, failed, warning) go to \
             standard error; with --json as one JSON object per line. Exit status: 0, or 1 on an \
             error before serving (a bad URL, an address in use), 64 on a usage error, or \
             129/130/143 after SIGHUP/SIGINT/SIGTERM with the listener's socket file removed.
@@ -58,6 +61,12 @@ struct Bridge: AsyncParsableCommand {
                                valueName: "n"))
     var maxClients: Int?
 
+    @Flag(help: "Announce an rfc2217:// listener on the local network by mDNS (DNS-SD type _telnetcpcd._tcp, through avahi-daemon), with the device's USB attributes.")
+    var announce = false
+
+    @Option(help: ArgumentHelp("The name to announce (default: the device and this host's name, as \"ttyUSB0 on bench\").", valueName: "name"))
+    var announceName: String?
+
     @Flag(help: "Print status lines as JSON objects.")
     var json = false
 
@@ -67,7 +76,7 @@ struct Bridge: AsyncParsableCommand {
     var serves: Bool { listen.count == 1 && urls.count == 1 && !once }
 
     func validate() throws {
-        try Arguments.refuseRepeated(["--linger", "--busy", "--max-clients", "--log-level", "--once", "--keep-open", "--json"])
+        try Arguments.refuseRepeated(["--linger", "--busy", "--max-clients", "--log-level", "--once", "--keep-open", "--json", "--announce", "--announce-name"])
         guard listen.count + urls.count == 2 else {
             throw ValidationError("a bridge has two endpoints: give two URLs, or one URL and --listen URL, or --listen twice")
         }
@@ -84,6 +93,20 @@ struct Bridge: AsyncParsableCommand {
         }
         if let maxClients, !(1...ClientLimit.most).contains(maxClients) {
             throw ValidationError("--max-clients takes a number from 1 to \(ClientLimit.most); got \(maxClients)")
+        }
+        if announceName != nil, !announce { throw ValidationError("--announce-name names what --announce publishes: give --announce too") }
+        if let announceName, announceName.isEmpty || announceName.utf8.count > 63 {
+            throw ValidationError("--announce-name takes 1 to 63 bytes (a DNS-SD instance name); \"\(announceName)\" has \(announceName.utf8.count)")
+        }
+        if announce {
+            guard serves, let url = try? TransportURL(listen[0]), url.innermost.scheme == "rfc2217" else {
+                throw ValidationError("--announce publishes a serial port served by an rfc2217:// listener: give --listen rfc2217://HOST:PORT and the port's URL, without --once")
+            }
+            let host = url.innermost.host ?? ""
+            if host == "localhost" || host.hasPrefix("127.") || host == "::1" || host == "[::1]" {
+                throw ValidationError("--announce tells the network about \(url.shown), which listens on \(host), where only this machine can connect: "
+                                      + "listen on 0.0.0.0 or one of this machine's network addresses")
+            }
         }
     }
 
@@ -108,7 +131,7 @@ struct Bridge: AsyncParsableCommand {
                 }
                 settings = BridgeServer.Settings(target: urls[0], exclusive: exclusive, linger: linger, busy: busy ?? .refuse, keepOpen: keepOpen,
                                                  limit: exclusive ? 1 : try ClientLimit.choose(maxClients, target: target.url.innermost.scheme),
-                                                 status: status)
+                                                 status: status, announce: announce ? Announce(name: announceName) : nil)
             } else {
                 settings = nil
             }
@@ -285,6 +308,8 @@ struct BridgeServer: Sendable {
         /// Clients served at once (1 for an exclusive target).
         var limit: Int
         var status: StatusPrinter
+        /// `--announce`: publish the listener by mDNS, under this name or a default one.
+        var announce: Announce?
     }
 
     let settings: Settings
@@ -338,6 +363,13 @@ struct BridgeServer: Sendable {
     func serve(on url: String) async throws {
         let listener = try await Transport.registry.listen(on: url, buffering: .compact)
         Self.warnIfOpenToStrangers(listener, target: settings.target, status: settings.status)
+        let announcement: NetworkAnnouncement?
+        do {
+            announcement = try await settings.announce?.publish(listener, target: settings.target, status: settings.status)
+        } catch {
+            try? await listener.close()
+            throw error
+        }
         settings.status(["event": "listening", "url": listener.url.description, "target": settings.target,
                          "clients": settings.exclusive ? "1 at a time" : "up to \(settings.limit)"])
         do {
@@ -347,9 +379,11 @@ struct BridgeServer: Sendable {
                 try await serveShared(listener)
             }
         } catch {
+            if let announcement { await uncancellable { await announcement.withdraw() } }
             try? await listener.close()
             throw error
         }
+        if let announcement { await uncancellable { await announcement.withdraw() } }
         try await listener.close()
     }
 
@@ -552,5 +586,55 @@ final class SharedDevice: Sendable {
             return connection
         }
         try? await kept?.close()
+    }
+}
+
+/// `bridge --announce`: the listener published by mDNS while it serves.
+struct Announce: Sendable {
+    /// `--announce-name`, or nil for "<device> on <host>".
+    var name: String?
+
+    /// Publishes `listener` (an rfc2217:// one) through avahi-daemon, with the target's USB
+    /// attributes when the target is a serial port this machine lists; says under which name.
+    func publish(_ listener: Listener, target: String, status: StatusPrinter) async throws -> NetworkAnnouncement {
+        guard let port = listener.url.innermost.port else {
+            throw TransportError(.misuse, "\(listener.url.shown) has no port to announce")
+        }
+        let device = await Self.device(for: target)
+        let chosen = name ?? Self.defaultName(device: device, target: target)
+        let announcement = try await RFC2217Plugin().announce(port: port, name: chosen, device: device)
+        var line = ["event": "announced", "name": announcement.name, "type": announcement.service.type, "port": String(port)]
+        if announcement.name != chosen { line["asked"] = chosen }
+        status(line)
+        return announcement
+    }
+
+    /// The serial port `target` names, as this machine lists it (by its URL, its node or a link to it).
+    static func device(for target: String) async -> DeviceRecord? {
+        guard let url = try? TransportURL(target), url.innermost.scheme == "tty" else { return nil }
+        let path = url.innermost.path
+        let real = path.isEmpty ? nil : realpath(path, nil).map { pointer in
+            defer { free(pointer) }
+            return String(cString: pointer)
+        }
+        return await Transport.devices(includeAll: true).devices.first { record in
+            record.url == target || (record.devnode != nil && (record.devnode == real || record.devnode == path || record.links.contains(path)))
+        }
+    }
+
+    /// "<product or node> on <host>", as pyserial's port publisher names its ports; at most 63 bytes.
+    static func defaultName(device: DeviceRecord?, target: String) -> String {
+        let node: String? = device?.devnode.flatMap { $0.split(separator: "/").last.map(String.init) }
+        let path: String? = (try? TransportURL(target))?.innermost.path.split(separator: "/").last.map(String.init)
+        let what: String = device?.product ?? node ?? path ?? "serial port"
+        var host = [UInt8](repeating: 0, count: 256)
+        let hostName = host.withUnsafeMutableBufferPointer { buffer -> String in
+            guard let base = buffer.baseAddress, gethostname(base, buffer.count - 1) == 0 else { return "this host" }
+            let bytes = UnsafeBufferPointer(start: base, count: strlen(base))
+            return String(decoding: bytes, as: UTF8.self)
+        }
+        var name = "\(what) on \(hostName)"
+        while name.utf8.count > 63 { name.removeLast() }
+        return name
     }
 }

@@ -20,10 +20,13 @@ struct List: AsyncParsableCommand {
     @Option(name: .customLong("scan"), help: ArgumentHelp("Also scan for nearby Bluetooth devices (LE and classic) for this long.", valueName: "seconds"))
     var scanSeconds: Double?
 
+    @Flag(help: "Also list serial ports shared on the local network (mDNS through avahi-daemon: RFC 2217 servers, ser2net), each with its rfc2217:// URL.")
+    var network = false
+
     @OptionGroup var logging: LoggingOptions
 
     func validate() throws {
-        try Arguments.refuseRepeated(["--scan", "--log-level", "--json", "--all"])
+        try Arguments.refuseRepeated(["--scan", "--log-level", "--json", "--all", "--network"])
         if let scanSeconds, !(scanSeconds > 0 && scanSeconds <= 3600) { throw ValidationError("--scan takes seconds between 0 and 3600") }
     }
 
@@ -45,10 +48,19 @@ struct List: AsyncParsableCommand {
             }
             devices += found.values.sorted { $0.url < $1.url }
         }
+        var failed = !listing.failures.isEmpty
+        if network {
+            do {
+                devices += try await RFC2217Plugin().networkPorts()
+            } catch {
+                StandardError.write("transportkit: warning: network ports: \(error)\n")
+                failed = true
+            }
+        }
         do {
             if json {
                 print(try DeviceJSON.encode(devices, pretty: true))
-            } else if devices.isEmpty && listing.failures.isEmpty {
+            } else if devices.isEmpty && !failed {
                 StandardError.write("no devices found\(all ? "" : " (--all also shows virtual and unused ports)")\n")
             } else if !devices.isEmpty {
                 print(DeviceTable.render(devices))
@@ -56,7 +68,7 @@ struct List: AsyncParsableCommand {
         } catch {
             throw fail(error)
         }
-        if devices.isEmpty && !listing.failures.isEmpty { throw ExitCode.failure }
+        if devices.isEmpty && failed { throw ExitCode.failure }
     }
 }
 
@@ -78,17 +90,24 @@ struct Watch: AsyncParsableCommand {
     @Option(name: .customLong("scan"), help: ArgumentHelp("Also report nearby Bluetooth devices appearing and expiring, scanning for this long.", valueName: "seconds"))
     var scanSeconds: Double?
 
+    @Flag(help: "Also report serial ports shared on the local network appearing and leaving (mDNS through avahi-daemon).")
+    var network = false
+
     @OptionGroup var logging: LoggingOptions
 
     func validate() throws {
-        try Arguments.refuseRepeated(["--scan", "--log-level", "--json", "--all"])
+        try Arguments.refuseRepeated(["--scan", "--log-level", "--json", "--all", "--network"])
         if let scanSeconds, !(scanSeconds > 0 && scanSeconds <= 86400) { throw ValidationError("--scan takes seconds between 0 and 86400") }
     }
 
-    /// The registry's device events, and with --scan the Bluetooth devices seen (added) and expired (removed).
-    func events() -> AsyncThrowingStream<DeviceEvent, any Error> {
+    /// The registry's device events; with --scan the Bluetooth devices seen (added) and expired
+    /// (removed); with --network the serial ports on the network appearing and leaving. Returns
+    /// once every source is subscribed.
+    func events() async throws -> AsyncThrowingStream<DeviceEvent, any Error> {
         let registry = Transport.deviceEvents(includeAll: all)
-        guard let scanSeconds else { return registry }
+        guard scanSeconds != nil || network else { return registry }
+        let networkPorts = network ? try await RFC2217Plugin().networkPortEvents() : nil
+        let scanSeconds = scanSeconds
         let (merged, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream()
         let task = Task {
             await withTaskGroup(of: Void.self) { group in
@@ -100,18 +119,29 @@ struct Watch: AsyncParsableCommand {
                         continuation.finish(throwing: error)
                     }
                 }
-                group.addTask {
-                    let scan = BluetoothScan(bearer: .both, end: .after(.milliseconds(Int(scanSeconds * 1000))), expiry: .seconds(15))
-                    do {
-                        for try await event in BluetoothPlugin().scan(scan) {
-                            switch event {
-                            case .discovered(let device): continuation.yield(DeviceEvent(.added, device.record))
-                            case .expired(let device): continuation.yield(DeviceEvent(.removed, device.record))
-                            case .updated: continue
+                if let scanSeconds {
+                    group.addTask {
+                        let scan = BluetoothScan(bearer: .both, end: .after(.milliseconds(Int(scanSeconds * 1000))), expiry: .seconds(15))
+                        do {
+                            for try await event in BluetoothPlugin().scan(scan) {
+                                switch event {
+                                case .discovered(let device): continuation.yield(DeviceEvent(.added, device.record))
+                                case .expired(let device): continuation.yield(DeviceEvent(.removed, device.record))
+                                case .updated: continue
+                                }
                             }
+                        } catch {
+                            StandardError.write("transportkit: warning: Bluetooth scan: \(error)\n")
                         }
-                    } catch {
-                        StandardError.write("transportkit: warning: Bluetooth scan: \(error)\n")
+                    }
+                }
+                if let networkPorts {
+                    group.addTask {
+                        do {
+                            for try await event in networkPorts { continuation.yield(event) }
+                        } catch {
+                            StandardError.write("transportkit: warning: network ports: \(error)\n")
+                        }
                     }
                 }
             }
@@ -123,7 +153,7 @@ struct Watch: AsyncParsableCommand {
     func run() async throws {
         logging.bootstrap()
         do {
-            let events = events()
+            let events = try await events()
             StandardError.write("watching\n")
             for try await event in events {
                 let line = json ? try DeviceJSON.encode(event) : DeviceTable.line(event)

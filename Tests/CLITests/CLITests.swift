@@ -20,7 +20,7 @@ struct CLI {
     /// A started process whose output is collected in the background.
     final class Running: @unchecked Sendable {
         // @unchecked Sendable: `process` and the pipes are used from the test task; the collected
-        // output is written once by the reader threads and read after `wait()` joined them.
+        // output is appended by the reader threads and read, under `lock`, by the test task.
         let process = Process()
         let input = Pipe()
         let output = Pipe()
@@ -42,9 +42,18 @@ struct CLI {
         ///   - shell: shell words around the tool's start: `umask` runs first, `redirections`
         ///     (`>&-`, `2>&-`) apply to it, as `/bin/sh -c 'umask 000; exec transportkit … >&-'`.
         ///   - launchAsShell: run `/bin/sh` with `arguments` as this user instead of the tool.
+        ///   - prefix: a command line the tool's is appended to, as `ip netns exec NS env VAR=… transportkit …`.
+        ///   - program: run this command line instead of the tool (a peer, with the same collection of its output).
         init(_ arguments: [String], launchAs user: String? = nil, launchAsShell shellUser: String? = nil, closeStdoutAfter: Int? = nil,
-             closeStderrAfter: Int? = nil, stdinPath: String? = nil, wrapper: String? = nil, umask: String? = nil, redirections: String = "") throws {
-            if let shellUser {
+             closeStderrAfter: Int? = nil, stdinPath: String? = nil, wrapper: String? = nil, umask: String? = nil, redirections: String = "",
+             prefix: [String] = [], program: [String]? = nil) throws {
+            if let program, let first = program.first {
+                process.executableURL = URL(fileURLWithPath: first)
+                process.arguments = Array(program.dropFirst())
+            } else if let first = prefix.first {
+                process.executableURL = URL(fileURLWithPath: first)
+                process.arguments = Array(prefix.dropFirst()) + [CLI.binary] + arguments
+            } else if let shellUser {
                 process.executableURL = URL(fileURLWithPath: "/usr/sbin/runuser")
                 process.arguments = ["-u", shellUser, "--", "/bin/sh"] + arguments
             } else if umask != nil || !redirections.isEmpty {
@@ -73,17 +82,18 @@ struct CLI {
             group.enter()
             Thread { [self] in
                 let handle = output.fileHandleForReading
-                var data = Data()
                 while true {
                     let chunk = handle.availableData
                     if chunk.isEmpty { break }
-                    data.append(chunk)
-                    if let limit = closeStdoutAfter, data.count >= limit {
+                    let total = lock.withLock {
+                        out.append(chunk)
+                        return out.count
+                    }
+                    if let limit = closeStdoutAfter, total >= limit {
                         try? handle.close()
                         break
                     }
                 }
-                lock.withLock { out = data }
                 group.leave()
             }.start()
             group.enter()
@@ -132,6 +142,9 @@ struct CLI {
 
         /// Whether the process has exited.
         var isRunning: Bool { process.isRunning }
+
+        /// Standard output so far, as text.
+        var stdoutText: String { lock.withLock { String(decoding: out, as: UTF8.self) } }
 
         /// The standard-error lines so far.
         var stderrLines: [String] {

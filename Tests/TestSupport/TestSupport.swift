@@ -140,3 +140,31 @@ public final class Gathered<Element: Sendable>: Sendable {
 
     public func stop() { task.withLock { $0?.cancel() } }
 }
+
+/// Runs a program to its end on a thread of its own, with standard output to /dev/null: its exit
+/// status (-1 when it could not start). posix_spawn and waitpid, not Foundation's Process, whose
+/// waitUntilExit never returns when the test bundle runs outside `swift test`; no output pipe,
+/// which daemons a set-up script starts would inherit and hold open.
+public func runToEnd(_ executable: String, _ arguments: [String]) async -> Int32 {
+    await withCheckedContinuation { continuation in
+        Thread {
+            var actions = posix_spawn_file_actions_t()
+            posix_spawn_file_actions_init(&actions)
+            posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0)
+            let argv: [UnsafeMutablePointer<CChar>?] = ([executable] + arguments).map { strdup($0) } + [nil]
+            defer {
+                argv.forEach { free($0) }
+                posix_spawn_file_actions_destroy(&actions)
+            }
+            var pid: pid_t = 0
+            guard posix_spawn(&pid, executable, &actions, nil, argv, environ) == 0 else {
+                continuation.resume(returning: -1)
+                return
+            }
+            var status: Int32 = 0
+            while waitpid(pid, &status, 0) < 0 && errno == EINTR {}
+            // WIFEXITED and WEXITSTATUS, which Glibc's macros do not export.
+            continuation.resume(returning: status & 0x7f == 0 ? (status >> 8) & 0xff : -1)
+        }.start()
+    }
+}
