@@ -504,7 +504,15 @@ struct BridgeServer: Sendable {
                         linger: settings.linger)
                 }
             } else {
-                try await Relay.bridge(client, connection, linger: settings.linger)
+                // The client's session ends with it, releasing what it left set (a BREAK) before the port closes.
+                var beforeClosing: (@Sendable () async -> Void)?
+                if let serving {
+                    beforeClosing = {
+                        serving.cancel()
+                        await serving.value
+                    }
+                }
+                try await Relay.bridge(client, connection, linger: settings.linger, beforeClosing: beforeClosing)
             }
             settings.status(["event": "closed", "client": String(id), "received": String(client.bytesRead), "sent": String(client.bytesWritten)])
         } catch {
@@ -602,7 +610,7 @@ struct Announce: Sendable {
         }
         let device = await Self.device(for: target)
         let chosen = name ?? Self.defaultName(device: device, target: target)
-        let announcement = try await RFC2217Plugin().announce(port: port, name: chosen, device: device)
+        let announcement = try await RFC2217Plugin().announce(port: port, name: chosen, device: device, tls: listener.url.scheme == "tls")
         var line = ["event": "announced", "name": announcement.name, "type": announcement.service.type, "port": String(port)]
         if announcement.name != chosen { line["asked"] = chosen }
         status(line)

@@ -41,10 +41,17 @@ enum Relay {
 
     /// Copies both ways between `a` and `b`. When one direction ends, the other side is
     /// half-closed (where it can be) and the remaining direction gets `linger` to finish. Both
-    /// connections are closed in every case.
-    static func bridge(_ a: Connection, _ b: Connection, linger: Duration) async throws {
+    /// connections are closed in every case; `beforeClosing` runs first, however the relay ended
+    /// (an RFC 2217 session releases the break its client left on while the port is still open).
+    static func bridge(_ a: Connection, _ b: Connection, linger: Duration, beforeClosing: (@Sendable () async -> Void)? = nil) async throws {
         try await closing([a, b]) {
-            try await run({ try await copy(from: a, to: b) }, { try await copy(from: b, to: a) }, linger: linger)
+            do {
+                try await run({ try await copy(from: a, to: b) }, { try await copy(from: b, to: a) }, linger: linger)
+            } catch {
+                await beforeClosing?()
+                throw error
+            }
+            await beforeClosing?()
         }
     }
 

@@ -511,7 +511,7 @@ struct HostileUseTests {
             bridge(["--listen", "tcp://nonexistent.invalid:0", "loop://"], "cannot listen on 'nonexistent.invalid'", "0.0.0.0"),
             bridge(["--listen", "tcp://127.0.0.1:99999", "loop://"], "the port 99999 is outside 0…65535"),
             bridge(["--listen", "tcp://10.99.99.99:0", "loop://"], "10.99.99.99 is not an address of this machine", "EADDRNOTAVAIL"),
-            bridge(["--listen", "loop://", "loop://"], "loop:// cannot listen", "tcp://, tls://, unix://"),
+            bridge(["--listen", "loop://", "loop://"], "loop:// cannot listen", "tcp://, tls://, tls+URL, unix://"),
             bridge(["--listen", "unix:///tmp", "loop://"], "/tmp exists and is a directory, not a socket"),
             bridge(["--listen", "unix:///etc/hostname", "loop://"], "is a regular file, not a socket"),
             bridge(["--listen", "unix:///nonexistent-dir/x.sock", "loop://"], "its directory does not exist"),

@@ -13,7 +13,7 @@ struct RFC2217BridgeTests {
     @Test func pyserialOpensThePortThroughTheBridgeAndEveryAnswerMatches() async throws {
         let (status, output) = await Self.run("/usr/bin/python3", [Self.script, CLI.binary])
         let lines = output.split(separator: "\n").map(String.init)
-        for check in ["settings", "to-device", "from-device", "lines", "baud-at-run-time", "purge"] {
+        for check in ["settings", "to-device", "from-device", "lines", "baud-at-run-time", "purge", "break"] {
             #expect(lines.contains("ok \(check)"), "\(check): \(output)")
         }
         #expect(status == 0, "\(output)")

@@ -78,6 +78,8 @@ struct AvahiTests {
         #expect(ours?.vendorId == "0403" && ours?.productId == "6001" && ours?.serialNumber == "A5" && ours?.properties["txt.path"] == "/dev/ttyUSB0")
         #expect(ours?.properties["host"] == "pi.local" && ours?.properties["serviceType"] == "_telnetcpcd._tcp" && ours?.properties["interface"] == "eth0")
         #expect(NetworkPorts.record(for: service("_serial_port._tcp"))?.url == "rfc2217://192.168.1.20:4001")
+        #expect(NetworkPorts.record(for: service("_telnetcpcd._tcp", txt: ["tls": "1"]))?.url == "tls+rfc2217://192.168.1.20:4001")
+        #expect(NetworkPorts.txt(for: nil, tls: true) == ["txtvers=1", "protocol=rfc2217", "provider=transportkit", "tls=1"])
         // ser2net: what its gensio stack says it speaks.
         for (stack, url) in [("telnet(rfc2217),tcp", "rfc2217://192.168.1.20:4001"), ("tcp", "tcp://192.168.1.20:4001"),
                              ("telnet(rfc2217,winsize),ssl(CA=/etc/ca.pem,mode=server),tcp", "tls+rfc2217://192.168.1.20:4001"),

@@ -81,8 +81,23 @@ struct SpyTests {
         #expect(text.contains("CTRL  settings 19200 8N1 → ok"), "\(text)")
         #expect(text.contains("CTRL  settings? → 19200 8N1"), "\(text)")
         #expect(text.contains("CTRL  flush input → ok"), "\(text)")
-        #expect(text.contains("CTRL  break 0.01 seconds → ok"), "\(text)")
+        // A timed break is the port's break on, a wait, break off: traced as the two calls.
+        #expect(text.contains("CTRL  break on → ok") && text.contains("CTRL  break off → ok"), "\(text)")
         #expect(text.contains("CTRL  DTR on → failed: "), "\(text)")
+    }
+
+    @Test func aBreakCancelledDuringItsWaitIsStillReleased() async throws {
+        let file = Support.temporaryPath("spy-break") + ".txt"
+        defer { unlink(file) }
+        let connection = try await Transport.connect(to: "spy+pty://?spy.file=\(file)")
+        let port = try #require(connection.serialPort)
+        let breaking = Task { try await port.sendBreak(duration: .seconds(30)) }
+        #expect(await eventually(5) { trace(file).contains("CTRL  break on → ok") })
+        breaking.cancel()
+        let ended = await breaking.result
+        #expect(throws: CancellationError.self) { try ended.get() }
+        #expect(await eventually(5) { trace(file).contains("CTRL  break off → ok") }, "released although cancelled: \(trace(file))")
+        try await connection.close()
     }
 
     @Test func rawModeWritesOnlyTheBytesOfOneDirection() async throws {

@@ -40,6 +40,7 @@ struct OptionModeTests {
         "tls:// connection": "tls://127.0.0.1:9",
         "tls:// listener": "tls://127.0.0.1:0",
         "tls+ over another URL": "tls+loop://",
+        "tls+ listener around a protocol on TCP": "tls+rfc2217://127.0.0.1:0",
         "ws:// connection": "ws://127.0.0.1:9/",
         "ws:// listener": "ws://127.0.0.1:0/",
         "wss:// connection": "wss://127.0.0.1:9/",
@@ -96,7 +97,8 @@ struct OptionModeTests {
                     Issue.record("\(url) (\(mode.role)) was taken, though \(mode.name) does not use \(spec.name)")
                 } catch let error as TransportError {
                     #expect(error.kind == .invalidURL)
-                    #expect(error.message.contains("option '\(spec.name)' is not used by this mode, \(mode.phrase)"), "\(url): \(error.message)")
+                    let shown = (descriptor.wraps ? descriptor.scheme + "." : "") + spec.name
+                    #expect(error.message.contains("option '\(shown)' is not used by this mode, \(mode.phrase)"), "\(url): \(error.message)")
                     refused += 1
                 }
             }

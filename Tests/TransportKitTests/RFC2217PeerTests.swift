@@ -158,6 +158,9 @@ struct RFC2217PeerTests {
             #expect(try await remote.modemLines().isSuperset(of: [.cts, .dsr, .dtr, .rts]))
             try await remote.flush(.input)
             try await remote.sendBreak(duration: .milliseconds(10))
+            // An open-ended break: each half answered by the server.
+            try await remote.setBreak(true)
+            try await remote.setBreak(false)
             try await connection.close()
             #expect(await eventually(5) { changes.ended }, "the sequence ends with the connection")
             #expect(changes.failure == nil, "closed by the app: no error: \(String(describing: changes.failure))")

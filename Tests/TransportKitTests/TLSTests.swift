@@ -3,6 +3,7 @@ import Glibc
 import TestSupport
 import Testing
 @_spi(Plugins) @testable import TransportKit
+@testable import TransportKitSerial
 
 /// A program no one here wrote, as the other end of a test (shared/PEERS.md): started with its
 /// arguments, its output kept in a log, killed at the end.
@@ -439,6 +440,51 @@ struct TLSListenerTests {
         try await peer.close()
         #expect(try await known.value.output.contains("pong"))
         try await listener.close()
+    }
+
+    /// `tls+rfc2217://` listening: RFC 2217 over TLS, client certificates required (as ser2net with
+    /// gensio's TLS). A stranger's openssl is turned away; a client with a certificate sets the
+    /// line of the pty the session serves.
+    @Test func rfc2217ListensOverTLSAndRequiresClientCertificates() async throws {
+        let clientCA = await Certificates.path("client-ca.pem")
+        let listener = try await Transport.listen(on: "tls+rfc2217://127.0.0.1:0?tls.\(await identity.replacingOccurrences(of: "&", with: "&tls."))&tls.ca=\(clientCA)")
+        #expect(listener.url.scheme == "tls" && listener.url.inner?.scheme == "rfc2217", "\(listener.url)")
+        #expect(listener.exposure?.authenticated == true, "client certificates required: no stranger warning")
+        let port = try #require(listener.url.innermost.port)
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let serving = Task {
+            let client = try #require(try await listener.accept())
+            let session = try #require(client.rfc2217Session, "an accepted tls+rfc2217 connection carries the client's COM-PORT requests")
+            let device = try await Transport.connect(to: "tty://\(pty.path)")
+            let port = try #require(device.serialPort)
+            let served = Task { await session.serve(port) }
+            let bytes = try await client.readFrame(.fixedLength(8), timeout: .seconds(10))
+            try await client.close()
+            await served.value
+            try await device.close()
+            return bytes
+        }
+        // openssl without a client certificate: the handshake is refused, nothing is accepted.
+        let stranger = try await client(port, input: "let me in\n")
+        #expect(stranger.output.contains("alert") && !stranger.output.contains("let me in"), "\(stranger.output)")
+        let ca = await Certificates.path("ca.pem")
+        let mine = "tls.cert=\(await Certificates.path("client-cert.pem"))&tls.key=\(await Certificates.path("client-key.pem"))"
+        let connection = try await Transport.connect(to: "tls+rfc2217://localhost:\(port)?baud=19200&tls.ca=\(ca)&\(mine)")
+        #expect(try pty.termios2().c_ospeed == 19200, "the client's setting reached the served port")
+        try await connection.write("over TLS")
+        #expect(try await serving.value == Array("over TLS".utf8))
+        try await connection.close()
+        try await listener.close()
+
+        // Refused before listening: no client certificates asked for, or a wrapped URL with no protocol to run TLS beneath.
+        let noCA = await expectTransportError(.invalidURL) { try await Transport.listen(on: "tls+rfc2217://127.0.0.1:0?tls.\(await identity.replacingOccurrences(of: "&", with: "&tls."))") }
+        #expect(noCA?.message.contains("requires client certificates") == true, "\(String(describing: noCA))")
+        let overTCP = await expectTransportError(.unsupported) {
+            try await Transport.listen(on: "tls+tcp://127.0.0.1:0?tls.\(await identity.replacingOccurrences(of: "&", with: "&tls."))&tls.ca=\(clientCA)")
+        }
+        #expect(overTCP?.message.contains("tls://ADDRESS:PORT") == true, "\(String(describing: overTCP))")
+        await expectTransportError(.invalidURL) { try await Transport.listen(on: "tls+rfc2217://127.0.0.1:0?tls.serverName=x&tls.ca=\(clientCA)") }
     }
 
     @Test func aSilentClientDoesNotHoldUpTheNext() async throws {

@@ -26,7 +26,8 @@ public enum NetworkPorts {
     /// the USB attributes its TXT record carries (ser2net's `mdns-sysattrs` names, which TransportKit
     /// uses too). Nil for a protocol stack TransportKit cannot speak (UDP, SCTP).
     public static func record(for found: DNSService) -> DeviceRecord? {
-        var scheme = "rfc2217"
+        // TransportKit's own announcements say tls=1 for RFC 2217 over TLS.
+        var scheme = found.txt["tls"] == "1" ? "tls+rfc2217" : "rfc2217"
         if found.service.type == "_iostream._tcp" {
             // ser2net's gensio stack, outermost first, each with its options: "telnet(rfc2217),tcp",
             // "tcp", "telnet(rfc2217),ssl(CA=…),tcp".
@@ -68,10 +69,11 @@ public enum NetworkPorts {
     }
 
     /// The TXT record TransportKit announces a port with: `txtvers=1`, `protocol=rfc2217`,
-    /// `provider=transportkit`, and for a known device its node (`path`) and, on USB, ser2net's
-    /// `mdns-sysattrs` keys (`devicetype`, `idVendor`, `idProduct`, `serial`, `manufacturer`, `product`).
-    public static func txt(for device: DeviceRecord?) -> [String] {
-        var items = ["txtvers=1", "protocol=rfc2217", "provider=transportkit"]
+    /// `provider=transportkit`, `tls=1` for a server that runs RFC 2217 over TLS, and for a known
+    /// device its node (`path`) and, on USB, ser2net's `mdns-sysattrs` keys (`devicetype`,
+    /// `idVendor`, `idProduct`, `serial`, `manufacturer`, `product`).
+    public static func txt(for device: DeviceRecord?, tls: Bool = false) -> [String] {
+        var items = ["txtvers=1", "protocol=rfc2217", "provider=transportkit"] + (tls ? ["tls=1"] : [])
         guard let device else { return items }
         if let devnode = device.devnode { items.append("path=\(devnode)") }
         items.append("devicetype=\(device.vendorId == nil ? "serial" : "serialusb")")
@@ -83,7 +85,7 @@ public enum NetworkPorts {
     }
 }
 
-/// A port announced on the network by ``RFC2217Plugin/announce(port:name:device:bus:)``: it stays
+/// A port announced on the network by ``RFC2217Plugin/announce(port:name:device:tls:bus:)``: it stays
 /// announced until ``withdraw()`` or until the process ends (avahi-daemon then withdraws it).
 public final class NetworkAnnouncement: Sendable {
     private let publication: DNSPublication
@@ -108,8 +110,9 @@ public final class NetworkAnnouncement: Sendable {
 }
 
 extension RFC2217Plugin {
-    /// Announces an RFC 2217 server on `port` as `name` (type ``NetworkPorts/announcedType``),
-    /// through avahi-daemon on the system bus (or `bus`); returns once announced on the network.
+    /// Announces an RFC 2217 server on `port` as `name` (type ``NetworkPorts/announcedType``;
+    /// `tls`: it runs over TLS), through avahi-daemon on the system bus (or `bus`); returns once
+    /// announced on the network.
     ///
     /// ```swift
     /// let announcement = try await RFC2217Plugin().announce(port: 2217, name: "Bench port", device: nil)
@@ -118,11 +121,11 @@ extension RFC2217Plugin {
     ///
     /// - Throws: `TransportError` `.notFound` when there is no system bus or no avahi-daemon on
     ///   it, `.invalidURL` for a name avahi refuses, `.timedOut` when probing does not end.
-    public func announce(port: Int, name: String, device: DeviceRecord?, bus: DBusConnection.Bus = .system) async throws -> NetworkAnnouncement {
+    public func announce(port: Int, name: String, device: DeviceRecord?, tls: Bool = false, bus: DBusConnection.Bus = .system) async throws -> NetworkAnnouncement {
         let connection = try DBusConnection(bus)
         do {
             let publication = try await Avahi(bus: connection).publish(DNSServiceName(name: name, type: NetworkPorts.announcedType),
-                                                                       port: port, txt: NetworkPorts.txt(for: device))
+                                                                       port: port, txt: NetworkPorts.txt(for: device, tls: tls))
             return NetworkAnnouncement(publication: publication, bus: connection)
         } catch {
             await connection.close()

@@ -90,13 +90,10 @@ struct RFC2217Port: SerialControl {
         }
     }
 
-    func sendBreak(duration: Duration) async throws {
-        try await connection.performControl(ControlOperation("break", duration.description)) {
-            try await control(ComPort.Control.breakOn)
-            var interrupted: (any Error)?
-            do { try await Task.sleep(for: duration) } catch { interrupted = error }
-            try await control(ComPort.Control.breakOff)
-            if let interrupted { throw interrupted }
+    /// SET-CONTROL BREAK on or off, answered by the server.
+    func setBreak(_ on: Bool) async throws {
+        try await connection.performControl(ControlOperation("break", on ? "on" : "off")) {
+            try await control(on ? ComPort.Control.breakOn : ComPort.Control.breakOff)
         }
     }
 

@@ -3,8 +3,8 @@
 // the client's COM-PORT commands as requests) and RFC2217Session, which serves those requests
 // with the target's SerialControl and answers each with what is in force.
 //
-// Not yet: an open-ended BREAK (BREAK on is a 250-ms break; SerialControl has no setBreak), the
-// line-state notifications (NOTIFY-LINESTATE is answered 0), and a tls+rfc2217 listener.
+// Not yet: the line-state notifications (NOTIFY-LINESTATE is answered 0), and a tls+rfc2217
+// listener.
 //
 // What clients expect, from pyserial 3.5 and the research notes: an answer to every command,
 // PURGE-DATA included (pyserial waits for both purges at open, even with ign_set_control), with
@@ -162,6 +162,8 @@ public final class RFC2217Session: Sendable {
     private let requests: Mutex<AsyncStream<RFC2217Request>?>
     /// DTR and RTS as last asked, for a port without modem lines (answered as asked).
     private let virtualLines = Mutex<ModemLines>([.dtr, .rts])
+    /// Whether the client's BREAK is on: released when the client leaves.
+    private let breakOn = Mutex(false)
     private let signature: String
 
     /// The session of each accepted channel, until it closes.
@@ -193,7 +195,8 @@ public final class RFC2217Session: Sendable {
 
     /// Serves the client's requests with `port` until the client leaves: each SET applied and
     /// answered with what is in force, queries answered, PURGE-DATA flushed, and the modem lines'
-    /// changes notified as the client's mask asks.
+    /// changes notified as the client's mask asks. A BREAK the client turned on is held until it
+    /// turns it off, and released when it leaves.
     public func serve(_ port: any SerialControl) async {
         guard let requests = self.requests.withLock({ stream in defer { stream = nil }; return stream }) else { return }
         let notifier = Task {
@@ -213,6 +216,8 @@ public final class RFC2217Session: Sendable {
             let value = await serve(request, with: port)
             if let value { answer(request.command, value) }
         }
+        // A client that leaves with BREAK on does not leave the line in break.
+        if breakOn.withLock({ state in defer { state = false }; return state }) { try? await port.setBreak(false) }
     }
 
     /// The answer's value for `request`, or nil for none (a client's own signature).
@@ -274,11 +279,12 @@ public final class RFC2217Session: Sendable {
             let now = (try? await port.settings())?.flowControl ?? .none
             return ComPort.flowControlValue(now)
         case ComPort.Control.askBreak:
-            return ComPort.Control.breakOff
+            return breakOn.withLock { $0 } ? ComPort.Control.breakOn : ComPort.Control.breakOff
         case ComPort.Control.breakOn, ComPort.Control.breakOff:
-            // A timed break for BREAK on; BREAK off ends nothing more (SerialControl has no open-ended break yet).
-            if value == ComPort.Control.breakOn { try? await port.sendBreak(duration: .milliseconds(250)) }
-            return value
+            // Held until the client says BREAK off (or leaves); answered with the state in force.
+            let on = value == ComPort.Control.breakOn
+            if (try? await port.setBreak(on)) != nil { breakOn.withLock { $0 = on } }
+            return breakOn.withLock { $0 } ? ComPort.Control.breakOn : ComPort.Control.breakOff
         case ComPort.Control.askDTR...ComPort.Control.rtsOff:
             let isDTR = value <= ComPort.Control.dtrOff
             let line: ModemLines = isDTR ? .dtr : .rts

@@ -99,18 +99,15 @@ public struct SerialPort: SerialControl {
 
     // MARK: Break, flush, drain
 
-    /// Holds the line in the break state for `duration`, then releases it. Does not block a thread.
-    public func sendBreak(duration: Duration = .milliseconds(250)) async throws {
-        try await connection.performControl(ControlOperation("break", duration.description)) {
+    /// Starts (`on`) or ends a break: TIOCSBRK and TIOCCBRK. Closing the port ends a break too.
+    public func setBreak(_ on: Bool) async throws {
+        try connection.performControl(ControlOperation("break", on ? "on" : "off")) {
             let fd = try device.descriptor()
-            try Syscall.run("ioctl(TIOCSBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCSBRK)) }
-            var interrupted: (any Error)?
-            do { try await Task.sleep(for: duration) } catch { interrupted = error }
-            // Fetched again: the port may have been closed meanwhile (closing ends the break), and the
-            // old number may already belong to another file.
-            let current = try device.descriptor()
-            try Syscall.run("ioctl(TIOCCBRK)", on: path) { ioctl(current.rawValue, UInt(TIOCCBRK)) }
-            if let interrupted { throw interrupted }
+            if on {
+                try Syscall.run("ioctl(TIOCSBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCSBRK)) }
+            } else {
+                try Syscall.run("ioctl(TIOCCBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCCBRK)) }
+            }
         }
     }
 

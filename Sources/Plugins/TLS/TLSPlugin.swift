@@ -9,6 +9,8 @@
 //   tls://ADDRESS:PORT?cert=PATH&key=PATH[&ca=PATH&alpn=…&minVersion=…&handshakeTimeout=SECONDS&backlog=N] (listening)
 //     With ca=, every client must present a certificate that authority issued.
 //   tls+URL[?tls.ca=…&tls.serverName=…] wraps any stream URL (tls+unix:///run/x.sock?tls.serverName=x).
+//   tls+rfc2217://ADDRESS:PORT?tls.cert=PATH&tls.key=PATH&tls.ca=PATH (listening): TLS beneath a
+//     protocol on TCP; client certificates from tls.ca are required.
 
 import NIOCore
 import NIOSSL
@@ -60,6 +62,8 @@ public struct TLSPlugin: TransportPlugin {
 
     static let clientOptions: [any OptionDeclaration] = [ca, cert, key, serverName, alpn, minVersion, insecure, pin]
     static let serverOptions: [any OptionDeclaration] = [ca, cert, key, alpn, minVersion, handshakeTimeout]
+    /// A `tls+` listener's: client certificates are required (`ca`), as ser2net's gensio TLS does.
+    static let wrappedServerOptions: [any OptionDeclaration] = [ca, cert, key, minVersion]
 
     /// `tls` (connect and listen) and the `tls+` wrapper.
     public var schemes: [Scheme] {
@@ -82,11 +86,14 @@ public struct TLSPlugin: TransportPlugin {
                 scheme: "tls",
                 summary: "TLS over any stream URL (tls+unix://, tls+tty://, tls+rfcomm://)",
                 grammar: "tls+URL[?tls.OPTION=VALUE…]",
-                examples: ["tls+unix:///run/device.sock?tls.serverName=device.local&tls.ca=/etc/lab/ca.pem"],
+                examples: ["tls+unix:///run/device.sock?tls.serverName=device.local&tls.ca=/etc/lab/ca.pem",
+                           "tls+rfc2217://0.0.0.0:4443?tls.cert=cert.pem&tls.key=key.pem&tls.ca=clients.pem (listening)"],
                 host: .forbidden, port: .forbidden, path: .forbidden,
                 options: Self.clientOptions,
-                modes: [SchemeMode("tls+ over another URL", form: "tls+URL", options: Self.clientOptions)]
-            ), connect: Self.connectWrapped),
+                modes: [SchemeMode("tls+ over another URL", form: "tls+URL", options: Self.clientOptions),
+                        SchemeMode("tls+ listener around a protocol on TCP", role: .listen, form: "tls+rfc2217://ADDRESS:PORT",
+                                   options: Self.wrappedServerOptions)]
+            ), connect: Self.connectWrapped, listen: Self.listenWrapped),
         ]
     }
 
@@ -145,6 +152,35 @@ public struct TLSPlugin: TransportPlugin {
         let described = "tls://\(request.host):\(request.port)"
         return try await TCPSocket.listen(request, layers: [TLSLayer.server(context, describing: described)],
                                           handshakeTimeout: request[Self.handshakeTimeout], peerScheme: "tls", authenticated: settings.ca != nil)
+    }
+
+    /// `tls+rfc2217://ADDRESS:PORT?tls.cert=…&tls.key=…&tls.ca=…`: the wrapped scheme listens with
+    /// TLS beneath its protocol, and every client must present a certificate from `tls.ca`. Only
+    /// around a scheme that takes layers beneath (a protocol on TCP); TLS over TCP itself is `tls://`.
+    @Sendable static func listenWrapped(_ request: ConnectRequest) async throws -> Listener {
+        guard request.innerTakesLayersBeneath else {
+            throw TransportError(.unsupported, "\(request.url.shown): a tls+ listener wraps a protocol that runs on TCP (tls+rfc2217://ADDRESS:PORT); "
+                                 + "for TLS over TCP itself, listen on tls://ADDRESS:PORT?cert=…&key=…")
+        }
+        let settings = TLSSettings(request, listening: true)
+        guard settings.ca != nil else {
+            throw TransportError(.invalidURL, "\(request.url.shown): a tls+ listener requires client certificates: give tls.ca=PEM, the authority whose "
+                                 + "certificates clients must present, beside tls.cert= and tls.key=, this server's")
+        }
+        let layer = TLSLayer.server(try settings.serverContext(), describing: request.url.shown)
+        let inner = try await request.listenInner(beneath: [layer])
+        // Reported as tls+ over the bound URL; the certificate paths are not repeated.
+        let url = (try? TransportURL("tls+" + inner.url.description)) ?? request.url
+        let exposure = inner.exposure.map { ListenerExposure(reach: $0.reach, authenticated: true, who: $0.who, caution: $0.caution) }
+        return Listener(url: url, backend: WrappedListener(inner), exposure: exposure)
+    }
+
+    /// The listener of a wrapped URL, handed out under the wrapper's URL.
+    final class WrappedListener: ListenerBackend {
+        let inner: Listener
+        init(_ inner: Listener) { self.inner = inner }
+        func accept() async throws -> Connection? { try await inner.accept() }
+        func close() async throws { try await inner.close() }
     }
 
     /// The TLS client layer for a plugin that runs its protocol over TLS (wss://, https://): the

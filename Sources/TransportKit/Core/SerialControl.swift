@@ -179,8 +179,10 @@ public protocol SerialControl: Sendable {
     func modemLines() async throws -> ModemLines
     /// Raises (`on`) or lowers the given output lines (DTR, RTS).
     func setLines(_ lines: ModemLines, _ on: Bool) async throws
-    /// Holds the line in the break state for `duration`, then releases it.
-    func sendBreak(duration: Duration) async throws
+    /// Puts the line in the break state (`on`: it sends zeros until released) or releases it.
+    /// ``sendBreak(duration:)`` is a timed break built on this; an open-ended break is for
+    /// protocols that hold it as long as they need (LIN, DMX, a console's break key held down).
+    func setBreak(_ on: Bool) async throws
     /// Discards queued bytes.
     func flush(_ queue: FlushQueue) async throws
     /// Waits until every byte written so far has left the port.
@@ -198,6 +200,29 @@ extension SerialControl {
     public func setRTS(_ on: Bool) async throws { try await setLines(.rts, on) }
     /// A break of 250 ms.
     public func sendBreak() async throws { try await sendBreak(duration: .milliseconds(250)) }
+
+    /// Holds the line in the break state for `duration`, then releases it. The release happens
+    /// even when the task is cancelled during the wait (then the cancellation is thrown): a line
+    /// left in break looks like a dead device.
+    ///
+    /// ```swift
+    /// try await port.sendBreak(duration: .milliseconds(100))
+    /// ```
+    public func sendBreak(duration: Duration) async throws {
+        try await setBreak(true)
+        var interrupted: (any Error)?
+        do { try await Task.sleep(for: duration) } catch { interrupted = error }
+        let release: (any Error)? = await uncancellable { [self] in
+            do {
+                try await setBreak(false)
+                return nil
+            } catch {
+                return error
+            }
+        }
+        if let interrupted { throw interrupted }
+        if let release { throw release }
+    }
     /// Discards both queues.
     public func flush() async throws { try await flush(.both) }
 }

@@ -81,13 +81,14 @@ public struct Scheme: Sendable {
     /// A wrapper layer: its URLs are `SCHEME+URL` (`spy+tcp://…`); `connect` opens the wrapped URL
     /// with ``ConnectRequest/connectInner()`` and puts a ``WrappingBackend`` around it. The
     /// descriptor's host, port and path are forbidden and its options are written `SCHEME.NAME`.
-    public static func wrapper(_ descriptor: SchemeDescriptor, check: CheckHandler? = nil, connect: @escaping ConnectHandler) -> Scheme {
+    public static func wrapper(_ descriptor: SchemeDescriptor, check: CheckHandler? = nil, connect: @escaping ConnectHandler,
+                               listen: ListenHandler? = nil) -> Scheme {
         var descriptor = descriptor
         descriptor.host = .forbidden
         descriptor.port = .forbidden
         descriptor.path = .forbidden
         descriptor.wraps = true
-        return Scheme(descriptor, check: check, connect: connect)
+        return Scheme(descriptor, check: check, connect: connect, listen: listen)
     }
 }
 
@@ -206,6 +207,21 @@ public struct ConnectRequest: Sendable {
             throw TransportError.misuse("\(url.shown) wraps no URL; only a wrapper scheme's handler may call connectInner(beneath:)")
         }
         return try await registry.connectWithin(inner, deadline: deadline, buffering: buffering, beneath: layers)
+    }
+
+    /// Listens on the wrapped URL with `layers` beneath its scheme's protocol, for a wrapper's
+    /// listen handler around a scheme whose descriptor says ``SchemeDescriptor/layersBeneath``
+    /// (check ``innerTakesLayersBeneath``). The listener is the caller's to close.
+    ///
+    /// ```swift
+    /// // tls+rfc2217:// listening: every accepted connection runs TLS, then RFC 2217.
+    /// let inner = try await request.listenInner(beneath: [tlsServerLayer])
+    /// ```
+    @_spi(Plugins) public func listenInner(beneath layers: [ProtocolLayer]) async throws -> Listener {
+        guard let inner = url.inner else {
+            throw TransportError.misuse("\(url.shown) wraps no URL; only a wrapper scheme's handler may call listenInner(beneath:)")
+        }
+        return try await registry.listenWithin(inner, buffering: buffering, beneath: layers)
     }
 }
 

@@ -143,13 +143,14 @@ public final class TransportRegistry: Sendable {
             throw TransportError.misuse("\(url.scheme):// takes no protocol layers beneath its own; wrap its connection instead")
         }
         if role == .listen, entry.scheme.listen == nil {
-            let able = schemes.filter(\.canListen).map { $0.scheme + "://" }.joined(separator: ", ")
+            let able = schemes.filter(\.canListen).map { $0.wraps ? $0.scheme + "+URL" : $0.scheme + "://" }.joined(separator: ", ")
             throw TransportError(.unsupported, "\(url.scheme):// cannot listen for connections; schemes that can: \(able)")
         }
         let options = try entry.scheme.descriptor.validate(url, role: role)
         let timeout: Duration?
         if let inner = url.inner {
-            timeout = try resolveEntry(inner, deadline: nil).request.timeout
+            // The URL a listening wrapper wraps listens too (tls+rfc2217://0.0.0.0:4001).
+            timeout = try resolveEntry(inner, role: role, deadline: nil).request.timeout
         } else if role == .connect {
             timeout = options[OptionSpec.timeout]
         } else {
@@ -205,7 +206,8 @@ public final class TransportRegistry: Sendable {
             let (request, entry) = try resolveEntry(current, role: layerRole, deadline: nil)
             try await entry.scheme.check?(request)
             layer = current.inner
-            layerRole = .connect
+            // Under a listening wrapper the wrapped URL listens; under a connecting one, it connects.
+            layerRole = entry.scheme.descriptor.wraps && layerRole == .listen ? .listen : .connect
         }
     }
 
@@ -320,9 +322,22 @@ public final class TransportRegistry: Sendable {
         try await listen(on: TransportURL(url), buffering: buffering)
     }
 
+    /// Listens on `url` for a wrapper's listen handler, with `beneath` under its scheme's own
+    /// protocol.
+    func listenWithin(_ url: TransportURL, buffering: Buffering, beneath: [ProtocolLayer]) async throws -> Listener {
+        try await startListening(url, buffering: buffering, beneath: beneath)
+    }
+
     /// Starts listening on a parsed URL. `buffering` applies to every connection it accepts.
     public func listen(on url: TransportURL, buffering: Buffering = .standard) async throws -> Listener {
-        let (request, entry) = try resolveEntry(url, role: .listen, deadline: nil, buffering: buffering)
+        let listener = try await startListening(url, buffering: buffering, beneath: [])
+        logger.debug("listening", metadata: ["url": "\(url)", "bound": "\(listener.url)"])
+        return listener
+    }
+
+    /// Runs the scheme's listen handler and holds it to the options it was given.
+    private func startListening(_ url: TransportURL, buffering: Buffering, beneath: [ProtocolLayer]) async throws -> Listener {
+        let (request, entry) = try resolveEntry(url, role: .listen, deadline: nil, buffering: buffering, beneath: beneath)
         guard let listen = entry.scheme.listen else {
             throw TransportError.misuse("\(url.scheme):// has no listen handler")   // resolveEntry refused it already
         }
@@ -331,8 +346,7 @@ public final class TransportRegistry: Sendable {
             try? await listener.close()
             throw unread
         }
-        listener.setLogger(logger)
-        request.logger.debug("listening", metadata: ["bound": "\(listener.url)"])
+        listener.setLogger(request.logger)
         return listener
     }
 

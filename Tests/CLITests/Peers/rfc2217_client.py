@@ -7,13 +7,16 @@ Usage: rfc2217_client.py TRANSPORTKIT
 Makes a pty, runs the bridge in front of it, opens the port through the bridge at 57600 bits/s
 with two stop bits, and prints one line per check ("ok NAME" or "FAIL NAME: why"): the settings
 read from the pty's termios, bytes both ways (0xff included), DTR/RTS answered on a port without
-modem lines, a baud change at run time, and purges. Exit status 0 only if every check passed.
+modem lines, a baud change at run time, purges, and an open-ended break (held from BREAK on to
+BREAK off, and released when a client leaves with it on: the target is spy+tty://, whose trace
+shows the port's break calls). Exit status 0 only if every check passed.
 """
 import json
 import os
 import pty
 import subprocess
 import sys
+import tempfile
 import termios
 import time
 import tty
@@ -26,7 +29,8 @@ def main(transportkit):
     tty.setraw(master)
     name = os.ttyname(slave)
     os.close(slave)
-    bridge = subprocess.Popen([transportkit, "bridge", "--json", "--listen", "rfc2217://127.0.0.1:0", f"tty://{name}"],
+    trace = tempfile.mktemp(prefix="rfc2217-break-", suffix=".txt")
+    bridge = subprocess.Popen([transportkit, "bridge", "--json", "--listen", "rfc2217://127.0.0.1:0", f"spy+tty://{name}?spy.file={trace}"],
                               stderr=subprocess.PIPE, text=True)
     failures = 0
 
@@ -65,12 +69,29 @@ def main(transportkit):
         client.reset_input_buffer()
         client.reset_output_buffer()
         check("purge", True)
-        client.close()
+        # pyserial waits for each BREAK answer and rejects one that differs from its request.
+        client.break_condition = True
+        time.sleep(0.3)
+        client.break_condition = False
+        client.break_condition = True
+        client.close()  # with BREAK on: the bridge releases it
+        breaks = []
+        for _ in range(50):
+            with open(trace, errors="replace") as file:
+                breaks = [line.split("CTRL  ", 1)[1].strip() for line in file if "CTRL  break" in line]
+            if len(breaks) >= 8:
+                break
+            time.sleep(0.1)
+        calls = [line for line in breaks if "→" not in line]
+        check("break", calls == ["break on", "break off", "break on", "break off"]
+              and breaks.count("break on → ok") == 2 and breaks.count("break off → ok") == 2, repr(breaks))
     except Exception as error:  # every failure is reported as a line, with the exit status
         check("exception", False, repr(error))
     finally:
         bridge.terminate()
         bridge.wait(10)
+        if os.path.exists(trace):
+            os.unlink(trace)
     return 0 if failures == 0 else 1
 
 
