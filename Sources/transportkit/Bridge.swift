@@ -494,15 +494,24 @@ struct BridgeServer: Sendable {
                 let until = ContinuousClock.now + .milliseconds(20)
                 while ContinuousClock.now < until,
                       let stale = try? await connection.readBuffer(timeout: .milliseconds(1)), stale.readableBytes > 0 {}
-                try await Relay.closing([client]) {
-                    try await Relay.run(
-                        { while let chunk = try await client.readBuffer() { try await connection.write(chunk) } },
-                        {
-                            while let chunk = try await connection.readBuffer() { try await client.write(chunk) }
-                            throw TransportError(.disconnected, "\(settings.target) ended")
-                        },
-                        linger: settings.linger)
+                // The client's session ends before the next client comes, releasing what it left set (a BREAK).
+                do {
+                    try await Relay.closing([client]) {
+                        try await Relay.run(
+                            { while let chunk = try await client.readBuffer() { try await connection.write(chunk) } },
+                            {
+                                while let chunk = try await connection.readBuffer() { try await client.write(chunk) }
+                                throw TransportError(.disconnected, "\(settings.target) ended")
+                            },
+                            linger: settings.linger)
+                    }
+                } catch {
+                    serving?.cancel()
+                    await serving?.value
+                    throw error
                 }
+                serving?.cancel()
+                await serving?.value
             } else {
                 // The client's session ends with it, releasing what it left set (a BREAK) before the port closes.
                 var beforeClosing: (@Sendable () async -> Void)?

@@ -48,15 +48,20 @@ struct List: AsyncParsableCommand {
             }
             devices += found.values.sorted { $0.url < $1.url }
         }
-        var failed = !listing.failures.isEmpty
         if network {
             do {
-                devices += try await RFC2217Plugin().networkPorts()
+                let ports = try await RFC2217Plugin().networkPorts()
+                devices += ports.devices
+                if !ports.complete {
+                    StandardError.write("transportkit: warning: network ports: avahi-daemon had not reported everything in time "
+                                        + "(a host that does not answer holds the listing up); there may be more\n")
+                }
             } catch {
+                // A warning only: the local devices still are listed.
                 StandardError.write("transportkit: warning: network ports: \(error)\n")
-                failed = true
             }
         }
+        let failed = !listing.failures.isEmpty
         do {
             if json {
                 print(try DeviceJSON.encode(devices, pretty: true))
@@ -106,7 +111,16 @@ struct Watch: AsyncParsableCommand {
     func events() async throws -> AsyncThrowingStream<DeviceEvent, any Error> {
         let registry = Transport.deviceEvents(includeAll: all)
         guard scanSeconds != nil || network else { return registry }
-        let networkPorts = network ? try await RFC2217Plugin().networkPortEvents() : nil
+        var subscribed: AsyncThrowingStream<DeviceEvent, any Error>?
+        if network {
+            do {
+                subscribed = try await RFC2217Plugin().networkPortEvents()
+            } catch {
+                // A warning only: the local events still are reported.
+                StandardError.write("transportkit: warning: network ports: \(error)\n")
+            }
+        }
+        let networkPorts = subscribed
         let scanSeconds = scanSeconds
         let (merged, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream()
         let task = Task {

@@ -10,7 +10,7 @@ import TransportKitDBus
 /// Serial ports other machines share, found through DNS-SD, and the announcement of ours.
 ///
 /// ```swift
-/// for port in try await RFC2217Plugin().networkPorts() {
+/// for port in try await RFC2217Plugin().networkPorts().devices {
 ///     print(port.url, port.name ?? "")        // rfc2217://192.168.1.20:2217  Bench port
 /// }
 /// ```
@@ -85,6 +85,15 @@ public enum NetworkPorts {
     }
 }
 
+/// What ``RFC2217Plugin/networkPorts(bus:waiting:)`` found.
+public struct NetworkPortListing: Sendable {
+    /// The ports, each with a URL ready to connect.
+    public var devices: [DeviceRecord]
+    /// `false` when the wait ended before avahi-daemon had reported everything it knew (a host
+    /// that does not answer its resolve holds the listing up): there may be more.
+    public var complete: Bool
+}
+
 /// A port announced on the network by ``RFC2217Plugin/announce(port:name:device:tls:bus:)``: it stays
 /// announced until ``withdraw()`` or until the process ends (avahi-daemon then withdraws it).
 public final class NetworkAnnouncement: Sendable {
@@ -134,13 +143,16 @@ extension RFC2217Plugin {
     }
 
     /// The serial ports shared on the network now: browses ``NetworkPorts/browsedTypes`` until
-    /// avahi-daemon has reported what it knows (or `limit` passes), each with a URL ready to connect.
+    /// avahi-daemon has reported what it knows (or `limit` passes: then what was found so far,
+    /// with ``NetworkPortListing/complete`` false), each with a URL ready to connect. Services
+    /// are resolved one at a time; one whose host does not answer holds the rest up to 5 s.
     ///
     /// - Throws: `TransportError` `.notFound` when there is no system bus or no avahi-daemon on it.
-    public func networkPorts(bus: DBusConnection.Bus = .system, waiting limit: Duration = .seconds(5)) async throws -> [DeviceRecord] {
+    public func networkPorts(bus: DBusConnection.Bus = .system, waiting limit: Duration = .seconds(8)) async throws -> NetworkPortListing {
         let connection = try DBusConnection(bus)
         let found = Found()
         let incomplete = "org.transportkit.ListingIncomplete"
+        var complete = true
         do {
             try await withDeadline(.now + limit, TransportError(.timedOut, "avahi-daemon did not finish its listing in time", code: incomplete)) {
                 for try await event in try await Avahi(bus: connection).browse(types: NetworkPorts.browsedTypes) {
@@ -156,12 +168,14 @@ extension RFC2217Plugin {
             }
         } catch let error as TransportError where error.code == incomplete {
             // avahi-daemon did not say "all for now" in time: what was found so far is the answer.
+            complete = false
         } catch {
             await connection.close()
             throw error
         }
         await connection.close()
-        return found.records.withLock { $0.values.sorted { ($0.name ?? "", $0.url) < ($1.name ?? "", $1.url) } }
+        let devices = found.records.withLock { $0.values.sorted { ($0.name ?? "", $0.url) < ($1.name ?? "", $1.url) } }
+        return NetworkPortListing(devices: devices, complete: complete)
     }
 
     /// The records found by ``networkPorts(bus:waiting:)`` so far.

@@ -3,8 +3,8 @@
 // the client's COM-PORT commands as requests) and RFC2217Session, which serves those requests
 // with the target's SerialControl and answers each with what is in force.
 //
-// Not yet: the line-state notifications (NOTIFY-LINESTATE is answered 0), and a tls+rfc2217
-// listener.
+// Not yet: the line-state notifications (NOTIFY-LINESTATE is answered 0). Over TLS it listens as
+// tls+rfc2217:// (TLSPlugin.listenWrapped puts TLS beneath this handler).
 //
 // What clients expect, from pyserial 3.5 and the research notes: an answer to every command,
 // PURGE-DATA included (pyserial waits for both purges at open, even with ign_set_control), with

@@ -163,6 +163,9 @@ public struct TLSPlugin: TransportPlugin {
                                  + "for TLS over TCP itself, listen on tls://ADDRESS:PORT?cert=…&key=…")
         }
         let settings = TLSSettings(request, listening: true)
+        guard settings.cert != nil, settings.key != nil else {
+            throw TransportError(.invalidURL, "\(request.url.shown): a tls+ listener needs tls.cert=PATH and tls.key=PATH: its certificate chain and private key, as PEM files")
+        }
         guard settings.ca != nil else {
             throw TransportError(.invalidURL, "\(request.url.shown): a tls+ listener requires client certificates: give tls.ca=PEM, the authority whose "
                                  + "certificates clients must present, beside tls.cert= and tls.key=, this server's")

@@ -89,7 +89,8 @@ public final class TransportRegistry: Sendable {
 
     /// Every registered scheme, sorted by name.
     public var schemes: [SchemeDescriptor] {
-        table.withLock { table in table.schemes.values.map(\.scheme.descriptor) }.sorted { $0.scheme < $1.scheme }
+        // A wrapper after the plain scheme of its name (tls://, then tls+URL), in a stable order.
+        table.withLock { table in table.schemes.values.map(\.scheme.descriptor) }.sorted { ($0.scheme, $0.wraps ? 1 : 0) < ($1.scheme, $1.wraps ? 1 : 0) }
     }
 
     /// The descriptor of `scheme`, if registered.

@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """python-zeroconf (not avahi) as the other machine of the mDNS tests (MDNSTests).
 
-  mdns_peer.py browse TYPE ADDRESS SECONDS
-      prints one JSON line per change: {"state": "added"|"updated"|"removed", "name", "port", "txt"}
+  mdns_peer.py browse TYPE ADDRESS
+      prints one JSON line per change: {"state": "added"|"updated"|"removed", "name", "port", "txt"},
+      until standard input closes
   mdns_peer.py register TYPE NAME ADDRESS PORT KEY=VALUE...
       registers NAME on ADDRESS, prints {"registered": name}, keeps it until standard input
       closes, then unregisters it (goodbye packets) and prints {"unregistered": name}
@@ -20,7 +21,7 @@ def show(**fields):
     print(json.dumps(fields), flush=True)
 
 
-def browse(stype, address, seconds):
+def browse(stype, address):
     zc = Zeroconf(interfaces=[address], ip_version=IPVersion.V4Only)
 
     def changed(zeroconf, service_type, name, state_change):
@@ -35,7 +36,7 @@ def browse(stype, address, seconds):
         show(state=state_change.name.lower(), name=name, port=info.port, addresses=info.parsed_addresses(), txt=txt)
 
     ServiceBrowser(zc, stype, handlers=[changed])
-    time.sleep(seconds)
+    sys.stdin.read()
     zc.close()
 
 
@@ -54,7 +55,7 @@ def register(stype, name, address, port, items):
 
 if __name__ == "__main__":
     if sys.argv[1] == "browse":
-        browse(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+        browse(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "register":
         register(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6:])
     else:

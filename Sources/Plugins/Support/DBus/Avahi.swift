@@ -183,6 +183,7 @@ public struct Avahi: Sendable {
                 default: continue
                 }
             }
+            try Task.checkCancellation()
             throw TransportError(.disconnected, "the bus connection to avahi-daemon ended while it published \(service)")
         }
     }
@@ -387,11 +388,20 @@ public final class DNSPublication: Sendable {
     /// The instance name in use (the one asked for, or the one a collision led to).
     public var name: String { service.name }
 
+    /// Takes the next name after a collision on the network; a name that collides on this host
+    /// at once takes the one after it (16 tries, as at first).
     private func rename(port: Int, txt: [String]) async throws {
         let old = service
-        let name = try await avahi.alternative(to: old.name)
+        var name = try await avahi.alternative(to: old.name)
         _ = try await avahi.call(path: group, interface: Avahi.entryGroup, member: "Reset")
-        try await avahi.add(name, old, port: port, txt: txt, group: group)
+        for attempt in 1...16 {
+            do {
+                try await avahi.add(name, old, port: port, txt: txt, group: group)
+                break
+            } catch let error as TransportError where error.code == "org.freedesktop.Avahi.CollisionError" && attempt < 16 {
+                name = try await avahi.alternative(to: name)
+            }
+        }
         state.withLock { $0.service.name = name }
     }
 
