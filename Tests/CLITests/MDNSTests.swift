@@ -144,7 +144,9 @@ struct MDNSTests {
                     mdns-name: ser2net bench
                 """.write(toFile: config, atomically: true, encoding: .utf8)
             let ser2net = try CLI.Running([], program: net.sideB + ["/usr/sbin/ser2net", "-n", "-d", "-c", config])
-            defer { ser2net.signal(SIGTERM) }
+            // KILL: started by Foundation's Process from a thread that blocks signals, it inherits
+            // SIGTERM blocked.
+            defer { ser2net.signal(SIGKILL) }
 
             var devices: [[String: Any]] = []
             // mDNS takes its time (probing, announcing): list until both are there.
@@ -212,7 +214,10 @@ struct MDNSTests {
             <policy context="default"><allow user="*"/><allow own="*"/><allow send_destination="*"/><allow receive_sender="*"/></policy></busconfig>
             """.write(toFile: directory + "/bus.conf", atomically: true, encoding: .utf8)
         let bus = try CLI.Running([], program: ["/usr/bin/dbus-daemon", "--config-file=\(directory)/bus.conf", "--nofork"])
-        defer { bus.signal(SIGTERM) }
+        defer {
+            bus.signal(SIGKILL)   // it inherits SIGTERM blocked, as ser2net above
+            try? FileManager.default.removeItem(atPath: directory)
+        }
         #expect(await eventually(5) { access(directory + "/bus", F_OK) == 0 })
         let noAvahi = await Self.run(["/usr/bin/env", "DBUS_SYSTEM_BUS_ADDRESS=unix:path=\(directory)/bus", CLI.binary,
                                       "bridge", "--listen", "rfc2217://0.0.0.0:0", "--announce", "pty://"])

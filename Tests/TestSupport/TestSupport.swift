@@ -156,8 +156,21 @@ public func runToEnd(_ executable: String, _ arguments: [String]) async -> Int32
                 argv.forEach { free($0) }
                 posix_spawn_file_actions_destroy(&actions)
             }
+            // The calling thread blocks signals (dispatch's threads do), and a child inherits that
+            // mask: daemons a script starts would then ignore SIGTERM. The child starts with none
+            // blocked and every signal at its default.
+            var attributes = posix_spawnattr_t()
+            posix_spawnattr_init(&attributes)
+            defer { posix_spawnattr_destroy(&attributes) }
+            var none = sigset_t()
+            sigemptyset(&none)
+            var all = sigset_t()
+            sigfillset(&all)
+            posix_spawnattr_setsigmask(&attributes, &none)
+            posix_spawnattr_setsigdefault(&attributes, &all)
+            posix_spawnattr_setflags(&attributes, Int16(POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF))
             var pid: pid_t = 0
-            guard posix_spawn(&pid, executable, &actions, nil, argv, environ) == 0 else {
+            guard posix_spawn(&pid, executable, &actions, &attributes, argv, environ) == 0 else {
                 continuation.resume(returning: -1)
                 return
             }
