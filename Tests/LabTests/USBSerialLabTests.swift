@@ -196,34 +196,6 @@ struct USBSerialLabTests {
                 "descriptors before: \(descriptorsBefore), after: \(Descriptors.targets())")
     }
 
-    /// The RFC 2217 server over a real port with modem lines: the client's modemLineChanges() come
-    /// from the server's NOTIFY-MODEMSTATE, which follows the CDC-ACM port's TIOCMIWAIT watch.
-    @Test("an rfc2217:// server notifies its client when the real port's DSR and CD rise")
-    func rfc2217ServerNotifiesTheRealPortsModemLines() async throws {
-        let (_, gadgetNode) = try await Gadget.plug()
-        let listener = try await Transport.listen(on: "rfc2217://127.0.0.1:0")
-        let port = try #require(listener.url.port)
-        let serving = Task {
-            guard let client = try await listener.accept(), let session = client.rfc2217Session else { return }
-            let device = try await Transport.connect(to: "tty://\(Gadget.byID)")
-            if let serial = device.serialPort { await session.serve(serial) }
-            try? await device.close()
-            try? await client.close()
-        }
-        let remote = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)")
-        let changes = Gathered(try await #require(remote.serialPort).modemLineChanges())
-        defer { changes.stop() }
-        #expect(await changes.wait(10) { $0.count >= 1 }, "the lines now, first: \(changes.elements)")
-        #expect(changes.elements.first.map { !$0.contains(.dsr) && !$0.contains(.cd) } == true, "\(changes.elements)")
-        let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
-        #expect(await changes.wait(10) { $0.last?.isSuperset(of: [.dsr, .cd]) == true },
-                "the gadget's open raised DSR and CD on the host's port, and the server told its client: \(changes.elements)")
-        try await gadget.close()
-        try await remote.close()
-        try await serving.value
-        try await listener.close()
-    }
-
     @Test("100 unplug/replug cycles with a watcher: every removal and arrival reported exactly once")
     func hundredReplugCycles() async throws {
         _ = try await Gadget.plug()
