@@ -634,7 +634,10 @@ struct Announce: Sendable {
             defer { free(pointer) }
             return String(cString: pointer)
         }
-        return await Transport.devices(includeAll: true).devices.first { record in
+        // Only the serial plugin's listing: the tty is among its devices, and asking every plugin
+        // (bluetoothd, libusb) would cost the bridge's start for nothing.
+        let listed = (try? await SerialPlugin().devices(includeAll: true)) ?? []
+        return listed.first { record in
             record.url == target || (record.devnode != nil && (record.devnode == real || record.devnode == path || record.links.contains(path)))
         }
     }
