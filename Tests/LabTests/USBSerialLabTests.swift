@@ -196,6 +196,93 @@ struct USBSerialLabTests {
                 "descriptors before: \(descriptorsBefore), after: \(Descriptors.targets())")
     }
 
+    /// The RFC 2217 server over a real port with modem lines: the client's modemLineChanges() come
+    /// from the server's NOTIFY-MODEMSTATE, which follows the CDC-ACM port's TIOCMIWAIT watch.
+    /// (Its first version hung at `serving.value`: a session's serve() waited for a client's FIN
+    /// that the accepted channel reported as half-closure, not inactivity. Each step is logged.)
+    @Test("an rfc2217:// server notifies its client when the real port's DSR and CD rise", .timeLimit(.minutes(2)))
+    func rfc2217ServerNotifiesTheRealPortsModemLines() async throws {
+        let (_, gadgetNode) = try await Gadget.plug()
+        let served = try await Self.serveOverRFC2217("modem lines")
+        let changes = Gathered(try await #require(served.remote.serialPort).modemLineChanges())
+        defer { changes.stop() }
+        #expect(await changes.wait(10) { $0.count >= 1 }, "the lines now, first: \(changes.elements)")
+        #expect(changes.elements.first.map { !$0.contains(.dsr) && !$0.contains(.cd) } == true, "\(changes.elements)")
+        Self.step("modem lines", "gadget opens")
+        let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
+        #expect(await changes.wait(10) { $0.last?.isSuperset(of: [.dsr, .cd]) == true },
+                "the gadget's open raised DSR and CD on the host's port, and the server told its client: \(changes.elements)")
+        try await gadget.close()
+        try await served.end()
+    }
+
+    /// Line errors from a real driver: the gadget's break reaches the host as a CDC SERIAL_STATE
+    /// notification with its BREAK bit, which cdc_acm counts (TIOCGICOUNT); an RFC 2217 server
+    /// in front of the port notifies it (NOTIFY-LINESTATE), and its client counts it too.
+    @Test("a break from the device is counted by the tty and by an rfc2217:// client of a server in front of it", .timeLimit(.minutes(2)))
+    func aBreakFromTheDeviceIsCountedLocallyAndRemotely() async throws {
+        let (_, gadgetNode) = try await Gadget.plug()
+        let served = try await Self.serveOverRFC2217("line errors")
+        let local = try #require(served.device.serialPort)
+        let before = try await local.lineErrors()
+        // The server's watch reads its first count within a quarter second of the client's mask.
+        try await Task.sleep(for: .seconds(1))
+        Self.step("line errors", "gadget sends a break")
+        let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
+        try await #require(gadget.serialPort).sendBreak(duration: .milliseconds(300))
+        let remote = try #require(served.remote.serialPort)
+        var grown = LineErrorCounts()
+        var counted = LineErrorCounts()
+        for _ in 0..<100 where grown.breaks == 0 || counted.breaks == 0 {
+            grown = try await local.lineErrors().since(before)
+            counted = try await remote.lineErrors()
+            try await Task.sleep(for: .milliseconds(50))
+        }
+        #expect(grown.breaks >= 1 && grown.framing == 0 && grown.parity == 0, "cdc_acm's counters: \(grown)")
+        #expect(counted.breaks >= 1 && counted.framing == 0, "NOTIFY-LINESTATE to the client: \(counted)")
+        try await gadget.close()
+        try await served.end()
+    }
+
+    /// A listener on loopback whose first client is served with the host side of the gadget
+    /// (`tty://` by its by-id link), and that client, connected.
+    struct Served {
+        let device: Connection
+        let remote: Connection
+        let serving: Task<Void, any Error>
+        let listener: Listener
+        let label: String
+
+        func end() async throws {
+            USBSerialLabTests.step(label, "client closes")
+            try await remote.close()
+            USBSerialLabTests.step(label, "session ends")
+            try await serving.value
+            try await device.close()
+            try await listener.close()
+            USBSerialLabTests.step(label, "done")
+        }
+    }
+
+    static func serveOverRFC2217(_ label: String) async throws -> Served {
+        let device = try await Transport.connect(to: "tty://\(Gadget.byID)")
+        let listener = try await Transport.listen(on: "rfc2217://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        let serving = Task {
+            guard let client = try await listener.accept(), let session = client.rfc2217Session, let serial = device.serialPort else { return }
+            await session.serve(serial)
+            step(label, "serve returned")
+            try await client.close()
+        }
+        step(label, "client connects")
+        let remote = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)")
+        return Served(device: device, remote: remote, serving: serving, listener: listener, label: label)
+    }
+
+    static func step(_ label: String, _ what: String) {
+        FileHandle.standardError.write(Data("[\(label)] \(what)\n".utf8))
+    }
+
     @Test("100 unplug/replug cycles with a watcher: every removal and arrival reported exactly once")
     func hundredReplugCycles() async throws {
         _ = try await Gadget.plug()

@@ -12,8 +12,9 @@ import Testing
 struct RFC2217FaultTests {
     enum Behaviour {
         case mute, silent, refuse, dropMidSet, endlessSubnegotiation
-        /// Answers every SET with its value, or with `overrides[command]`.
-        case answers(overrides: [UInt8: [UInt8]])
+        /// Answers every SET with its value, or with `overrides[command]`; after its answer to
+        /// SET-LINESTATE-MASK, sends `afterLineStateMask`.
+        case answers(overrides: [UInt8: [UInt8]], afterLineStateMask: [UInt8] = [])
     }
 
     /// Serves one client as `behaviour` says, on a thread of its own; returns the port.
@@ -46,7 +47,7 @@ struct RFC2217FaultTests {
                 return seen
             case .endlessSubnegotiation:
                 Support.writeAll(client, [255, 253, 44, 255, 250, 44, 101] + [UInt8](repeating: 7, count: 5000))
-            case .answers(let overrides):
+            case .answers(let overrides, let afterLineStateMask):
                 Support.writeAll(client, [255, 253, 44])
                 var from = 0
                 while true {
@@ -56,6 +57,7 @@ struct RFC2217FaultTests {
                         let command = seen[start + 3]
                         let value = overrides[command] ?? Array(seen[(start + 4)..<end])
                         Support.writeAll(client, [255, 250, 44, command + 100] + value + [255, 240])
+                        if command == 10 { Support.writeAll(client, afterLineStateMask) }
                         from = end + 2
                     }
                     let more = await Support.readSome(client)
@@ -142,6 +144,26 @@ struct RFC2217FaultTests {
         #expect(try await connection.serialPort?.settings() == SerialSettings(baudRate: 4800, stopBits: 2))
         try await connection.close()
         _ = await served.value
+    }
+
+    /// NOTIFY-LINESTATE: the client asks for the four errors at connect (SET-LINESTATE-MASK 0x1E;
+    /// servers start at 0) and counts each notification, data ready and timeout aside.
+    @Test func lineStateNotificationsAreCountedAsLineErrors() async throws {
+        func notify(_ state: UInt8) -> [UInt8] { [255, 250, 44, 106, state, 255, 240] }
+        // A break; framing and overrun together; data ready and timeout (no errors); parity.
+        let notifications = notify(0x10) + notify(0x0A) + notify(0x81) + notify(0x04)
+        let (port, served) = try Self.server(.answers(overrides: [:], afterLineStateMask: notifications))
+        let connection = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)")
+        let serial = try #require(connection.serialPort)
+        var counted = LineErrorCounts()
+        for _ in 0..<500 where counted.total < 4 {
+            counted = try await serial.lineErrors()
+            try await Task.sleep(for: .milliseconds(10))
+        }
+        #expect(counted == LineErrorCounts(framing: 1, parity: 1, overrun: 1, breaks: 1))
+        try await connection.close()
+        let seen = await served.value
+        #expect(Self.contains(seen, [255, 250, 44, 10, 0x1E, 255, 240]), "SET-LINESTATE-MASK overrun, parity, framing, break: \(seen)")
     }
 
     @Test func optionsAreCheckedBeforeConnecting() async throws {

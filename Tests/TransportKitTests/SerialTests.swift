@@ -230,7 +230,7 @@ struct TTYTests {
         try await second.close()
     }
 
-    @Test("a pty has no modem lines: asking for them is a clear .unsupported error")
+    @Test("a pty has no modem lines and counts no line errors: asking is a clear .unsupported error")
     func modemLinesOnPTY() async throws {
         let pty = try TestPTY()
         defer { pty.closeMaster() }
@@ -242,6 +242,9 @@ struct TTYTests {
         let changes = await expectTransportError(.unsupported) { _ = try await port.modemLineChanges() }
         #expect(changes?.message.contains("modem control lines") == true, "\(String(describing: changes))")
         await expectTransportError(.unsupported) { try await port.setRTS(false) }
+        let counts = await expectTransportError(.unsupported) { _ = try await port.lineErrors() }
+        #expect(counts?.message.contains("counts no line errors") == true && counts?.errno == .inappropriateIOCTLForDevice,
+                "TIOCGICOUNT: ENOTTY on a pty: \(String(describing: counts))")
         try await connection.close()
         // Asked for on open: refused before the connection exists, descriptor released.
         await expectTransportError(.unsupported) { try await Transport.connect(to: "tty://\(pty.path)?dtr=true") }

@@ -34,6 +34,11 @@ struct TelnetTests {
         #expect(events == [.data([0x61]), .subnegotiation(option: 44, payload: [101, 0, 0, 0xff, 0]), .data([0x62])])
     }
 
+    @Test func breakKeyKeepsItsPlaceBetweenDataAndOtherCommandsAreDropped() {
+        var parser = TelnetParser()
+        #expect(parser.parse([0x41, 0xff, Telnet.brk, 0x42, 0xff, Telnet.nop, 0x43]) == [.data([0x41]), .breakKey, .data([0x42, 0x43])])
+    }
+
     @Test func aSubnegotiationWithoutItsEndIsBoundedAndReported() {
         var parser = TelnetParser()
         var events = parser.parse([0xff, Telnet.sb, 44] + [UInt8](repeating: 7, count: Telnet.maximumSubnegotiation))
@@ -67,6 +72,12 @@ struct TelnetTests {
         #expect(ComPort.modemState([.cd, .ri]) == 0xc0)
         #expect(ComPort.controlGroup(8) == 7...9 && ComPort.controlGroup(12) == 10...12 && ComPort.controlGroup(20) == nil)
         #expect(ComPort.name(105) == "SET-CONTROL" && ComPort.name(12) == "PURGE-DATA")
-        #expect(ComPort.lineErrors(0x8a) == ["overrun", "framing error", "timeout"])
+        #expect(ComPort.lineErrors(0x8b) == LineErrorCounts(framing: 1, overrun: 1), "data ready (0) and timeout (7) are no errors")
+        #expect(ComPort.lineErrors(0x14) == LineErrorCounts(parity: 1, breaks: 1))
+        #expect(ComPort.lineState(LineErrorCounts(bufferOverrun: 3, breaks: 1)) == 0x12, "both overruns are bit 1")
+        #expect(ComPort.lineState(LineErrorCounts()) == 0)
+        let earlier = LineErrorCounts(framing: 2, parity: 1, breaks: 5)
+        #expect(LineErrorCounts(framing: 3, parity: 1, breaks: 1).since(earlier) == LineErrorCounts(framing: 1, breaks: 1),
+                "a counter that went back (a replugged adapter) counts from zero")
     }
 }

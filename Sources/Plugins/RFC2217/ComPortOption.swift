@@ -162,10 +162,24 @@ enum ComPort {
         return state
     }
 
-    /// NOTIFY-LINESTATE's error bits by name: overrun (1), parity (2), framing (3), break (4),
-    /// timeout (7).
-    static func lineErrors(_ state: UInt8) -> [String] {
-        [(0x02, "overrun"), (0x04, "parity error"), (0x08, "framing error"), (0x10, "break"), (0x80, "timeout")]
-            .filter { state & $0.0 != 0 }.map(\.1)
+    /// NOTIFY-LINESTATE's error bits: overrun (bit 1), parity (2), framing (3), break (4). The
+    /// others are states, not errors (data ready 0, the transmitter's registers empty 5 and 6,
+    /// timeout 7): a client asks for these four with SET-LINESTATE-MASK.
+    static let lineErrorBits: UInt8 = 0x1E
+
+    /// A NOTIFY-LINESTATE value as counts: one for each error it names.
+    static func lineErrors(_ state: UInt8) -> LineErrorCounts {
+        LineErrorCounts(framing: state & 0x08 != 0 ? 1 : 0, parity: state & 0x04 != 0 ? 1 : 0, overrun: state & 0x02 != 0 ? 1 : 0,
+                        breaks: state & 0x10 != 0 ? 1 : 0)
+    }
+
+    /// The NOTIFY-LINESTATE bits of the errors in `counts` (both kinds of overrun are bit 1).
+    static func lineState(_ counts: LineErrorCounts) -> UInt8 {
+        var state: UInt8 = 0
+        if counts.overrun + counts.bufferOverrun > 0 { state |= 0x02 }
+        if counts.parity > 0 { state |= 0x04 }
+        if counts.framing > 0 { state |= 0x08 }
+        if counts.breaks > 0 { state |= 0x10 }
+        return state
     }
 }

@@ -13,7 +13,8 @@
 // pyserial's ign_set_control) for servers known not to answer it. Answers are matched to requests
 // by command (and for SET-CONTROL by what they are about: flow control, BREAK, DTR, RTS), in order.
 // Answers and notifications no request waits for update what is known (the modem lines, a value
-// the server changed).
+// the server changed, the line errors: SET-LINESTATE-MASK asks for overrun, parity, framing and
+// break at connect, and each NOTIFY-LINESTATE is counted).
 //
 // FLOWCONTROL-SUSPEND from the server holds every write and every command in this handler, in
 // order (a write's promise with it, so the connection's writers wait at their cap; a command's
@@ -71,6 +72,8 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
     private(set) var outputLines: ModemLines = []
     private(set) var inputLines: ModemLines?
     private(set) var signature: String?
+    /// The line errors the server notified (NOTIFY-LINESTATE), one for each error each names.
+    private(set) var lineErrors = LineErrorCounts()
     private var modemWatchers: [Int: AsyncThrowingStream<ModemLines, any Error>.Continuation] = [:]
     private var nextWatcher = 0
     /// PURGE-DATA of the server's receive buffer sent and not answered: data until the answer is
@@ -190,6 +193,8 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
                 negotiate(context, verb, option)
             case .subnegotiation(let option, let payload):
                 if option == Telnet.comPortOption { answer(context, payload) }
+            case .breakKey:
+                break   // a server's break key means nothing to a client
             case .malformed(let what):
                 broken(context, "broke the Telnet protocol: \(what)")
                 return
@@ -232,6 +237,9 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
         negotiationTimeout?.cancel()
         let eventLoop = context.eventLoop
         var answers = applyRequests(options.settings, eventLoop: eventLoop)
+        // The line errors are notified once asked for (servers start with a mask of 0, as
+        // ser2net does); not waited for: the answer only repeats the mask.
+        _ = request(ComPort.setLineStateMask, [ComPort.lineErrorBits], waits: false, eventLoop: eventLoop)
         if let dtr = options.dtr { answers.append(requestControl(dtr ? ComPort.Control.dtrOn : ComPort.Control.dtrOff, eventLoop: eventLoop)) }
         if let rts = options.rts { answers.append(requestControl(rts ? ComPort.Control.rtsOn : ComPort.Control.rtsOff, eventLoop: eventLoop)) }
         let settings = options.settings
@@ -287,6 +295,14 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
             return
         case ComPort.notifyModemState:
             if let state = value.first { modemStateChanged(ComPort.modemLines(state)) }
+        case ComPort.notifyLineState:
+            if let state = value.first {
+                let errors = ComPort.lineErrors(state)
+                lineErrors.framing += errors.framing
+                lineErrors.parity += errors.parity
+                lineErrors.overrun += errors.overrun
+                lineErrors.breaks += errors.breaks
+            }
         case ComPort.purgeData:
             if value.first == 1 || value.first == 3 { purgingInput = max(purgingInput - 1, 0) }
         default:

@@ -128,6 +128,15 @@ struct RFC2217Port: SerialControl {
         }
     }
 
+    /// The line errors the server notified since the connection opened (NOTIFY-LINESTATE: each
+    /// notification counts one for each error it names, overrun, parity, framing, break). A server
+    /// whose port counts nothing (a pty) notifies none, so these stay zero.
+    func lineErrors() async throws -> LineErrorCounts {
+        try await connection.performControl(ControlOperation("line errors?"), describe: { $0.description }) {
+            try await backend.onLoop { handler, eventLoop in eventLoop.makeSucceededFuture(handler.lineErrors) }
+        }
+    }
+
     func modemLineChanges() async throws -> AsyncThrowingStream<ModemLines, any Error> {
         try await connection.performControl(ControlOperation("modem line changes")) {
             let first = try await modemLines().intersection(ModemLines.inputs)

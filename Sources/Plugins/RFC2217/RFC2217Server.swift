@@ -3,8 +3,11 @@
 // the client's COM-PORT commands as requests) and RFC2217Session, which serves those requests
 // with the target's SerialControl and answers each with what is in force.
 //
-// Not yet: the line-state notifications (NOTIFY-LINESTATE is answered 0). Over TLS it listens as
-// tls+rfc2217:// (TLSPlugin.listenWrapped puts TLS beneath this handler).
+// Line errors (NOTIFY-LINESTATE): no kernel call waits for them, so while the client's
+// SET-LINESTATE-MASK asks for any, the session reads the port's counters (TIOCGICOUNT) four times a
+// second and notifies the errors that grew, as the mask allows; a port that counts nothing (a pty)
+// is read once. Over TLS it listens as tls+rfc2217:// (TLSPlugin.listenWrapped puts TLS beneath
+// this handler).
 //
 // What clients expect, from pyserial 3.5 and the research notes: an answer to every command,
 // PURGE-DATA included (pyserial waits for both purges at open, even with ign_set_control), with
@@ -15,7 +18,8 @@ import NIOCore
 import Synchronization
 @_spi(Plugins) import TransportKitCore
 
-/// A COM-PORT command from an RFC 2217 client: the command (0…12) and its value.
+/// A COM-PORT command from an RFC 2217 client: the command (0…12) and its value; or Telnet's BRK
+/// (command ``Telnet/brk``, no value).
 struct RFC2217Request: Sendable, Equatable {
     var command: UInt8
     var value: [UInt8]
@@ -72,6 +76,14 @@ final class RFC2217ServerHandler: ChannelDuplexHandler, RemovableChannelHandler 
         context.fireChannelInactive()
     }
 
+    func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        // The client's FIN (accepted channels allow half-closure, so the channel stays active
+        // until this side closes it): no request will follow, and serve() returns once the
+        // ones before it are answered.
+        if case .inputClosed = event as? ChannelEvent { requestsIn.finish() }
+        context.fireUserInboundEventTriggered(event)
+    }
+
     func handlerRemoved(context: ChannelHandlerContext) {
         requestsIn.finish()
         self.context = nil
@@ -89,6 +101,8 @@ final class RFC2217ServerHandler: ChannelDuplexHandler, RemovableChannelHandler 
             case .subnegotiation(let option, let payload):
                 guard option == Telnet.comPortOption, let command = payload.first, command < ComPort.serverOffset else { continue }
                 request(context, RFC2217Request(command: command, value: Array(payload.dropFirst())))
+            case .breakKey:
+                requestsIn.yield(RFC2217Request(command: Telnet.brk, value: []))
             case .malformed(let what):
                 context.fireErrorCaught(TransportError(.protocolError, "an RFC 2217 client broke the Telnet protocol: \(what)"))
                 context.close(promise: nil)
@@ -138,6 +152,12 @@ final class RFC2217ServerHandler: ChannelDuplexHandler, RemovableChannelHandler 
         if masked != 0 { answer(ComPort.notifyModemState, [masked]) }
     }
 
+    /// Notifies the client of line errors (NOTIFY-LINESTATE), as its mask asks.
+    func notifyLineState(_ state: UInt8) {
+        let masked = state & lineStateMask
+        if masked != 0 { answer(ComPort.notifyLineState, [masked]) }
+    }
+
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
         if let buffer = outbound.data(unwrapOutboundIn(data), promise: promise, allocator: context.channel.allocator) {
             context.write(wrapOutboundOut(buffer), promise: promise)
@@ -164,6 +184,8 @@ public final class RFC2217Session: Sendable {
     private let virtualLines = Mutex<ModemLines>([.dtr, .rts])
     /// Whether the client's BREAK is on: released when the client leaves.
     private let breakOn = Mutex(false)
+    /// The port's line-error counters as last reported to the client (nil before the first read).
+    private let reportedLineErrors = Mutex<LineErrorCounts?>(nil)
     private let signature: String
 
     /// The session of each accepted channel, until it closes.
@@ -211,13 +233,40 @@ public final class RFC2217Session: Sendable {
                 }
             } catch {}
         }
-        defer { notifier.cancel() }
+        let lineWatch = Task { await watchLineErrors(port) }
         for await request in requests {
             let value = await serve(request, with: port)
             if let value { answer(request.command, value) }
         }
+        // Both watches end before serve returns, so none starts on a port its caller then closes.
+        notifier.cancel()
+        lineWatch.cancel()
+        await notifier.value
+        await lineWatch.value
         // A client that leaves with BREAK on does not leave the line in break.
         if breakOn.withLock({ state in defer { state = false }; return state }) { try? await port.setBreak(false) }
+    }
+
+    /// While the client's mask asks for line errors, reads the port's counters four times a
+    /// second and notifies what grew; ends at once on a port that counts none.
+    private func watchLineErrors(_ port: any SerialControl) async {
+        let handler = handler
+        while !Task.isCancelled {
+            let mask = try? await eventLoop.submit { handler.value.lineStateMask }.get()
+            if let mask, mask & ComPort.lineErrorBits != 0 {
+                guard let state = await grownLineErrors(port) else { return }
+                if state != 0 { eventLoop.execute { handler.value.notifyLineState(state) } }
+            }
+            try? await Task.sleep(for: .milliseconds(250))
+        }
+    }
+
+    /// The NOTIFY-LINESTATE bits of the errors counted since the last report (0 at the first
+    /// read), or nil when the port counts none.
+    private func grownLineErrors(_ port: any SerialControl) async -> UInt8? {
+        guard let now = try? await ControlOperation.$polling.withValue(true, operation: { try await port.lineErrors() }) else { return nil }
+        let before = reportedLineErrors.withLock { reported in defer { reported = now }; return reported }
+        return before.map { ComPort.lineState(now.since($0)) } ?? 0
     }
 
     /// The answer's value for `request`, or nil for none (a client's own signature).
@@ -252,8 +301,14 @@ public final class RFC2217Session: Sendable {
         case ComPort.notifyModemState:
             let lines = (try? await port.modemLines()) ?? []
             return [ComPort.modemState(lines)]
+        case Telnet.brk:
+            // Telnet's break key (not a COM-PORT command, so never answered): a break of 250 ms,
+            // as ser2net sends for it.
+            try? await port.sendBreak()
+            return nil
         case ComPort.notifyLineState:
-            return [0]
+            // A poll: the errors counted since the last report.
+            return [await grownLineErrors(port) ?? 0]
         case ComPort.purgeData:
             let queue: FlushQueue? = switch first {
             case 1: .input

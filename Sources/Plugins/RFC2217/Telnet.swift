@@ -13,6 +13,8 @@ import NIOCore
 enum Telnet {
     static let se: UInt8 = 240
     static let nop: UInt8 = 241
+    /// BRK (RFC 854's "break or attention"): a serial server sends a break on its port for it.
+    static let brk: UInt8 = 243
     static let sb: UInt8 = 250
     static let will: UInt8 = 251
     static let wont: UInt8 = 252
@@ -201,13 +203,15 @@ enum TelnetEvent: Equatable {
     case negotiation(verb: UInt8, option: UInt8)
     /// `IAC SB option payload IAC SE`, the payload undoubled.
     case subnegotiation(option: UInt8, payload: [UInt8])
+    /// `IAC BRK`: the peer's break key (gensiot's escape `b`, telnet's `send brk`).
+    case breakKey
     /// A subnegotiation longer than ``Telnet/maximumSubnegotiation``, or IAC followed by a byte
     /// that is no command inside one: the peer does not speak Telnet as RFC 854 says.
     case malformed(String)
 }
 
-/// Splits the bytes from a Telnet peer into data, negotiations and subnegotiations. Other commands
-/// (NOP, GA, AYT, …) are dropped: they carry nothing for a COM-PORT session.
+/// Splits the bytes from a Telnet peer into data, negotiations, subnegotiations and BRK. Other
+/// commands (NOP, GA, AYT, …) are dropped: they carry nothing for a COM-PORT session.
 struct TelnetParser {
     private enum State {
         case data
@@ -244,6 +248,10 @@ struct TelnetParser {
                     state = .verb(byte)
                 case Telnet.sb:
                     state = .sbOption
+                case Telnet.brk:
+                    flushData()
+                    events.append(.breakKey)
+                    state = .data
                 default:
                     state = .data   // NOP, GA, AYT, …: nothing for this session
                 }

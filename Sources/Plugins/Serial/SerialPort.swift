@@ -97,6 +97,15 @@ public struct SerialPort: SerialControl {
         }
     }
 
+    /// What the driver counted (TIOCGICOUNT): framing and parity errors, overruns (the UART's and
+    /// the driver's buffer's) and breaks, since the driver set the port up. Throws `.unsupported`
+    /// on a driver that counts nothing (a pty).
+    public func lineErrors() async throws -> LineErrorCounts {
+        try connection.performControl(ControlOperation("line errors?"), describe: { $0.description }) {
+            try LineErrorCounter(fd: device.descriptor(), path: path).read()
+        }
+    }
+
     // MARK: Break, flush, drain
 
     /// Starts (`on`) or ends a break: TIOCSBRK and TIOCCBRK. Closing the port ends a break too.

@@ -140,6 +140,28 @@ struct TTYLines {
     }
 }
 
+/// A driver's receive counters by descriptor: TIOCGICOUNT, which fills `struct
+/// serial_icounter_struct` (linux/serial.h: cts, dsr, rng, dcd, rx, tx, frame, overrun, parity,
+/// brk, buf_overrun and nine reserved ints). Drivers without `get_icount` (ptys) answer EINVAL.
+struct LineErrorCounter {
+    let fd: FileDescriptor
+    let path: String
+
+    func read() throws -> LineErrorCounts {
+        var counters = [Int32](repeating: 0, count: 20)
+        do {
+            try Syscall.run("ioctl(TIOCGICOUNT)", on: path) {
+                counters.withUnsafeMutableBytes { bytes in bytes.baseAddress.map { ioctl(fd.rawValue, UInt(TIOCGICOUNT), $0) } ?? -1 }
+            }
+        } catch let error as TransportError where error.errno == .inappropriateIOCTLForDevice || error.errno == .invalidArgument {
+            throw TransportError(.unsupported, "the driver of \(path) counts no line errors (a pty or virtual port has no receiver to count them)",
+                                 errno: error.errno, syscall: error.syscall)
+        }
+        return LineErrorCounts(framing: Int(counters[6]), parity: Int(counters[8]), overrun: Int(counters[7]),
+                               bufferOverrun: Int(counters[10]), breaks: Int(counters[9]))
+    }
+}
+
 /// Low latency: ASYNC_LOW_LATENCY through TIOCGSERIAL/TIOCSSERIAL (linux/serial.h), and for FTDI
 /// adapters the latency timer in sysfs (16 ms by default) set to 1 ms.
 enum LowLatency {

@@ -126,6 +126,8 @@ public struct SpyPlugin: TransportPlugin {
 final class SpyBackend: WrappingBackend {
     let wrapped: Connection
     private let tracer: Tracer
+    /// Each poll's last traced line, by operation.
+    private let lastPolls = Mutex<[String: String]>([:])
 
     init(wrapping wrapped: Connection, tracer: Tracer) {
         self.wrapped = wrapped
@@ -197,14 +199,19 @@ final class SpyBackend: WrappingBackend {
     }
 
     func willPerform(_ operation: ControlOperation) {
-        tracer.event("CTRL", operation.description)
+        if !operation.isPoll { tracer.event("CTRL", operation.description) }
     }
 
     func didPerform(_ operation: ControlOperation, outcome: Result<String?, any Error>) {
-        switch outcome {
-        case .success(let text): tracer.event("CTRL", "\(operation) → \(text ?? "ok")")
-        case .failure(let error): tracer.event("CTRL", "\(operation) → failed: \(error)")
+        let line = switch outcome {
+        case .success(let text): "\(operation) → \(text ?? "ok")"
+        case .failure(let error): "\(operation) → failed: \(error)"
         }
+        // A poll on a timer is traced when its answer changes, not four times a second.
+        if operation.isPoll, lastPolls.withLock({ polls in defer { polls[operation.description] = line }; return polls[operation.description] == line }) {
+            return
+        }
+        tracer.event("CTRL", line)
     }
 }
 

@@ -580,6 +580,8 @@ public final class Connection: Sendable {
     }
 
     private func announce(_ operation: ControlOperation) -> Announced {
+        var operation = operation
+        if ControlOperation.polling { operation.isPoll = true }
         let layers = wrappingLayers
         for layer in layers { layer.willPerform(operation) }
         return Announced(layers: layers, operation: operation)

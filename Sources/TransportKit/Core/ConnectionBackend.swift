@@ -90,12 +90,26 @@ public struct ControlOperation: Sendable, Equatable, CustomStringConvertible {
     public var name: String
     /// The arguments, readable: `"on"`, `"250 ms"`, `"115200 8N1"`.
     public var detail: String
+    /// A query repeated on a timer (an RFC 2217 server reading a port's line-error counters
+    /// four times a second): tracing layers report it only when its answer changes.
+    public var isPoll: Bool
 
-    /// An operation named `name` with its arguments as `detail`.
-    public init(_ name: String, _ detail: String = "") {
+    /// An operation named `name` with its arguments as `detail`; `isPoll` for a query repeated
+    /// on a timer.
+    public init(_ name: String, _ detail: String = "", isPoll: Bool = false) {
         self.name = name
         self.detail = detail
+        self.isPoll = isPoll
     }
+
+    /// Whether control calls made in this task are a poll on a timer (``isPoll``): set it around
+    /// a query that a loop repeats, and tracing layers report the query only when its answer
+    /// changes.
+    ///
+    /// ```swift
+    /// let lines = try await ControlOperation.$polling.withValue(true) { try await port.modemLines() }
+    /// ```
+    @TaskLocal public static var polling = false
 
     /// `"DTR on"`: the name and the detail.
     public var description: String { detail.isEmpty ? name : "\(name) \(detail)" }

@@ -140,6 +140,58 @@ public struct ModemLines: OptionSet, Sendable, Hashable, CustomStringConvertible
     }
 }
 
+/// What a serial port's receiver counted: characters with framing or parity errors, characters
+/// lost to overruns, and breaks. Counters only grow; compare two readings with ``since(_:)``.
+///
+/// A local port's driver counts from when it set the port up (TIOCGICOUNT), so a first reading
+/// can hold errors from before this connection; an `rfc2217://` port counts the server's
+/// NOTIFY-LINESTATE messages since the connection opened.
+///
+/// ```swift
+/// let before = try await port.lineErrors()
+/// // … a transfer …
+/// let during = try await port.lineErrors().since(before)
+/// if during.total > 0 { print("line errors: \(during)") }   // "framing 2, parity 0, overrun 0, …"
+/// ```
+public struct LineErrorCounts: Sendable, Hashable, CustomStringConvertible {
+    /// Characters received without a valid stop bit (a wrong bit rate, noise).
+    public var framing: Int
+    /// Characters received with a wrong parity bit.
+    public var parity: Int
+    /// Characters lost because the UART's receiver overran (the driver read too late).
+    public var overrun: Int
+    /// Characters lost because the driver's buffer was full (the application read too late).
+    public var bufferOverrun: Int
+    /// Breaks received (the line held at zero for longer than a character).
+    public var breaks: Int
+
+    /// Counts as given (zero where not).
+    public init(framing: Int = 0, parity: Int = 0, overrun: Int = 0, bufferOverrun: Int = 0, breaks: Int = 0) {
+        self.framing = framing
+        self.parity = parity
+        self.overrun = overrun
+        self.bufferOverrun = bufferOverrun
+        self.breaks = breaks
+    }
+
+    /// Every count added up.
+    public var total: Int { framing + parity + overrun + bufferOverrun + breaks }
+
+    /// What grew from `earlier` to this reading (a counter that went back, as a driver's after a
+    /// replug, counts from zero).
+    public func since(_ earlier: LineErrorCounts) -> LineErrorCounts {
+        func grown(_ now: Int, _ then: Int) -> Int { now >= then ? now - then : now }
+        return LineErrorCounts(framing: grown(framing, earlier.framing), parity: grown(parity, earlier.parity),
+                               overrun: grown(overrun, earlier.overrun), bufferOverrun: grown(bufferOverrun, earlier.bufferOverrun),
+                               breaks: grown(breaks, earlier.breaks))
+    }
+
+    /// `"framing 0, parity 1, overrun 0, buffer overrun 0, breaks 2"`.
+    public var description: String {
+        "framing \(framing), parity \(parity), overrun \(overrun), buffer overrun \(bufferOverrun), breaks \(breaks)"
+    }
+}
+
 /// Which queued bytes ``SerialControl/flush(_:)`` discards.
 public enum FlushQueue: String, Sendable, Equatable {
     /// Received but not yet read (the kernel's or the server's queue, and bytes TransportKit
@@ -191,6 +243,10 @@ public protocol SerialControl: Sendable {
     /// now; the sequence ends when the connection does. Throws `.unsupported` where the port has
     /// no modem lines.
     func modemLineChanges() async throws -> AsyncThrowingStream<ModemLines, any Error>
+    /// What the port's receiver counted: framing and parity errors, overruns, breaks (see
+    /// ``LineErrorCounts``). Throws `.unsupported` where nothing counts them (a pty). A
+    /// conformance without it gets one that throws `.unsupported`.
+    func lineErrors() async throws -> LineErrorCounts
 }
 
 extension SerialControl {
@@ -225,6 +281,11 @@ extension SerialControl {
     }
     /// Discards both queues.
     public func flush() async throws { try await flush(.both) }
+
+    /// Throws `.unsupported`: this port does not count line errors.
+    public func lineErrors() async throws -> LineErrorCounts {
+        throw TransportError(.unsupported, "\(port) does not count line errors")
+    }
 }
 
 /// A backend that offers ``SerialControl`` (a tty's, an RFC 2217 client's).
