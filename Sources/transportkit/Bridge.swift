@@ -191,7 +191,17 @@ struct Bridge: AsyncParsableCommand {
             for connection in connections { try? await connection.close() }
             throw error
         }
-        try await Relay.bridge(connections[0], connections[1], linger: linger)
+        // An RFC 2217 client on either side is served with the other side's serial port.
+        let sessions = [BridgeServer.serveSession(of: connections[0], with: connections[1]),
+                        BridgeServer.serveSession(of: connections[1], with: connections[0])].compactMap { $0 }
+        var beforeClosing: (@Sendable () async -> Void)?
+        if !sessions.isEmpty {
+            beforeClosing = {
+                for session in sessions { session.cancel() }
+                for session in sessions { await session.value }
+            }
+        }
+        try await Relay.bridge(connections[0], connections[1], linger: linger, beforeClosing: beforeClosing)
     }
 }
 
@@ -314,6 +324,13 @@ struct BridgeServer: Sendable {
 
     let settings: Settings
     init(_ settings: Settings) { self.settings = settings }
+
+    /// Serves `client`'s RFC 2217 requests (if it is an `rfc2217://` listener's client) with
+    /// `target`'s serial port, until the client leaves or the task is cancelled.
+    static func serveSession(of client: Connection, with target: Connection) -> Task<Void, Never>? {
+        guard let session = client.rfc2217Session, let port = target.serialPort else { return nil }
+        return Task { await session.serve(port) }
+    }
 
     /// Opens a listener, reports it, accepts one connection and closes the listener.
     static func acceptOne(on url: String, status: StatusPrinter) async throws -> Connection {
@@ -486,7 +503,7 @@ struct BridgeServer: Sendable {
             }
             target = connection
             // An RFC 2217 client's settings, lines and purges go to the target's port.
-            let serving = client.rfc2217Session.flatMap { remote in connection.serialPort.map { port in Task { await remote.serve(port) } } }
+            let serving = Self.serveSession(of: client, with: connection)
             defer { serving?.cancel() }
             if keepTarget {
                 // Drop what the target sent while nobody listened: what is buffered now, for at

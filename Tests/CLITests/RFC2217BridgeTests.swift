@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import TestSupport
 import Testing
 import TransportKit
 
@@ -26,6 +27,55 @@ struct RFC2217BridgeTests {
     /// the script binds over in a mount namespace of its own).
     @Test func cycladesSerialClientsPtyCarriesBytesAndItsTcsetattrReachesThePort() async throws {
         await Self.expectChecks("cyclades", ["to-device", "from-device"] + (getuid() == 0 ? ["settings"] : []))
+    }
+
+    /// The device goes while a remote client is connected (a pty's master closing is its
+    /// hang-up, as an unplugged USB adapter's): the client reads what the device sent before, then
+    /// a clear end, and the bridge says why the session ended.
+    @Test func theDeviceHangingUpEndsTheRemoteClientsConnectionClearly() async throws {
+        let pty = try RawPTY()
+        let bridge = try CLI.Running(["bridge", "--json", "--listen", "rfc2217://127.0.0.1:0", "tty://\(pty.path)"])
+        let url = try #require(await HostileUseTests.listeningURL(of: bridge), "\(bridge.stderrLines)")
+        let client = try await Transport.connect(to: url)
+        try await client.write("hello")
+        #expect(await pty.read(count: 5) == Array("hello".utf8))
+        pty.write("last words")
+        #expect(try await client.readFrame(.fixedLength(10), timeout: .seconds(10)) == Array("last words".utf8))
+        Glibc.close(pty.master)
+        var ending: (any Error)?
+        do {
+            while try await client.read(timeout: .seconds(10)) != nil {}
+        } catch {
+            ending = error
+        }
+        let error = ending as? TransportError
+        #expect(ending == nil || error?.kind == .disconnected, "the end of the stream, or .disconnected: \(String(describing: ending))")
+        #expect(ending == nil || error?.message.contains("closed the connection") == true, "\(String(describing: ending))")
+        #expect(await eventually(10) {
+            bridge.stderrLines.contains { line in
+                let object = try? JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: String]
+                return object?["event"] == "failed" && object?["error"]?.contains(pty.path) == true
+            }
+        }, "the bridge reports why the session ended, naming the device: \(bridge.stderrLines)")
+        try await client.close()
+        bridge.signal(SIGTERM)
+        _ = await bridge.wait()
+    }
+
+    /// `--once` serves one client's RFC 2217 requests too (it relayed the bytes alone before, and
+    /// the client's SETs timed out).
+    @Test func aOneShotBridgeServesItsClientsRequests() async throws {
+        let pty = try RawPTY()
+        defer { Glibc.close(pty.master) }
+        let bridge = try CLI.Running(["bridge", "--once", "--json", "--listen", "rfc2217://127.0.0.1:0", "tty://\(pty.path)"])
+        let url = try #require(await HostileUseTests.listeningURL(of: bridge), "\(bridge.stderrLines)")
+        let client = try await Transport.connect(to: url + "?baud=19200&stopBits=2")
+        var attributes = termios()
+        tcgetattr(pty.master, &attributes)
+        #expect(cfgetospeed(&attributes) == speed_t(B19200) && attributes.c_cflag & tcflag_t(CSTOPB) != 0)
+        try await client.close()
+        let result = await bridge.wait()
+        #expect(result.status == 0, "\(result.stderr)")
     }
 
     /// Runs Peers/rfc2217_client.py with `client` and expects an "ok" line for each check and

@@ -70,6 +70,11 @@ struct BlueZListenLabTests {
         let listener = try await Transport.listen(on: "rfcomm://\(controllers.peripheralText)?name=TKLab-serial")
         let channel = try #require(listener.url.port)
         let accepted = Self.acceptOne(listener)
+        // SDP answers with every Serial Port record hci1 publishes, and the client takes the
+        // first: a record of an earlier test that bluetoothd has not withdrawn yet would send it
+        // to a channel nobody listens on (ECONNREFUSED, seen twice in CI). Ours alone, first.
+        let records = try await Self.serialPortChannels(on: controllers.peripheralText, awaiting: channel)
+        #expect(records == [channel], "the Serial Port records hci1 publishes: channels \(records)")
 
         let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText)?adapter=hci0")
         #expect(client.metadata.extra["channel"] == String(channel), "SDP found the listener's channel")
@@ -92,6 +97,21 @@ struct BlueZListenLabTests {
         #expect(search.stdout.contains("Channel: \(channel)"), "sdptool: \(search.stdout) \(search.stderr)")
         #expect(search.stdout.contains("TKLab-serial"), "the name= option is the record's name: \(search.stdout)")
         try await listener.close()
+    }
+
+    /// The channels of the Serial Port records `address` publishes (BlueZ's sdptool), once they
+    /// are `[channel]` or after 10 s.
+    static func serialPortChannels(on address: String, awaiting channel: Int) async throws -> [Int] {
+        var channels: [Int] = []
+        for _ in 0..<20 {
+            let search = try await Lab.run("/usr/bin/sdptool", ["search", "--bdaddr", address, "SP"])
+            channels = search.stdout.split(separator: "\n").compactMap { line in
+                line.contains("Channel: ") ? line.split(separator: " ").last.flatMap { Int($0) } : nil
+            }
+            if channels == [channel] { break }
+            try await Task.sleep(for: .milliseconds(500))
+        }
+        return channels
     }
 
     @Test func anRfcommListenerOnAnyAdapterOnAGivenChannelTakesTwoSDPConnectsAndUnpublishesWhenClosed() async throws {

@@ -196,14 +196,20 @@ struct USBSerialLabTests {
                 "descriptors before: \(descriptorsBefore), after: \(Descriptors.targets())")
     }
 
-    /// The RFC 2217 server over a real port with modem lines: the client's modemLineChanges() come
-    /// from the server's NOTIFY-MODEMSTATE, which follows the CDC-ACM port's TIOCMIWAIT watch.
+    /// The RFC 2217 server over a real port with modem lines: 7E2 set by the client is what the
+    /// host's port then has (a pty keeps 8N1), and the client's modemLineChanges() come from the
+    /// server's NOTIFY-MODEMSTATE, which follows the CDC-ACM port's TIOCMIWAIT watch.
     /// (Its first version hung at `serving.value`: a session's serve() waited for a client's FIN
     /// that the accepted channel reported as half-closure, not inactivity. Each step is logged.)
-    @Test("an rfc2217:// server notifies its client when the real port's DSR and CD rise", .timeLimit(.minutes(2)))
+    @Test("an rfc2217:// server sets the real port's framing and notifies its client when DSR and CD rise", .timeLimit(.minutes(2)))
     func rfc2217ServerNotifiesTheRealPortsModemLines() async throws {
         let (_, gadgetNode) = try await Gadget.plug()
         let served = try await Self.serveOverRFC2217("modem lines")
+        // Framing a pty would not keep, on a real driver: the client's SETs reach cdc_acm's termios.
+        let asked = SerialSettings(baudRate: 57_600, dataBits: 7, parity: .even, stopBits: 2)
+        try await #require(served.remote.serialPort).apply(asked)
+        #expect(try await served.device.serialPort?.settings() == asked, "the host's port, read locally")
+        #expect(try await served.remote.serialPort?.settings() == asked, "the server's answers")
         let changes = Gathered(try await #require(served.remote.serialPort).modemLineChanges())
         defer { changes.stop() }
         #expect(await changes.wait(10) { $0.count >= 1 }, "the lines now, first: \(changes.elements)")
@@ -244,6 +250,43 @@ struct USBSerialLabTests {
         try await served.end()
     }
 
+    /// The adapter unplugged under a remote client: `transportkit bridge --once --listen
+    /// rfc2217://…` serves the CDC-ACM port; the client reads every byte the device sent before the
+    /// unplug, then the end of its connection, and the bridge ends saying the device went away.
+    @Test("unplugged under an rfc2217:// client of the bridge: the bytes before, then a clear end", .timeLimit(.minutes(2)))
+    func unplugUnderARemoteClient() async throws {
+        let (_, gadgetNode) = try await Gadget.plug()
+        let address = "127.0.0.1:42170"
+        let bridge = Task {
+            try await Lab.run("/usr/bin/timeout", ["60", Lab.cli, "bridge", "--once", "--json", "--listen", "rfc2217://\(address)", "tty://\(Gadget.byID)"])
+        }
+        step("unplug", "client connects")
+        var remote: Connection?
+        for _ in 0..<100 where remote == nil {
+            remote = try? await Transport.connect(to: "rfc2217://\(address)?baud=115200")
+            if remote == nil { try await Task.sleep(for: .milliseconds(100)) }
+        }
+        let client = try #require(remote, "the bridge never listened")
+        let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
+        let payload = (0..<4096).map { UInt8(truncatingIfNeeded: $0 * 7) }
+        try await gadget.write(payload)
+        try await #require(gadget.serialPort).drain()
+        try await Task.sleep(for: .milliseconds(300))
+        step("unplug", "gadget unbound")
+        try Gadget.setBound(false)
+        let (received, ending) = await Lab.readToEnd(client)
+        #expect(received == payload, "\(received.count) of \(payload.count) bytes")
+        #expect(ending == nil || ending?.kind == .disconnected, "the end of the stream, or .disconnected: \(String(describing: ending))")
+        try await client.close()
+        try await gadget.close()
+        step("unplug", "bridge ends")
+        let result = try await bridge.value
+        #expect(result.stderr.contains("\(Gadget.byID) went away (adapter unplugged"), "the bridge says why: \(result.stderr)")
+        #expect(result.status == 1, "\(result.status)")
+        try Gadget.setBound(true)
+        step("unplug", "done")
+    }
+
     /// A listener on loopback whose first client is served with the host side of the gadget
     /// (`tty://` by its by-id link), and that client, connected.
     struct Served {
@@ -278,6 +321,8 @@ struct USBSerialLabTests {
         let remote = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)")
         return Served(device: device, remote: remote, serving: serving, listener: listener, label: label)
     }
+
+    func step(_ label: String, _ what: String) { Self.step(label, what) }
 
     static func step(_ label: String, _ what: String) {
         FileHandle.standardError.write(Data("[\(label)] \(what)\n".utf8))

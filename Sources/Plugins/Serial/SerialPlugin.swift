@@ -64,7 +64,7 @@ public struct SerialPlugin: TransportPlugin {
                 grammar: "tty://[LABEL[:BAUD]]/DEVICE-PATH[?OPTIONS] | tty://usb[:BAUD]/VID:PID[?serial=S&interface=N&location=L&OPTIONS]",
                 examples: ["tty:///dev/ttyUSB0?baud=115200", "tty://adapter:19200/dev/ttyUSB0",
                            "tty://usb/0403:6001?serial=A50285BI", "tty:///dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"],
-                host: .optional, port: .optional, portRange: 1...20_000_000, path: .required,
+                host: .optional, port: .optional, portRange: 1...SerialSettings.maximumBaudRate, path: .required,
                 options: Self.ttyOptions + [Self.serial, Self.interface, Self.location],
                 modes: [SchemeMode("tty:// connection to a USB adapter", form: "tty://usb[:BAUD]/VID:PID", host: "usb",
                                    options: Self.ttyOptions + [Self.serial, Self.interface, Self.location]),

@@ -63,10 +63,17 @@ public struct SerialSettings: Sendable, Equatable, Codable {
         return "\(baudRate) \(dataBits)\(parity == .none ? "N" : parityLetter)\(stopBits)" + (flowControl == .none ? "" : " \(flowControl.rawValue)")
     }
 
+    /// The highest bit rate taken (the `baud` option's bound): 20 Mbit/s, above the fastest USB
+    /// serial adapters. A pty would store any rate; a rate above this is a mistake or an attack.
+    public static let maximumBaudRate = 20_000_000
+
     /// Checks the values a kernel (or an RFC 2217 server) would reject or silently change.
     @_spi(Plugins)
     public func validated() throws -> SerialSettings {
         guard baudRate > 0 else { throw TransportError(.invalidURL, "baud rate \(baudRate) is not positive") }
+        guard baudRate <= Self.maximumBaudRate else {
+            throw TransportError(.invalidURL, "baud rate \(baudRate) is above \(Self.maximumBaudRate), more than any serial driver makes")
+        }
         guard (5...8).contains(dataBits) else { throw TransportError(.invalidURL, "data bits must be 5, 6, 7 or 8, not \(dataBits)") }
         guard stopBits == 1 || stopBits == 2 else { throw TransportError(.invalidURL, "stop bits must be 1 or 2, not \(stopBits)") }
         return self
@@ -80,7 +87,7 @@ public struct SerialSettings: Sendable, Equatable, Codable {
 /// options: SerialLineOptions.settings + [SerialLineOptions.dtr, SerialLineOptions.rts]
 /// ```
 public enum SerialLineOptions {
-    public static let baud = URLOption.integer("baud", in: 1...20_000_000,
+    public static let baud = URLOption.integer("baud", in: 1...SerialSettings.maximumBaudRate,
                                                help: "Bit rate, any value the adapter can generate (default 9600; tty://LABEL:BAUD/… also gives it)")
     public static let dataBits = URLOption.integer("dataBits", in: 5...8, default: 8, help: "Data bits per character")
     public static let parity = URLOption.choice("parity", default: SerialSettings.Parity.none, help: "Parity bit")
