@@ -35,6 +35,7 @@ struct RFC2217BridgeTests {
     @Test func theDeviceHangingUpEndsTheRemoteClientsConnectionClearly() async throws {
         let pty = try RawPTY()
         let bridge = try CLI.Running(["bridge", "--json", "--listen", "rfc2217://127.0.0.1:0", "tty://\(pty.path)"])
+        defer { bridge.signal(SIGKILL) }   // a failed check leaves no bridge behind
         let url = try #require(await HostileUseTests.listeningURL(of: bridge), "\(bridge.stderrLines)")
         let client = try await Transport.connect(to: url)
         try await client.write("hello")
@@ -68,6 +69,7 @@ struct RFC2217BridgeTests {
         let pty = try RawPTY()
         defer { Glibc.close(pty.master) }
         let bridge = try CLI.Running(["bridge", "--once", "--json", "--listen", "rfc2217://127.0.0.1:0", "tty://\(pty.path)"])
+        defer { bridge.signal(SIGKILL) }
         let url = try #require(await HostileUseTests.listeningURL(of: bridge), "\(bridge.stderrLines)")
         let client = try await Transport.connect(to: url + "?baud=19200&stopBits=2")
         var attributes = termios()
@@ -81,7 +83,8 @@ struct RFC2217BridgeTests {
     /// Runs Peers/rfc2217_client.py with `client` and expects an "ok" line for each check and
     /// exit status 0.
     static func expectChecks(_ client: String, _ checks: [String], sourceLocation: SourceLocation = #_sourceLocation) async {
-        let (status, output) = await Self.run("/usr/bin/python3", [Self.script, CLI.binary, client])
+        // timeout(1): a peer that hangs fails the test instead of holding the run.
+        let (status, output) = await Self.run("/usr/bin/timeout", ["120", "/usr/bin/python3", Self.script, CLI.binary, client])
         let lines = output.split(separator: "\n").map(String.init)
         for check in checks {
             #expect(lines.contains("ok \(check)"), "\(client) \(check): \(output)", sourceLocation: sourceLocation)

@@ -181,31 +181,4 @@ struct RFC2217PeerTests {
         #expect(text.contains("CTRL  settings 38400 8N1 → ok"), "\(text)")
         #expect(text.contains("CTRL  DTR on → ok"), "\(text)")
     }
-
-    /// The server's line-error watch on a port that counts none (a pty): read once, traced once
-    /// (a poll is traced when its answer changes), and the client's counts stay zero.
-    @Test func theServersLineErrorWatchReadsAPtyOnceAndTracesItOnce() async throws {
-        let file = temporaryPath("spy-linestate") + ".txt"
-        defer { unlink(file) }
-        let pty = try TestPTY()
-        defer { pty.closeMaster() }
-        let listener = try await Transport.listen(on: "rfc2217://127.0.0.1:0")
-        let port = try #require(listener.url.port)
-        let serving = Task {
-            guard let client = try await listener.accept(), let session = client.rfc2217Session else { return }
-            let device = try await Transport.connect(to: "spy+tty://\(pty.path)?spy.file=\(file)")
-            if let serial = device.serialPort { await session.serve(serial) }
-            try await device.close()
-            try await client.close()
-        }
-        let remote = try await Transport.connect(to: "rfc2217://127.0.0.1:\(port)")
-        try await Task.sleep(for: .seconds(1))   // four rounds of the server's watch
-        #expect(try await remote.serialPort?.lineErrors() == LineErrorCounts())
-        try await remote.close()
-        try await serving.value
-        try await listener.close()
-        let text = (try? String(contentsOfFile: file, encoding: .utf8)) ?? ""
-        let polls = text.split(separator: "\n").filter { $0.contains("line errors?") }
-        #expect(polls.count == 1 && polls.first?.contains("failed") == true, "\(text)")
-    }
 }

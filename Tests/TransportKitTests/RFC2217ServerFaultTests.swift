@@ -1,9 +1,11 @@
 import Foundation
 import Glibc
+import Synchronization
 import TestSupport
 import Testing
 @testable import TransportKit
 @testable import TransportKitSerial
+@testable import TransportKitRFC2217
 
 /// The RFC 2217 server (`Transport.listen(on: "rfc2217://…")` and `RFC2217Session.serve`) in front
 /// of a real pty, against a client this test plays on a plain socket: a subnegotiation without its
@@ -13,25 +15,28 @@ import Testing
 @Suite("the RFC 2217 server against clients that break the rules")
 struct RFC2217ServerFaultTests {
     /// A server for one client in front of `pty`: it serves the client's requests with the pty's
-    /// control and collects the data the client sends, until the client leaves.
+    /// control (seen through `log`) and collects the data the client sends, until the client leaves.
     struct Server {
         let port: Int
         let done: Task<[UInt8], any Error>
         let listener: Listener
 
-        init(_ pty: TestPTY) async throws {
+        init(_ pty: TestPTY, log: PortLog = PortLog(), deviceURL: String? = nil) async throws {
             let listener = try await Transport.listen(on: "rfc2217://127.0.0.1:0")
             self.listener = listener
             port = try #require(listener.url.port)
             done = Task {
                 let client = try #require(try await listener.accept())
                 let session = try #require(client.rfc2217Session)
-                let device = try await Transport.connect(to: "tty://\(pty.path)")
-                let serial = try #require(device.serialPort)
+                let device = try await Transport.connect(to: deviceURL ?? "tty://\(pty.path)")
+                let serial = ObservedPort(inner: try #require(device.serialPort), log: log)
                 async let served: Void = session.serve(serial)
                 var data: [UInt8] = []
                 do {
-                    while let chunk = try await client.read() { data += chunk }
+                    while let chunk = try await client.read() {
+                        data += chunk
+                        log.append("data \(String(decoding: chunk, as: UTF8.self))")
+                    }
                 } catch {}
                 await served
                 try await device.close()
@@ -66,6 +71,36 @@ struct RFC2217ServerFaultTests {
             seen += more
         }
         return seen
+    }
+
+    /// What the served port was asked and what data came, in order.
+    final class PortLog: Sendable {
+        private let entries = Mutex<[String]>([])
+        func append(_ entry: String) { entries.withLock { $0.append(entry) } }
+        var all: [String] { entries.withLock { $0 } }
+        func count(_ entry: String) -> Int { all.filter { $0 == entry }.count }
+    }
+
+    /// A serial port that logs its break and line-error calls and passes every call on.
+    struct ObservedPort: SerialControl {
+        let inner: any SerialControl
+        let log: PortLog
+        var port: String { inner.port }
+        func settings() async throws -> SerialSettings { try await inner.settings() }
+        func apply(_ settings: SerialSettings) async throws { try await inner.apply(settings) }
+        func modemLines() async throws -> ModemLines { try await inner.modemLines() }
+        func setLines(_ lines: ModemLines, _ on: Bool) async throws { try await inner.setLines(lines, on) }
+        func setBreak(_ on: Bool) async throws {
+            log.append(on ? "break on" : "break off")
+            try await inner.setBreak(on)
+        }
+        func flush(_ queue: FlushQueue) async throws { try await inner.flush(queue) }
+        func drain() async throws { try await inner.drain() }
+        func modemLineChanges() async throws -> AsyncThrowingStream<ModemLines, any Error> { try await inner.modemLineChanges() }
+        func lineErrors() async throws -> LineErrorCounts {
+            log.append("line errors?")
+            return try await inner.lineErrors()
+        }
     }
 
     static func answer(_ command: UInt8, _ value: [UInt8]) -> [UInt8] {
@@ -126,5 +161,43 @@ struct RFC2217ServerFaultTests {
         #expect(try pty.termios2().c_ospeed == 19200)
         _ = Glibc.close(fd)
         _ = try await server.end()
+    }
+
+    /// Telnet's BRK between data: the data after it reaches the port after the break, and a
+    /// second BRK meanwhile is the same break.
+    @Test func theBreakKeyKeepsItsPlaceInTheData() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let log = PortLog()
+        let server = try await Server(pty, log: log)
+        let fd = try await Self.client(server.port)
+        Support.writeAll(fd, Array("before".utf8) + [255, Telnet.brk, 255, Telnet.brk] + Array("after".utf8))
+        #expect(await eventually(5) { log.all.contains("data after") }, "\(log.all)")
+        let order = log.all.filter { $0 != "line errors?" }
+        #expect(order == ["data before", "break on", "break off", "data after"], "\(order)")
+        _ = Glibc.close(fd)
+        #expect(try await server.end() == Array("beforeafter".utf8))
+    }
+
+    /// The server's line-error watch on a port that counts none (a pty): read once, not again,
+    /// and traced once by a spy+ target.
+    @Test func theLineErrorWatchReadsAPortThatCountsNoneOnce() async throws {
+        let file = temporaryPath("spy-linestate") + ".txt"
+        defer { unlink(file) }
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let log = PortLog()
+        let server = try await Server(pty, log: log, deviceURL: "spy+tty://\(pty.path)?spy.file=\(file)")
+        // Our own client asks for line errors (SET-LINESTATE-MASK) at connect.
+        let remote = try await Transport.connect(to: "rfc2217://127.0.0.1:\(server.port)")
+        #expect(await eventually(5) { log.count("line errors?") >= 1 })
+        try await Task.sleep(for: .milliseconds(800))   // three rounds of the watch, were it still running
+        #expect(log.count("line errors?") == 1, "\(log.all)")
+        #expect(try await remote.serialPort?.lineErrors() == LineErrorCounts())
+        try await remote.close()
+        _ = try await server.end()
+        let text = (try? String(contentsOfFile: file, encoding: .utf8)) ?? ""
+        let polls = text.split(separator: "\n").filter { $0.contains("line errors?") }
+        #expect(polls.count == 1 && polls.first?.contains("failed") == true, "\(text)")
     }
 }

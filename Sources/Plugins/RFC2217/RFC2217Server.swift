@@ -95,13 +95,18 @@ final class RFC2217ServerHandler: ChannelDuplexHandler, RemovableChannelHandler 
         for event in parser.parse(bytes) {
             switch event {
             case .data(let payload):
-                context.fireChannelRead(wrapInboundOut(context.channel.allocator.buffer(bytes: payload)))
+                let buffer = context.channel.allocator.buffer(bytes: payload)
+                if breakPending { heldForBreak.append(buffer) } else { context.fireChannelRead(wrapInboundOut(buffer)) }
             case .negotiation(let verb, let option):
                 negotiate(context, verb, option)
             case .subnegotiation(let option, let payload):
                 guard option == Telnet.comPortOption, let command = payload.first, command < ComPort.serverOffset else { continue }
                 request(context, RFC2217Request(command: command, value: Array(payload.dropFirst())))
             case .breakKey:
+                // The bytes after it wait until the break was sent (SysRq: break, then the key);
+                // a break key pressed again meanwhile is the same break.
+                guard !breakPending else { continue }
+                breakPending = true
                 requestsIn.yield(RFC2217Request(command: Telnet.brk, value: []))
             case .malformed(let what):
                 context.fireErrorCaught(TransportError(.protocolError, "an RFC 2217 client broke the Telnet protocol: \(what)"))
@@ -150,6 +155,29 @@ final class RFC2217ServerHandler: ChannelDuplexHandler, RemovableChannelHandler 
         if changed.contains(.cd) { state |= 0x08 }
         let masked = state & modemStateMask
         if masked != 0 { answer(ComPort.notifyModemState, [masked]) }
+    }
+
+    /// Telnet's BRK is being sent: data after it is held (and no more is read) until ``breakSent()``.
+    private var breakPending = false
+    private var heldForBreak: [ByteBuffer] = []
+    private var readHeld = false
+
+    func read(context: ChannelHandlerContext) {
+        if breakPending { readHeld = true } else { context.read() }
+    }
+
+    /// The break for the client's BRK was sent: the data after it goes on to the port.
+    func breakSent() {
+        guard breakPending, let context else { return }
+        breakPending = false
+        let held = heldForBreak
+        heldForBreak.removeAll()
+        for buffer in held { context.fireChannelRead(wrapInboundOut(buffer)) }
+        if !held.isEmpty { context.fireChannelReadComplete() }
+        if readHeld {
+            readHeld = false
+            context.read()
+        }
     }
 
     /// Notifies the client of line errors (NOTIFY-LINESTATE), as its mask asks.
@@ -247,26 +275,39 @@ public final class RFC2217Session: Sendable {
         if breakOn.withLock({ state in defer { state = false }; return state }) { try? await port.setBreak(false) }
     }
 
-    /// While the client's mask asks for line errors, reads the port's counters four times a
-    /// second and notifies what grew; ends at once on a port that counts none.
+    /// Reads the port's counters once at the start (so errors between the client's
+    /// SET-LINESTATE-MASK and the next round are not taken as the starting point), then, while
+    /// the client's mask asks for line errors, four times a second, notifying what grew; ends at
+    /// once on a port that counts none.
     private func watchLineErrors(_ port: any SerialControl) async {
+        guard await grownLineErrors(port) != nil else { return }
         let handler = handler
         while !Task.isCancelled {
+            try? await Task.sleep(for: .milliseconds(250))
             let mask = try? await eventLoop.submit { handler.value.lineStateMask }.get()
             if let mask, mask & ComPort.lineErrorBits != 0 {
                 guard let state = await grownLineErrors(port) else { return }
                 if state != 0 { eventLoop.execute { handler.value.notifyLineState(state) } }
             }
-            try? await Task.sleep(for: .milliseconds(250))
         }
     }
 
     /// The NOTIFY-LINESTATE bits of the errors counted since the last report (0 at the first
-    /// read), or nil when the port counts none.
+    /// read), or nil when the port counts none. The watch and a client's poll may read at once:
+    /// a reading older than the one kept (any counter lower: one port's counters never go back
+    /// while it is open) reports nothing and is not kept, so no error is reported twice.
     private func grownLineErrors(_ port: any SerialControl) async -> UInt8? {
         guard let now = try? await ControlOperation.$polling.withValue(true, operation: { try await port.lineErrors() }) else { return nil }
-        let before = reportedLineErrors.withLock { reported in defer { reported = now }; return reported }
-        return before.map { ComPort.lineState(now.since($0)) } ?? 0
+        return reportedLineErrors.withLock { reported -> UInt8 in
+            guard let before = reported else {
+                reported = now
+                return 0
+            }
+            guard now.framing >= before.framing, now.parity >= before.parity, now.overrun >= before.overrun,
+                  now.bufferOverrun >= before.bufferOverrun, now.breaks >= before.breaks else { return 0 }
+            reported = now
+            return ComPort.lineState(now.since(before))
+        }
     }
 
     /// The answer's value for `request`, or nil for none (a client's own signature).
@@ -303,8 +344,11 @@ public final class RFC2217Session: Sendable {
             return [ComPort.modemState(lines)]
         case Telnet.brk:
             // Telnet's break key (not a COM-PORT command, so never answered): a break of 250 ms,
-            // as ser2net sends for it.
-            try? await port.sendBreak()
+            // as ser2net sends for it (the kernel sends what was written before it first), unless
+            // the client holds a break on already; then the data after it goes on.
+            if !breakOn.withLock({ $0 }) { try? await port.sendBreak() }
+            let handler = handler
+            eventLoop.execute { handler.value.breakSent() }
             return nil
         case ComPort.notifyLineState:
             // A poll: the errors counted since the last report.

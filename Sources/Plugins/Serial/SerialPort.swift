@@ -102,7 +102,9 @@ public struct SerialPort: SerialControl {
     /// on a driver that counts nothing (a pty).
     public func lineErrors() async throws -> LineErrorCounts {
         try connection.performControl(ControlOperation("line errors?"), describe: { $0.description }) {
-            try LineErrorCounter(fd: device.descriptor(), path: path).read()
+            // Under the descriptor's lock: an RFC 2217 server polls this four times a second, and
+            // a close() in between must not leave it reading a reused descriptor number.
+            try device.withDescriptor { try LineErrorCounter(fd: $0, path: path).read() }
         }
     }
 

@@ -142,7 +142,8 @@ struct TTYLines {
 
 /// A driver's receive counters by descriptor: TIOCGICOUNT, which fills `struct
 /// serial_icounter_struct` (linux/serial.h: cts, dsr, rng, dcd, rx, tx, frame, overrun, parity,
-/// brk, buf_overrun and nine reserved ints). Drivers without `get_icount` (ptys) answer EINVAL.
+/// brk, buf_overrun and nine reserved ints). Drivers without `get_icount` (ptys) answer ENOTTY
+/// (EINVAL is taken the same way).
 struct LineErrorCounter {
     let fd: FileDescriptor
     let path: String

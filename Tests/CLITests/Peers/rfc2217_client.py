@@ -25,6 +25,7 @@ namespace binds a file naming the link over it) reaches the served pty.
 import json
 import os
 import pty
+import shlex
 import signal
 import subprocess
 import sys
@@ -76,9 +77,13 @@ def read_until(fd, expected, seconds=5):
     deadline = time.monotonic() + seconds
     while expected not in received and time.monotonic() < deadline:
         try:
-            received += os.read(fd, 4096)
+            more = os.read(fd, 4096)
         except (BlockingIOError, OSError):
             time.sleep(0.05)
+            continue
+        if not more:
+            break  # the other side is gone
+        received += more
     return received
 
 
@@ -90,9 +95,12 @@ def main(transportkit, client):
     tty.setraw(master)
     name = os.ttyname(slave)
     os.close(slave)
-    trace = tempfile.mktemp(prefix="rfc2217-break-", suffix=".txt")
+    directory = tempfile.mkdtemp(prefix="rfc2217-client-")
+    trace = os.path.join(directory, "trace.txt")
+    # Its standard output is not the test runner's pipe: a bridge that outlived this script
+    # would hold that pipe open.
     bridge = subprocess.Popen([transportkit, "bridge", "--json", "--listen", "rfc2217://127.0.0.1:0", f"spy+tty://{name}?spy.file={trace}"],
-                              stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         port = None
         while port is None:
@@ -107,11 +115,21 @@ def main(transportkit, client):
     except Exception as error:  # every failure is reported as a line, with the exit status
         check("exception", False, repr(error))
     finally:
-        bridge.terminate()
-        bridge.wait(10)
+        stop(bridge)
         if os.path.exists(trace):
             os.unlink(trace)
+        os.rmdir(directory)
     return 0 if failures == 0 else 1
+
+
+def stop(process):
+    """Ends `process`: TERM, and KILL if it is still there after 10 s."""
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def pyserial(port, master, trace):
@@ -223,15 +241,18 @@ def cyclades(port, master, trace):
             file.write(f"{link}:prts:127.0.0.1:1:rtelnet:\n")
         # Its library turns tcsetattr into SET-BAUDRATE, … (stty then reports a partial failure:
         # the library garbles the local pty's flags).
-        subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {devices} /etc/cyclades-devices && "
-                        f"LD_PRELOAD=/usr/lib/libcyclades-ser-cli.so stty -F {link} 19200 cstopb"], capture_output=True, timeout=20)
+        # A private mount namespace: the bind is seen by this shell alone, never by the machine.
+        stty = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               f"mount --bind {shlex.quote(devices)} /etc/cyclades-devices && "
+                               f"LD_PRELOAD=/usr/lib/libcyclades-ser-cli.so stty -F {shlex.quote(link)} 19200 cstopb"],
+                              capture_output=True, text=True, timeout=20)
         attrs = wait_for_termios(master, lambda a: a[4] == termios.B19200 and a[2] & termios.CSTOPB != 0)
-        check("settings", attrs[4] == termios.B19200 and attrs[2] & termios.CSTOPB != 0, f"speed {attrs[4]}, cflag {attrs[2]:o}")
+        check("settings", attrs[4] == termios.B19200 and attrs[2] & termios.CSTOPB != 0,
+              f"speed {attrs[4]}, cflag {attrs[2]:o}; unshare/stty said: {stty.stderr.strip()!r}")
     finally:
         if fd is not None:
             os.close(fd)
-        client.terminate()
-        client.wait(10)
+        stop(client)
         for entry in os.listdir(directory):
             os.unlink(os.path.join(directory, entry))
         os.rmdir(directory)
