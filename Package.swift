@@ -147,6 +147,12 @@ let package = Package(
             swiftSettings: strict
         ),
         .target(
+            name: "TransportKitReconnect",
+            dependencies: ["TransportKitCore", nioCore],
+            path: "Sources/Plugins/Reconnect",
+            swiftSettings: strict
+        ),
+        .target(
             name: "TransportKitFoundation",
             dependencies: ["TransportKitCore", "TransportKitLoop"],
             path: "Sources/TransportKit/Foundation",
@@ -155,7 +161,7 @@ let package = Package(
         .target(
             name: "TransportKit",
             dependencies: ["TransportKitCore", "TransportKitSockets", "TransportKitLoop", "TransportKitSerial", "TransportKitSpy", "TransportKitBluetooth",
-                           "TransportKitUSB", "TransportKitTLS", "TransportKitWeb", "TransportKitRFC2217"],
+                           "TransportKitUSB", "TransportKitTLS", "TransportKitWeb", "TransportKitRFC2217", "TransportKitReconnect"],
             path: "Sources/TransportKit/BuiltIns",
             swiftSettings: strict
         ),

@@ -428,7 +428,11 @@ struct BridgeServer: Sendable {
                     continue
                 }
                 group.addTask {
-                    await session(client, id: id) { try await Transport.registry.connect(to: SpyTraces.labelled(settings.target, client: id), buffering: .compact) }
+                    await session(client, id: id) {
+                        let target = try await Transport.registry.connect(to: SpyTraces.labelled(settings.target, client: id), buffering: .compact)
+                        ToolConnection.follow(target) { settings.status(["event": "target", "client": String(id), "state": "\($0)"]) }
+                        return target
+                    }
                     let left = active.count.withLock { count in
                         count -= 1
                         return count
@@ -441,7 +445,7 @@ struct BridgeServer: Sendable {
 
     /// One client at a time; see `Bridge`'s discussion for the policy.
     private func serveExclusive(_ listener: Listener) async throws {
-        let device = SharedDevice(settings.target, keepOpen: settings.keepOpen)
+        let device = SharedDevice(settings.target, keepOpen: settings.keepOpen, status: settings.status)
         if settings.keepOpen { _ = try await device.open(client: 0) }
         let current = CurrentSession()
         do {
@@ -598,18 +602,29 @@ final class SharedDevice: Sendable {
     /// used by one session at a time (the server runs one session for an exclusive target).
     private let connection = Mutex<Connection?>(nil)
 
-    init(_ url: String, keepOpen: Bool) {
+    private let status: StatusPrinter
+
+    init(_ url: String, keepOpen: Bool, status: StatusPrinter) {
         self.url = url
         self.keepOpen = keepOpen
+        self.status = status
     }
 
     /// The kept connection (reopened if it ended), or a new one per call without `keepOpen`;
-    /// a spy+ trace in it labels its lines with `client`'s number (`kept` when kept open).
+    /// a spy+ trace in it labels its lines with `client`'s number (`kept` when kept open). A
+    /// `reconnect+` target's events are status lines.
     func open(client: Int) async throws -> Connection {
         let target = try SpyTraces.labelled(url, client: keepOpen ? nil : client)
-        guard keepOpen else { return try await Transport.registry.connect(to: target) }
+        let status = status
+        let report: @Sendable (ConnectionEvent) -> Void = { status(["event": "target", "state": "\($0)"]) }
+        guard keepOpen else {
+            let fresh = try await Transport.registry.connect(to: target)
+            ToolConnection.follow(fresh, report: report)
+            return fresh
+        }
         if let kept = connection.withLock({ $0 }), !kept.isClosed { return kept }
         let fresh = try await Transport.registry.connect(to: target)
+        ToolConnection.follow(fresh, report: report)
         connection.withLock { $0 = fresh }
         return fresh
     }

@@ -25,7 +25,7 @@ enum Relay {
                     var lines = LineSplitter()
                     while let chunk = try await input.next() {
                         guard textLines else {
-                            try await connection.write(chunk)
+                            try await deliver(chunk.count, to: connection) { try await connection.write(chunk) }
                             continue
                         }
                         for line in lines.feed(chunk) { try await connection.writeMessage(.text(line)) }
@@ -176,6 +176,17 @@ enum Relay {
         }
     }
 
+    /// Runs `write`; on a `reconnect+` connection a write that the lost link cut short
+    /// (`.disconnected`) is reported, not fatal: its bytes are gone (they are never sent twice),
+    /// and the relay goes on with the next connection.
+    private static func deliver(_ count: Int, to destination: Connection, _ write: () async throws -> Void) async throws {
+        do {
+            try await write()
+        } catch let error as TransportError where error.kind == .disconnected && destination.url.hasLayer("reconnect") {
+            StandardError.write("transportkit: \(count) bytes to \(destination.url.shown) were not delivered: \(error.message)\n")
+        }
+    }
+
     /// Copies `source` to `destination` until the source ends, then half-closes the destination
     /// (a destination whose peer already closed both ways takes that as done).
     private static func copy(from source: Connection, to destination: Connection) async throws {
@@ -186,7 +197,7 @@ enum Relay {
             }
         } else {
             while let chunk = try await source.readBuffer() {
-                try await destination.write(chunk)
+                try await deliver(chunk.readableBytes, to: destination) { try await destination.write(chunk) }
             }
         }
         if destination.supportsHalfClose { try await destination.closeWrite() }

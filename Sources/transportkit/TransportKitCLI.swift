@@ -209,10 +209,28 @@ enum ToolConnection {
     /// signal handler's time limit): a connect abandoned half-way would leave what it made, a pty's
     /// link or a tty's changed settings, to be cleaned up after the tool has exited. The
     /// connection is closed once it is made, and the tool then exits.
-    static func open(_ url: String) async throws -> Connection {
+    static func open(_ url: String, report: @escaping @Sendable (ConnectionEvent) -> Void = reportOnStandardError) async throws -> Connection {
         let url = try restoring(url)
         warnIfInsecure(url)
-        return try await Transport.registry.connect(to: url)
+        let connection = try await Transport.registry.connect(to: url)
+        follow(connection, report: report)
+        return connection
+    }
+
+    /// For a `reconnect+` connection: `report` gets each of its events but the first
+    /// ("connected", which is the connect itself), in a task that ends with the connection's
+    /// `.closed`. Other connections are left alone.
+    static func follow(_ connection: Connection, report: @escaping @Sendable (ConnectionEvent) -> Void) {
+        guard connection.url.hasLayer("reconnect") else { return }
+        let events = connection.events()
+        Task {
+            for await event in events where event != .connected(generation: 1) { report(event) }
+        }
+    }
+
+    /// `transportkit: disconnected: … (next attempt in 1 s)`.
+    @Sendable static func reportOnStandardError(_ event: ConnectionEvent) {
+        StandardError.write("transportkit: \(event)\n")
     }
 
     /// Says on standard error, on every use, that a TLS layer checks no certificate.
@@ -230,11 +248,14 @@ enum ToolConnection {
 
     /// `url` with `restore=true` on a tty:// layer that does not say: the tool puts a port's line
     /// settings back when it closes it, also when a signal cuts a connect short and the
-    /// registry closes what the connect made late (Signals waits for that).
+    /// registry closes what the connect made late (Signals waits for that). A `reconnect+` layer
+    /// that does not say gets `reconnect.writeWait=86400`: what the tool relays waits for the
+    /// connection to come back instead of ending the relay.
     static func restoring(_ text: String) throws -> TransportURL {
         var url = try TransportURL(text)
         url.updateLayers { layer in
             if layer.scheme == "tty", layer.queryValue("restore") == nil { layer.query.append(("restore", "true")) }
+            if layer.scheme == "reconnect", layer.queryValue("writeWait") == nil { layer.query.append(("writeWait", "86400")) }
         }
         return url
     }
@@ -242,6 +263,11 @@ enum ToolConnection {
 
 extension TransportURL {
     /// Runs `body` on this layer and on every layer it wraps, outermost first, keeping the changes.
+    /// Whether this URL or one it wraps has the scheme `scheme`.
+    func hasLayer(_ scheme: String) -> Bool {
+        self.scheme == scheme || inner?.hasLayer(scheme) == true
+    }
+
     mutating func updateLayers(_ body: (inout TransportURL) -> Void) {
         body(&self)
         if var inner {

@@ -256,6 +256,7 @@ struct USBSerialLabTests {
     @Test("unplugged under an rfc2217:// client of the bridge: the bytes before, then a clear end", .timeLimit(.minutes(2)))
     func unplugUnderARemoteClient() async throws {
         let (_, gadgetNode) = try await Gadget.plug()
+        defer { try? Gadget.setBound(true) }   // plugged back in, however the test ends
         let address = "127.0.0.1:42170"
         let bridge = Task {
             try await Lab.run("/usr/bin/timeout", ["60", Lab.cli, "bridge", "--once", "--json", "--listen", "rfc2217://\(address)", "tty://\(Gadget.byID)"])
@@ -283,8 +284,39 @@ struct USBSerialLabTests {
         let result = try await bridge.value
         #expect(result.stderr.contains("\(Gadget.byID) went away (adapter unplugged"), "the bridge says why: \(result.stderr)")
         #expect(result.status == 1, "\(result.status)")
-        try Gadget.setBound(true)
         step("unplug", "done")
+    }
+
+    /// `reconnect+` around the adapter's USB identity: unplugged and plugged in again, it is found
+    /// again (a new ttyACM node, resolved from its serial number), woken by the arrival long
+    /// before its 30 s delay, with the settings the app had set; bytes flow on the same Connection.
+    @Test("reconnect+tty://usb/…: back after a replug, woken by the arrival, with the app's settings", .timeLimit(.minutes(2)))
+    func reconnectFindsTheAdapterAgainAfterAReplug() async throws {
+        let (_, gadgetNode) = try await Gadget.plug()
+        defer { try? Gadget.setBound(true) }
+        let connection = try await Transport.connect(to: "reconnect+\(Gadget.selector)&reconnect.initialDelay=30&reconnect.jitter=0")
+        let events = Gathered(connection.events())
+        defer { events.stop() }
+        let asked = SerialSettings(baudRate: 57_600, dataBits: 7, parity: .even)
+        try await #require(connection.serialPort).apply(asked)
+        // A reader finds the loss, waits across it, and reads from the next connection.
+        let reading = Task { try await connection.readFrame(.fixedLength(16), timeout: .seconds(60)) }
+        step("reconnect", "unplug")
+        try Gadget.setBound(false)
+        #expect(await events.wait(10) { $0.contains { if case .disconnected = $0 { true } else { false } } }, "\(events.elements)")
+        step("reconnect", "replug")
+        let replugged = ContinuousClock.now
+        try Gadget.setBound(true)
+        #expect(await events.wait(20) { $0.contains(.connected(generation: 2)) }, "\(events.elements)")
+        let back = ContinuousClock.now - replugged
+        step("reconnect", "connected again \(back) after the replug")
+        #expect(back < .seconds(15), "the arrival started the attempt, not the 30 s delay: \(back)")
+        #expect(try await connection.serialPort?.settings() == asked, "the app's settings were set on the new port")
+        let gadget = try await Transport.connect(to: "tty://\(gadgetNode)")
+        try await gadget.write("after the replug")
+        #expect(try await reading.value == Array("after the replug".utf8))
+        try await gadget.close()
+        try await connection.close()
     }
 
     /// A listener on loopback whose first client is served with the host side of the gadget

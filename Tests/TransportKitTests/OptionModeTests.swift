@@ -28,6 +28,7 @@ struct OptionModeTests {
         "rfc2217:// connection": "rfc2217://127.0.0.1:9",
         "rfc2217:// listener": "rfc2217://127.0.0.1:0",
         "spy:// connection": "spy+loop://",
+        "reconnect:// connection": "reconnect+loop://",
         "rfcomm:// connection to a channel": "rfcomm://00:11:22:33:44:55:3",
         "rfcomm:// connection found through SDP": "rfcomm://00:11:22:33:44:55",
         "rfcomm:// listener": "rfcomm://any",
@@ -54,7 +55,7 @@ struct OptionModeTests {
         switch spec.kind {
         case .bool: return spec.defaultValue == "true" ? "false" : "true"
         case .integer(let min, let max): return String(Swift.max(min, Swift.min(max, 64)))
-        case .number(let min, _), .duration(let min, _): return min == 0 ? "5" : String(Int(min.rounded(.up)))
+        case .number(let min, let max), .duration(let min, let max): return min == 0 ? (max >= 5 ? "5" : "1") : String(Int(min.rounded(.up)))
         case .choice(let values): return values.last ?? ""
         case .string:
             switch spec.name {

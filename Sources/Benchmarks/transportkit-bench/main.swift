@@ -2,7 +2,7 @@
 // beside the same work done by plain C read/write loops (CBenchLoops) built in the same run.
 // Run: swift run -c release transportkit-bench [--bytes N] [--rounds N] [--passes N] [--nio-executor] [--case KEY]
 //      transportkit-bench serial | serial-list (see SerialBench.swift) | costs (see UnitCosts.swift) | parse (URLParseBench.swift)
-//      | usb (in the lab: USBBench.swift) | tls-handshakes | ws, ws-nio (WebSocketBench.swift)
+//      | usb (in the lab: USBBench.swift) | tls-handshakes | ws, ws-nio (WebSocketBench.swift) | reconnect (ReconnectBench.swift)
 // Figures are printed, never asserted: see BENCHMARKS.md.
 
 import CBenchLoops
@@ -33,6 +33,7 @@ case "usb": try await USBBench.run(); exit(0)
 case "tls-handshakes": try await tlsHandshakes(); exit(0)
 case "ws": try await WebSocketBench.run(); exit(0)
 case "ws-nio": try await WebSocketBench.runNIO(); exit(0)
+case "reconnect": try await ReconnectBench.run(); exit(0)
 
 default: break
 }
@@ -94,10 +95,10 @@ func sendAll(_ client: Connection) async throws -> Int {
 
 /// Sends `totalBytes` from a TransportKit connection to the C sink thread: TransportKit's side
 /// alone, on the same kind of peer the C loop writes to.
-func transportKitThroughputToCSink() async throws -> Double {
+func transportKitThroughputToCSink(wrapper prefix: String = "") async throws -> Double {
     let port = tk_bench_c_sink_start()
     guard port > 0 else { throw TransportError(.io, "the C sink did not start") }
-    let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
+    let client = try await Transport.connect(to: "\(prefix)tcp://127.0.0.1:\(port)")
     let start = ContinuousClock.now
     let sent = try await sendAll(client)
     let received = tk_bench_c_sink_join()
@@ -107,7 +108,7 @@ func transportKitThroughputToCSink() async throws -> Double {
 }
 
 /// 32-byte request/response round trips against an echo peer. `peerInC` uses the C echo thread.
-func transportKitRoundTrips(peerInC: Bool, onLoop: Bool) async throws -> Double {
+func transportKitRoundTrips(peerInC: Bool, onLoop: Bool, wrapper prefix: String = "") async throws -> Double {
     var echoTask: Task<Void, any Error>?
     var listener: Listener?
     let port: Int
@@ -125,7 +126,7 @@ func transportKitRoundTrips(peerInC: Bool, onLoop: Bool) async throws -> Double 
             try await connection.close()
         }
     }
-    let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
+    let client = try await Transport.connect(to: "\(prefix)tcp://127.0.0.1:\(port)")
     let request = [UInt8](repeating: 7, count: 32)
     let elapsed = try await withTaskExecutorPreference(onLoop ? client.preferredExecutor : nil) {
         let start = ContinuousClock.now

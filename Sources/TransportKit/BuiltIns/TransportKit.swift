@@ -12,6 +12,7 @@
 @_exported import TransportKitTLS
 @_exported import TransportKitWeb
 @_exported import TransportKitRFC2217
+@_exported import TransportKitReconnect
 
 extension TransportRegistry {
     /// A registry with every built-in plugin registered. `Transport` uses it; applications add
@@ -43,7 +44,7 @@ extension TransportRegistry {
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), WebPlugin(), SerialPlugin(), RFC2217Plugin(), SpyPlugin(), BluetoothPlugin(), USBPlugin()]
+        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), WebPlugin(), SerialPlugin(), RFC2217Plugin(), SpyPlugin(), ReconnectPlugin(), BluetoothPlugin(), USBPlugin()]
     }
 
     /// The registry behind these functions.

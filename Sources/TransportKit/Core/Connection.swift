@@ -48,6 +48,10 @@ public final class Connection: Sendable {
         var closeFinished = false
         var writeClosed = false
         var logger: Logger?
+        /// How the stream ended, once a read saw it end (nil: not yet): for ``events()``.
+        var ending: ConnectionEvent?
+        /// Made at the first ``events()`` call on a connection that reports no events of its own.
+        var events: ConnectionEventBroadcaster?
     }
 
     private final class Counters: Sendable {
@@ -74,9 +78,58 @@ public final class Connection: Sendable {
         if !state.withLock({ $0.closed }) { backend.connectionDropped() }
     }
 
-    /// What the transport knows about the peer (for a wrapper: what the wrapped transport knows).
+    /// What the transport knows about the peer (for a wrapper: what the wrapped transport knows;
+    /// for `reconnect+URL`: what the connection up now knows).
     public var metadata: ConnectionMetadata {
-        wrapped?.metadata ?? state.withLock { $0.metadata }
+        wrapped?.metadata ?? (backend as? any ConnectionEventSource)?.current?.metadata ?? state.withLock { $0.metadata }
+    }
+
+    // MARK: Events
+
+    /// What happens to this connection, as it happens: the latest event first (`.connected` for
+    /// one that is up), then each later one, until `.closed`. A `reconnect+URL` connection reports
+    /// its losses, attempts and new connections; a plain one `.connected(generation: 1)`, a
+    /// `.disconnected` when a read finds its stream ended, and `.closed`. Each call is a new
+    /// subscriber; a subscriber that does not keep up gets the newest 64 events.
+    ///
+    /// ```swift
+    /// for await event in connection.events() {
+    ///     if case .connected(let generation) = event, generation > 1 { print("back, a new stream") }
+    /// }
+    /// ```
+    public func events() -> AsyncStream<ConnectionEvent> {
+        if let source = firstBackend((any ConnectionEventSource).self) { return source.events.subscribe() }
+        let broadcaster = state.withLock { state in
+            if let events = state.events { return events }
+            let events = ConnectionEventBroadcaster(state.closed ? .closed : state.ending ?? .connected(generation: 1))
+            state.events = events
+            return events
+        }
+        return broadcaster.subscribe()
+    }
+
+    /// How many underlying connections this one has had: 1, and for `reconnect+URL` one more each
+    /// time it connected again. A reader that sees it grow knows the bytes that follow come from a
+    /// new stream (what the device sent in between is lost, and a protocol may need to start over).
+    ///
+    /// ```swift
+    /// let before = connection.generation
+    /// let reply = try await connection.read()
+    /// if connection.generation != before { /* the reply may be from the device's new session */ }
+    /// ```
+    public var generation: Int {
+        firstBackend((any ConnectionEventSource).self)?.generation ?? 1
+    }
+
+    /// A read found the stream's end (`error` nil) or failure: reported once, to ``events()``.
+    private func streamEnded(_ error: TransportError?) {
+        let event = ConnectionEvent.disconnected(error, nextAttempt: nil)
+        let events = state.withLock { state -> ConnectionEventBroadcaster? in
+            guard state.ending == nil, !state.closed else { return nil }
+            state.ending = event
+            return state.events
+        }
+        events?.emit(event)
     }
 
     /// Bytes handed to the application so far.
@@ -197,11 +250,18 @@ public final class Connection: Sendable {
         var chunk: TransportMessage
         if let leftover {
             chunk = leftover
-        } else if let timeout {
-            guard let next = try await readWithTimeout(timeout) else { return nil }
-            chunk = next
         } else {
-            guard let next = try await readBackend() else { return nil }
+            let next: TransportMessage?
+            do {
+                next = if let timeout { try await readWithTimeout(timeout) } else { try await readBackend() }
+            } catch let error as TransportError where error.kind != .timedOut && error.kind != .misuse {
+                streamEnded(error)
+                throw error
+            }
+            guard let next else {
+                streamEnded(nil)
+                return nil
+            }
             chunk = next
         }
         if let maxBytes, chunk.payload.readableBytes > maxBytes, let head = chunk.payload.readSlice(length: maxBytes) {
@@ -438,7 +498,13 @@ public final class Connection: Sendable {
             return (!state.closed, state.logger)
         }
         guard first else { return }
-        defer { state.withLock { $0.closeFinished = true } }
+        defer {
+            let events = state.withLock { state in
+                state.closeFinished = true
+                return state.events
+            }
+            events?.emit(.closed)
+        }
         do {
             try await backend.close()
             logger?.debug("closed", metadata: ["read": "\(bytesRead)", "written": "\(bytesWritten)"])
@@ -468,6 +534,7 @@ public final class Connection: Sendable {
         // A close() in progress has marked the connection closed: release what it is waiting on.
         backend.connectionDropped()
         wrapped?.abort()
+        if first { state.withLock { $0.events }?.emit(.closed) }
         if first { state.withLock { $0.logger }?.debug("aborted") }
     }
 

@@ -188,6 +188,29 @@ public struct ConnectRequest: Sendable {
         return try await connect(to: inner)
     }
 
+    /// Opens the wrapped URL again, later, as a new connect of its own (its own `timeout` from
+    /// now, not this request's deadline): for a wrapper that replaces a connection it lost
+    /// (`reconnect+`). The plugin resolves the URL again, so an identity (a by-id link, a USB
+    /// serial number) finds the device wherever it came back.
+    ///
+    /// ```swift
+    /// let fresh = try await request.connectInnerAgain()
+    /// ```
+    @_spi(Plugins) public func connectInnerAgain() async throws -> Connection {
+        guard let inner = url.inner else {
+            throw TransportError.misuse("\(url.shown) wraps no URL; only a wrapper scheme's handler may call connectInnerAgain()")
+        }
+        return try await registry.connect(to: inner, buffering: buffering)
+    }
+
+    /// Hot-plug events of the plugin that serves the wrapped URL's innermost scheme (`tty` for
+    /// `reconnect+spy+tty://…`), or nil when it reports none (`tcp`): for a wrapper that waits
+    /// for a device to come back.
+    @_spi(Plugins) public func innerDeviceEvents() -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        guard let inner = url.inner else { return nil }
+        return registry.deviceEvents(servingScheme: inner.innermost.scheme)
+    }
+
     /// `true` when the wrapped URL's scheme takes layers beneath its protocol
     /// (``SchemeDescriptor/layersBeneath``).
     @_spi(Plugins) public var innerTakesLayersBeneath: Bool {

@@ -393,6 +393,13 @@ public final class TransportRegistry: Sendable {
         return EventMerge.merge(sources)
     }
 
+    /// Arrivals and removals reported by the plugin that serves `scheme`, or nil when it reports
+    /// none (or no plugin serves it).
+    func deviceEvents(servingScheme scheme: String) -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        let plugin = table.withLock { $0.schemes[scheme.lowercased()]?.plugin }
+        return plugin?.deviceEvents(includeAll: false)
+    }
+
     /// Each registered plugin once, with its schemes, in scheme order.
     private func uniquePlugins() -> [(plugin: any TransportPlugin, schemes: [String])] {
         let entries = table.withLock { table in table.schemes.values.sorted { $0.scheme.descriptor.scheme < $1.scheme.descriptor.scheme } }

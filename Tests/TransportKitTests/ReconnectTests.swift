@@ -1,0 +1,246 @@
+import Foundation
+import Glibc
+import Synchronization
+import TestSupport
+import Testing
+@testable import TransportKit
+@testable import TransportKitSerial
+
+/// `reconnect+URL` over real sockets and real ptys: a server that drops its client and one that
+/// goes away and comes back, writes across a loss (at most once), the attempts running out,
+/// close while waiting, a serial port whose by-path link is pointed at a new pty (the identity
+/// resolved again, the app's settings set again), 10,000 reconnects that leave nothing behind;
+/// and the events of a plain connection.
+@Suite("reconnect+URL")
+struct ReconnectTests {
+    /// Quick attempts, no jitter: the tests' timing does not depend on chance.
+    static let quick = "reconnect.initialDelay=0.05&reconnect.jitter=0&reconnect.maxDelay=0.2"
+
+    @Test func aServerThatDropsItsClientIsReachedAgainAndReadsCarryOn() async throws {
+        let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(server.url.port)
+        let serving = Task {
+            for index in 1...3 {
+                guard let client = try await server.accept() else { return }
+                try await client.write("generation \(index)\n")
+                try await client.close()   // the client loses its connection
+            }
+        }
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?\(Self.quick)")
+        let events = Gathered(connection.events())
+        for index in 1...3 {
+            #expect(try await connection.readLine(timeout: .seconds(10)) == "generation \(index)")
+            #expect(connection.generation == index)
+        }
+        try await serving.value
+        #expect(await events.wait(5) { $0.contains(.connected(generation: 3)) }, "\(events.elements)")
+        let all = events.elements
+        #expect(all.first == .connected(generation: 1))
+        #expect(all.contains(.disconnected(nil, nextAttempt: .milliseconds(50))), "a clean end, the first delay: \(all)")
+        #expect(all.contains(.connecting(attempt: 1)), "\(all)")
+        try await connection.close()
+        #expect(await events.wait(5) { $0.last == .closed }, "\(events.elements)")
+        try await server.close()
+    }
+
+    @Test func aServerThatGoesAwayIsWaitedForWithBackoffAndReachedWhenItIsBack() async throws {
+        let first = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(first.url.port)
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?\(Self.quick)")
+        let events = Gathered(connection.events())
+        let accepted = try #require(try await first.accept())
+        // A reader finds the loss, waits across it, and reads from the next connection.
+        let reading = Task { try await connection.readLine(timeout: .seconds(20)) }
+        try await accepted.close()
+        try await first.close()   // nobody listens: each attempt is refused
+        #expect(await events.wait(5) { events in
+            events.filter { if case .waiting(_, let error, _) = $0 { error.kind == .refused } else { false } }.count >= 3
+        }, "\(events.elements)")
+        // The server comes back on the same port.
+        let again = try await Transport.listen(on: "tcp://127.0.0.1:\(port)")
+        let next = try #require(try await again.accept())
+        try await next.write("back\n")
+        #expect(try await reading.value == "back")
+        #expect(connection.generation == 2)
+        // Delays grew (0.05, 0.08, 0.128, then the 0.2 cap), and are said with each event.
+        let delays = events.elements.compactMap { event -> Duration? in
+            if case .waiting(_, _, let delay) = event { delay } else { nil }
+        }
+        #expect(delays.prefix(3) == [.milliseconds(80), .milliseconds(128), .milliseconds(200)], "\(delays)")
+        try await next.close()
+        try await connection.close()
+        try await again.close()
+    }
+
+    @Test func writesAreAtMostOnceAcrossALoss() async throws {
+        let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(server.url.port)
+        // Attempts far apart: the connection stays down while the writes are tried.
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?reconnect.initialDelay=2&reconnect.jitter=0")
+        let events = Gathered(connection.events())
+        let first = try #require(try await server.accept())
+        try await connection.write("one\n")
+        #expect(try await first.readLine(timeout: .seconds(5)) == "one")
+        try await first.close()
+        // The loss is seen by a read (or the next write).
+        _ = Task { try? await connection.read() }
+        #expect(await events.wait(5) { $0.contains { if case .disconnected = $0 { true } else { false } } }, "\(events.elements)")
+        let refused = await expectTransportError(.disconnected) { try await connection.write("lost\n") }
+        #expect(refused?.message.contains("not connected") == true && refused?.message.contains("reconnect.writeWait") == true,
+                "\(String(describing: refused))")
+        let second = try #require(try await server.accept())
+        #expect(await events.wait(5) { $0.contains(.connected(generation: 2)) }, "\(events.elements)")
+        try await connection.write("two\n")
+        #expect(try await second.readLine(timeout: .seconds(5)) == "two", "the refused write was not queued or sent again")
+        try await second.close()
+        try await connection.close()
+        try await server.close()
+    }
+
+    @Test func aWriteWaitsForTheNextConnectionUpToWriteWait() async throws {
+        let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(server.url.port)
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?reconnect.initialDelay=0.5&reconnect.jitter=0&reconnect.writeWait=10")
+        let first = try #require(try await server.accept())
+        try await first.close()
+        _ = Task { try? await connection.read() }
+        try await Task.sleep(for: .milliseconds(100))
+        let started = ContinuousClock.now
+        try await connection.write("waited\n")   // while down: waits for the attempt after 0.5 s
+        #expect(ContinuousClock.now - started < .seconds(5))
+        let second = try #require(try await server.accept())
+        #expect(try await second.readLine(timeout: .seconds(5)) == "waited")
+        try await second.close()
+        try await connection.close()
+        try await server.close()
+    }
+
+    @Test func attemptsRunOutIntoFailedAndTheReaderGetsTheError() async throws {
+        let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(server.url.port)
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?\(Self.quick)&reconnect.attempts=3")
+        let events = Gathered(connection.events())
+        let accepted = try #require(try await server.accept())
+        try await server.close()
+        try await accepted.close()
+        let error = await expectTransportError(.refused) { _ = try await connection.read(timeout: .seconds(10)) }
+        #expect(error?.message.contains("gave up after 3 attempts") == true, "\(String(describing: error))")
+        #expect(await events.wait(5) { $0.contains { if case .failed = $0 { true } else { false } } }, "\(events.elements)")
+        #expect(events.elements.filter { if case .connecting = $0 { true } else { false } }.count == 3, "\(events.elements)")
+        await expectTransportError(.refused) { try await connection.write("late") }
+        try await connection.close()
+    }
+
+    @Test func closeWhileWaitingReturnsAtOnceAndLeavesNoSocket() async throws {
+        let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(server.url.port)
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?reconnect.initialDelay=30")
+        let events = Gathered(connection.events())
+        let accepted = try #require(try await server.accept())
+        try await accepted.close()
+        let reading = Task { try await connection.read() }
+        #expect(await events.wait(5) { $0.contains { if case .disconnected = $0 { true } else { false } } }, "\(events.elements)")
+        let started = ContinuousClock.now
+        try await connection.close()
+        #expect(ContinuousClock.now - started < .seconds(2), "close did not wait out the 30 s delay")
+        #expect(try await reading.value == nil, "a read waiting for the next connection ends with the close")
+        #expect(await events.wait(5) { _ in events.ended }, "\(events.elements)")
+        #expect(events.elements.last == .closed)
+        try await server.close()
+        #expect(await eventually(2) { Support.openSockets(port: port) == 0 })
+    }
+
+    /// A serial port known by a link (as /dev/serial/by-id/…): unplugged (the pty hung up), the
+    /// link then points at a new pty (plugged in again). The connection finds it through the link,
+    /// with the URL's settings and the ones the app set since.
+    @Test func aSerialPortByLinkIsFoundAgainWithItsSettings() async throws {
+        let directory = temporaryPath("reconnect-link")
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let link = directory + "/ttyDEVICE"
+        let before = try TestPTY()
+        try FileManager.default.createSymbolicLink(atPath: link, withDestinationPath: before.path)
+        let connection = try await Transport.connect(to: "reconnect+tty://\(link)?baud=19200&\(Self.quick)")
+        let events = Gathered(connection.events())
+        let port = try #require(connection.serialPort, "serialPort reaches through reconnect+ to a tty")
+        try await port.apply(SerialSettings(baudRate: 57_600, stopBits: 2))
+        #expect(try before.termios2().c_ospeed == 57_600)
+        let reading = Task { try await connection.readFrame(.fixedLength(5), timeout: .seconds(20)) }
+        // Unplugged: the device's side hangs up; the link goes with it.
+        before.closeMaster()
+        try FileManager.default.removeItem(atPath: link)
+        #expect(await events.wait(5) { events in
+            events.contains { if case .waiting(let what, let error, _) = $0 { what == "the device to be plugged in" && error.kind == .notFound } else { false } }
+        }, "\(events.elements)")
+        let down = await expectTransportError(.disconnected) { _ = try await port.settings() }
+        #expect(down?.message.contains("reconnecting") == true, "\(String(describing: down))")
+        // Plugged in again, as another node behind the same link.
+        let after = try TestPTY()
+        defer { after.closeMaster() }
+        try FileManager.default.createSymbolicLink(atPath: link, withDestinationPath: after.path)
+        #expect(await events.wait(5) { $0.contains(.connected(generation: 2)) }, "\(events.elements)")
+        #expect(try after.termios2().c_ospeed == 57_600, "the app's settings were set again")
+        #expect(try after.termios2().c_cflag & UInt32(CSTOPB) != 0)
+        after.write("hello")
+        #expect(try await reading.value == Array("hello".utf8), "the reader carried on with the new port")
+        try await connection.close()
+        #expect(Descriptors.count(on: before.path) == 0 && Descriptors.count(on: after.path) == 0)
+    }
+
+    /// Bounded: 10,000 losses and reconnects, and no descriptor or thread more than before.
+    @Test func tenThousandReconnectsLeaveNothingBehind() async throws {
+        let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(server.url.port)
+        let rounds = 10_000
+        let serving = Task {
+            // Each client is closed as soon as it is accepted.
+            for _ in 0..<rounds {
+                guard let client = try await server.accept() else { return }
+                try await client.close()
+            }
+        }
+        let descriptorsBefore = Descriptors.open().count
+        let threadsBefore = Self.threads()
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?reconnect.initialDelay=0&reconnect.jitter=0")
+        let reading = Task { try await connection.read() }
+        #expect(await eventually(120) { connection.generation >= rounds }, "generation \(connection.generation)")
+        try await connection.close()
+        #expect(try await reading.value == nil)
+        serving.cancel()
+        try await server.close()
+        #expect(await eventually(5) { Descriptors.open().count <= descriptorsBefore }, "descriptors: \(descriptorsBefore) before, \(Descriptors.open().count) after")
+        #expect(Self.threads() <= threadsBefore + 2, "threads: \(threadsBefore) before, \(Self.threads()) after")
+    }
+
+    static func threads() -> Int {
+        (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/task").count) ?? 0
+    }
+
+    @Test func aPlainConnectionReportsConnectedItsEndAndClosed() async throws {
+        let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(server.url.port)
+        let connection = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
+        let events = Gathered(connection.events())
+        #expect(await events.wait(5) { $0 == [.connected(generation: 1)] }, "\(events.elements)")
+        let accepted = try #require(try await server.accept())
+        try await accepted.close()
+        #expect(try await connection.read(timeout: .seconds(5)) == nil)
+        #expect(await events.wait(5) { $0.last == .disconnected(nil, nextAttempt: nil) }, "\(events.elements)")
+        #expect(connection.generation == 1)
+        // A late subscriber gets the latest event first.
+        let late = Gathered(connection.events())
+        #expect(await late.wait(5) { $0 == [.disconnected(nil, nextAttempt: nil)] }, "\(late.elements)")
+        try await connection.close()
+        #expect(await events.wait(5) { _ in events.ended } && events.elements.last == .closed, "\(events.elements)")
+        #expect(await late.wait(5) { _ in late.ended })
+        try await server.close()
+    }
+
+    @Test func optionsAreCheckedAndTheFirstConnectFailsAsAPlainOneWould() async throws {
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "reconnect+tcp://127.0.0.1:1?reconnect.multiplier=0.5") }
+        await expectTransportError(.invalidURL) { try await Transport.connect(to: "reconnect+tcp://127.0.0.1:1?reconnect.jitter=2") }
+        let listener = try Support.RawListener(listening: false)
+        defer { listener.close() }
+        await expectTransportError(.refused) { try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(listener.port)") }
+    }
+}
