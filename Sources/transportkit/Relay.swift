@@ -28,9 +28,13 @@ enum Relay {
                             try await deliver(chunk.count, to: connection) { try await connection.write(chunk) }
                             continue
                         }
-                        for line in lines.feed(chunk) { try await connection.writeMessage(.text(line)) }
+                        for line in lines.feed(chunk) {
+                            try await deliver(line.utf8.count, to: connection) { try await connection.writeMessage(.text(line)) }
+                        }
                     }
-                    if textLines, let rest = lines.rest() { try await connection.writeMessage(.text(rest)) }
+                    if textLines, let rest = lines.rest() {
+                        try await deliver(rest.utf8.count, to: connection) { try await connection.writeMessage(.text(rest)) }
+                    }
                     if connection.supportsHalfClose { try await connection.closeWrite() }
                 },
                 linger: linger,

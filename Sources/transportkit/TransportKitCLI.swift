@@ -262,12 +262,12 @@ enum ToolConnection {
 }
 
 extension TransportURL {
-    /// Runs `body` on this layer and on every layer it wraps, outermost first, keeping the changes.
     /// Whether this URL or one it wraps has the scheme `scheme`.
     func hasLayer(_ scheme: String) -> Bool {
         self.scheme == scheme || inner?.hasLayer(scheme) == true
     }
 
+    /// Runs `body` on this layer and on every layer it wraps, outermost first, keeping the changes.
     mutating func updateLayers(_ body: (inout TransportURL) -> Void) {
         body(&self)
         if var inner {

@@ -53,6 +53,10 @@ final class ReconnectCore: Sendable {
         var control = RememberedControl()
         /// The next attempt's time, for messages.
         var nextAttempt: ContinuousClock.Instant?
+        /// Closed or dropped: no outage starts any more.
+        var closed = false
+        /// The metadata of the connection up now, or of the last one.
+        var metadata: ConnectionMetadata
     }
 
     private let work: Mutex<Work>
@@ -65,7 +69,7 @@ final class ReconnectCore: Sendable {
         describing = request.url.inner?.shown ?? request.url.shown
         carriesMessages = first.carriesMessages
         supportsHalfClose = first.supportsHalfClose
-        work = Mutex(Work(backoff: settings.backoff))
+        work = Mutex(Work(backoff: settings.backoff, metadata: first.metadata))
     }
 
     var generation: Int { phase.withLock { $0.generation } }
@@ -74,6 +78,11 @@ final class ReconnectCore: Sendable {
         phase.withLock { phase in
             if case .up(let connection, _, _) = phase { connection } else { nil }
         }
+    }
+
+    /// The metadata of the connection up now, or of the last one while none is.
+    var metadata: ConnectionMetadata {
+        current?.metadata ?? work.withLock { $0.metadata }
     }
 
     // MARK: Reading and writing
@@ -117,7 +126,10 @@ final class ReconnectCore: Sendable {
             try await body(connection)
         } catch let error as CancellationError {
             throw error
+        } catch let error as TransportError where error.kind == .misuse || error.kind == .unsupported {
+            throw error   // the call, not the link: the connection stays
         } catch {
+            if Task.isCancelled { throw CancellationError() }
             let failure = TransportError.from(error, context: describing)
             lost(generation, failure)
             throw TransportError(.disconnected, "\(describing) was lost during this write (\(failure.message)); its bytes are not sent again. Reconnecting",
@@ -168,81 +180,108 @@ final class ReconnectCore: Sendable {
             return (connection, .now - since)
         }
         guard case let (connection, upFor)? = lost else { return }
+        let metadata = connection.metadata
         // The lost link is released now (a device's descriptor and lock): nothing on it can be delivered.
         connection.abort()
+        // Under the lock close() takes too: an outage that starts as the connection is closed
+        // starts no task (close() would not see it to cancel it).
         work.withLock { work in
+            work.metadata = metadata
+            guard !work.closed else { return }
             if upFor >= settings.stableAfter { work.backoff.reset() }
             work.task = Task { await self.reconnect(after: generation, error: error) }
         }
     }
 
-    private func nextDelay() -> Duration {
-        work.withLock { work in
-            let delay = work.backoff.next()
-            work.nextAttempt = .now + delay
-            return delay
+    /// Whether the outage of generation `generation` is still being worked on (not closed,
+    /// failed or over).
+    private func stillDown(_ generation: Int) -> Bool {
+        phase.withLock { phase in
+            if case .down(let current) = phase { current == generation } else { false }
         }
     }
 
     /// One outage: attempts after each delay until one connects, the limits are reached, or the
-    /// connection is closed.
+    /// connection is closed. (gRPC's spec tries once at once after a loss and counts each delay
+    /// from the start of an attempt; here the first attempt waits `initialDelay` too, and each
+    /// delay counts from the end of the attempt before it.)
     private func reconnect(after generation: Int, error: TransportError?) async {
         let started = ContinuousClock.now
-        var delay = nextDelay()
+        let deadline = settings.giveUpAfter.map { started + $0 }
+        var delay = nextDelay(until: deadline)
         events.emit(.disconnected(error, nextAttempt: delay))
         let arrivals = ArrivalWatch(request.innerDeviceEvents())
         defer { arrivals.stop() }
         var attempt = 0
-        while !Task.isCancelled {
+        while !Task.isCancelled, stillDown(generation) {
             await arrivals.wait(upTo: delay)
-            if Task.isCancelled { return }
+            if Task.isCancelled || !stillDown(generation) { return }
+            // At `giveUpAfter` (the delay was cut to it) one last attempt is made.
             attempt += 1
             events.emit(.connecting(attempt: attempt))
             do {
                 let fresh = try await request.connectInnerAgain()
                 await restoreControl(on: fresh)
+                work.withLock { $0.nextAttempt = nil }
+                // Installed and announced under one lock: a loss of the new connection, found at
+                // once, reports its .disconnected after this .connected.
                 let installed = phase.update { phase -> Bool in
                     guard case .down = phase else { return false }
                     phase = .up(fresh, generation: generation + 1, since: .now)
+                    events.emit(.connected(generation: generation + 1))
                     return true
                 }
-                guard installed else {
-                    try? await fresh.close()
-                    return
-                }
-                work.withLock { $0.nextAttempt = nil }
-                events.emit(.connected(generation: generation + 1))
+                if !installed { try? await fresh.close() }
                 return
             } catch {
                 if Task.isCancelled { return }
                 let failure = TransportError.from(error, context: describing)
-                let outage = ContinuousClock.now - started
-                if (settings.attempts > 0 && attempt >= settings.attempts) || settings.giveUpAfter.map({ outage >= $0 }) == true {
-                    let final = TransportError(failure.kind, "\(describing): gave up after \(attempt) attempt\(attempt == 1 ? "" : "s") in "
-                                               + "\(outage.secondsText): \(failure.message)", errno: failure.errno, syscall: failure.syscall)
-                    let gaveUp = phase.update { phase -> Bool in
-                        guard case .down = phase else { return false }
-                        phase = .failed(final, generation: generation)
-                        return true
-                    }
-                    if gaveUp { events.emit(.failed(final)) }
+                let outOfTime = deadline.map { ContinuousClock.now >= $0 } ?? false
+                if (settings.attempts > 0 && attempt >= settings.attempts) || outOfTime {
+                    giveUp(generation, failure, attempts: attempt, since: started)
                     return
                 }
-                delay = nextDelay()
+                delay = nextDelay(until: deadline)
                 events.emit(.waiting(for: ConnectionEvent.missing(failure), error: failure, nextAttempt: delay))
             }
         }
     }
 
+    /// The delay before the next attempt, cut to the time left before `deadline`.
+    private func nextDelay(until deadline: ContinuousClock.Instant?) -> Duration {
+        work.withLock { work in
+            var delay = work.backoff.next()
+            if let deadline { delay = max(min(delay, deadline - .now), .zero) }
+            work.nextAttempt = .now + delay
+            return delay
+        }
+    }
+
+    /// The outage of `generation` has failed for good: readers and writers get `last`'s kind.
+    private func giveUp(_ generation: Int, _ last: TransportError, attempts: Int, since started: ContinuousClock.Instant) {
+        let outage = ContinuousClock.now - started
+        let final = TransportError(last.kind, "\(describing): gave up after \(attempts) attempt\(attempts == 1 ? "" : "s") in "
+                                   + "\(outage.secondsText): \(last.message)", errno: last.errno, syscall: last.syscall)
+        phase.update { phase in
+            guard case .down(let current) = phase, current == generation else { return }
+            phase = .failed(final, generation: generation)
+            events.emit(.failed(final))
+        }
+    }
+
     /// Sets what the application set on the last connection's serial port on `fresh`'s (the
-    /// URL's own options were applied by its connect). A setting the new port refuses is left:
-    /// the next control call says why.
+    /// URL's own options were applied by its connect). A setting the new port refuses is left as
+    /// the port has it, and logged (the registry's logger, warning).
     private func restoreControl(on fresh: Connection) async {
         let control = work.withLock { $0.control }
         guard let port = fresh.serialPort else { return }
-        if let settings = control.settings { try? await port.apply(settings) }
-        if let dtr = control.dtr { try? await port.setLines(.dtr, dtr) }
-        if let rts = control.rts { try? await port.setLines(.rts, rts) }
+        do {
+            if let settings = control.settings { try await port.apply(settings) }
+            if let dtr = control.dtr { try await port.setLines(.dtr, dtr) }
+            if let rts = control.rts { try await port.setLines(.rts, rts) }
+        } catch {
+            request.logger.warning("reconnect: the new port did not take what the application had set", metadata: ["error": "\(error)"])
+        }
     }
 
     func remember(_ change: (inout RememberedControl) -> Void) {
@@ -275,6 +314,7 @@ final class ReconnectCore: Sendable {
             return up
         }
         let task = work.withLock { work in
+            work.closed = true
             defer { work.task = nil }
             return work.task
         }
@@ -325,10 +365,12 @@ protocol ReconnectingBackend: ConnectionEventSource {
 extension ReconnectingBackend {
     var events: ConnectionEventBroadcaster { core.events }
     var generation: Int { core.generation }
-    var current: Connection? { core.current }
+    var currentMetadata: ConnectionMetadata? { core.metadata }
     var supportsHalfClose: Bool { core.supportsHalfClose }
     var carriesMessages: Bool { core.carriesMessages }
-    var maximumWriteSize: Int? { core.current?.maximumWriteSize }
+    /// None here: the connection up now chunks each write to its own limit, so a write never
+    /// straddles two connections.
+    var maximumWriteSize: Int? { nil }
     var unsentByteCount: Int? { core.current?.unsentByteCount }
 
     func read() async throws -> ByteBuffer? {

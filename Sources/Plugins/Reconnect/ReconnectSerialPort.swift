@@ -15,7 +15,8 @@ struct ReconnectSerialPort: SerialControl {
     /// The port of the connection up now.
     private func now() throws -> any SerialControl {
         guard let current = core.current else {
-            throw TransportError(.disconnected, "\(core.describing) is not connected (reconnecting); what it sets is set again once it is back")
+            throw TransportError(.disconnected, "\(core.describing) is not connected (reconnecting); call again once it is back "
+                                 + "(connection.events() says when). What was set before the loss is set again by itself")
         }
         guard let port = current.serialPort else {
             throw TransportError(.unsupported, "\(current.url.shown) has no serial line")

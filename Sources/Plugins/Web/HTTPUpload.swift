@@ -140,20 +140,22 @@ final class HTTPUploadHandler: ChannelDuplexHandler, RemovableChannelHandler {
 
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
         var chunk = Self.unwrapOutboundIn(data)
-        if let writeRefusal {
-            promise?.fail(writeRefusal)
-            return
-        }
-        if let failure {
-            promise?.fail(failure)
-            return
-        }
+        // The application's mistakes first: a server that answered as soon as the promised
+        // length arrived (as aiohttp does) must not turn a byte too many into a disconnect.
         if bodyEnded {
             promise?.fail(TransportError.misuse("\(plan.describing): the request body has ended; nothing more can be sent"))
             return
         }
         if let length = plan.length, bodyBytes + chunk.readableBytes > length {
             promise?.fail(TransportError.misuse("\(plan.describing): length=\(length) was given and \(bodyBytes + chunk.readableBytes) bytes were written; write exactly that many, or leave length= out (chunked)"))
+            return
+        }
+        if let writeRefusal {
+            promise?.fail(writeRefusal)
+            return
+        }
+        if let failure {
+            promise?.fail(failure)
             return
         }
         bodyBytes += chunk.readableBytes

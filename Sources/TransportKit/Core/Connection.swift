@@ -81,7 +81,7 @@ public final class Connection: Sendable {
     /// What the transport knows about the peer (for a wrapper: what the wrapped transport knows;
     /// for `reconnect+URL`: what the connection up now knows).
     public var metadata: ConnectionMetadata {
-        wrapped?.metadata ?? (backend as? any ConnectionEventSource)?.current?.metadata ?? state.withLock { $0.metadata }
+        wrapped?.metadata ?? (backend as? any ConnectionEventSource)?.currentMetadata ?? state.withLock { $0.metadata }
     }
 
     // MARK: Events

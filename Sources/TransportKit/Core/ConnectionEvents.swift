@@ -83,25 +83,22 @@ public final class ConnectionEventBroadcaster: Sendable {
 
     /// A broadcaster whose first subscribers get `latest` first.
     public init(_ latest: ConnectionEvent? = nil) {
-        state = Mutex(State(latest: latest))
+        state = Mutex(State(latest: latest, ended: latest == .closed))
     }
 
     /// Reports `event` to every subscriber (a slow one keeps the newest 64); `.closed` ends them.
+    /// Events reach every subscriber in the order they were emitted (yielded under the lock).
     public func emit(_ event: ConnectionEvent) {
-        let (subscribers, ending) = state.withLock { state -> ([AsyncStream<ConnectionEvent>.Continuation], Bool) in
-            guard !state.ended else { return ([], false) }
+        let ending = state.withLock { state -> [AsyncStream<ConnectionEvent>.Continuation] in
+            guard !state.ended else { return [] }
             state.latest = event
-            let subscribers = Array(state.subscribers.values)
-            if event == .closed {
-                state.ended = true
-                state.subscribers.removeAll()
-            }
-            return (subscribers, event == .closed)
+            for subscriber in state.subscribers.values { subscriber.yield(event) }
+            guard event == .closed else { return [] }
+            state.ended = true
+            defer { state.subscribers.removeAll() }
+            return Array(state.subscribers.values)
         }
-        for subscriber in subscribers {
-            subscriber.yield(event)
-            if ending { subscriber.finish() }
-        }
+        for subscriber in ending { subscriber.finish() }
     }
 
     /// The latest event, then each later one; it ends after `.closed`.
@@ -137,7 +134,7 @@ public final class ConnectionEventBroadcaster: Sendable {
 /// final class RetryingBackend: ConnectionBackend, ConnectionEventSource {
 ///     let events = ConnectionEventBroadcaster(.connected(generation: 1))
 ///     var generation: Int { 1 }
-///     var current: Connection? { inner }
+///     var currentMetadata: ConnectionMetadata? { inner.metadata }
 ///     // … read, write, close …
 /// }
 /// ```
@@ -147,6 +144,7 @@ public protocol ConnectionEventSource: ConnectionBackend {
     var events: ConnectionEventBroadcaster { get }
     /// How many underlying connections there have been, 1 for the first.
     var generation: Int { get }
-    /// The underlying connection now, if one is up: its metadata is the connection's.
-    var current: Connection? { get }
+    /// The metadata of the underlying connection up now (or of the last one while none is):
+    /// the connection's ``Connection/metadata``.
+    var currentMetadata: ConnectionMetadata? { get }
 }
