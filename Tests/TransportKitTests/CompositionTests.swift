@@ -148,7 +148,7 @@ struct CompositionTests {
         ("tcp+loop://", .invalidURL, "does not wrap other URLs"),
         ("nope+loop://", .unsupportedScheme, "no plugin handles nope://"),
         ("spy+nope://x", .unsupportedScheme, "no plugin handles nope://"),
-        ("spy+loop://?spy.bogus=1", .invalidURL, "unknown option 'spy.bogus' (spy accepts: spy.format, spy.direction, spy.file, spy.label)"),
+        ("spy+loop://?spy.bogus=1", .invalidURL, "unknown option 'spy.bogus' (spy accepts: spy.format, spy.direction, spy.file, spy.label, spy.record)"),
         ("spy+loop://?spy.format=hexadecimal", .invalidURL, "option 'spy.format=hexadecimal'"),
         ("spy+loop://?bogus=1", .invalidURL, "invalid loop URL"),
         ("spy+loop://?timeout=abc", .invalidURL, "invalid loop URL"),

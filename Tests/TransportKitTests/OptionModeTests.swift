@@ -29,6 +29,7 @@ struct OptionModeTests {
         "rfc2217:// listener": "rfc2217://127.0.0.1:0",
         "spy:// connection": "spy+loop://",
         "reconnect:// connection": "reconnect+loop://",
+        "replay:// connection": "replay:///tmp/session.rec",
         "rfcomm:// connection to a channel": "rfcomm://00:11:22:33:44:55:3",
         "rfcomm:// connection found through SDP": "rfcomm://00:11:22:33:44:55",
         "rfcomm:// listener": "rfcomm://any",
@@ -301,7 +302,9 @@ struct OptionModeTests {
 
     @Test func aSpyLayerTakesEveryOption() async throws {
         let trace = temporaryPath("mode-trace")
-        let url = "spy+loop://?spy.format=hex&spy.direction=rx&spy.file=\(trace)&spy.label=[mode]"
+        let recording = temporaryPath("mode-recording")
+        defer { unlink(recording) }
+        let url = "spy+loop://?spy.format=hex&spy.direction=rx&spy.file=\(trace)&spy.label=[mode]&spy.record=\(recording)"
         #expect(try Self.missing(url, mode: "spy:// connection", scheme: "spy").isEmpty)
         try await Transport.withConnection(to: url) { loop in
             try await loop.write("abc")
@@ -310,6 +313,8 @@ struct OptionModeTests {
         let text = try String(contentsOfFile: trace, encoding: .utf8)
         #expect(text.split(separator: "\n").allSatisfy { $0.hasPrefix("[mode] ") }, "every line labelled: \(text)")
         #expect(text.contains(" RX ") && !text.contains(" TX "), "direction=rx: \(text)")
+        let recorded = try String(contentsOfFile: recording, encoding: .utf8)
+        #expect(recorded.contains(" > \"abc\"") && recorded.contains(" < \"abc\""), "the recording has both directions: \(recorded)")
         let raw = await expectTransportError(.invalidURL) { try await Transport.connect(to: "spy+loop://?spy.format=raw&spy.label=x") }
         #expect(raw?.message.contains("spy.label= begins the lines of the hex format") == true)
     }

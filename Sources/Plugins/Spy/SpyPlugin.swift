@@ -67,35 +67,46 @@ public struct SpyPlugin: TransportPlugin {
     static let direction = URLOption.choice("direction", default: Direction.both, help: "Trace data in both directions, or only received (rx) or sent (tx)")
     static let file = URLOption.string("file", help: "Append the trace to this file instead of standard error (created owner-only; a symbolic link is refused)")
     static let label = URLOption.string("label", help: "hex format: begin every line with this text, to tell connections apart in a shared trace")
+    static let record = URLOption.string("record", help: "Write a recording of the session to this new file, for replay://FILE (without spy.file, no trace is written)")
 
     /// The `spy` wrapper scheme.
     public var schemes: [Scheme] {
         [Scheme.wrapper(SchemeDescriptor(
             scheme: "spy",
             summary: "Wraps any URL and traces reads, writes, closes and serial control calls (hex dump or raw)",
-            grammar: "spy+URL[?spy.format=hex|raw&spy.direction=both|rx|tx&spy.file=PATH&spy.label=TEXT]",
+            grammar: "spy+URL[?spy.format=hex|raw&spy.direction=both|rx|tx&spy.file=PATH&spy.label=TEXT&spy.record=PATH]",
             examples: ["spy+tcp://127.0.0.1:4000", "spy+tty:///dev/ttyUSB0?baud=115200&spy.file=/home/me/trace.txt",
                        "spy+loop://?spy.format=raw&spy.direction=rx"],
             host: .forbidden, port: .forbidden, path: .forbidden,
-            options: [Self.format, Self.direction, Self.file, Self.label]
+            options: [Self.format, Self.direction, Self.file, Self.label, Self.record]
         ), check: { request in
             // What a server checks before it listens: the options fit, and the trace file can be written.
             let settings = try Settings(request)
             if let file = settings.file { try await TraceSink.open(file).close() }
+            if let record = settings.record { try Recorder.checkNew(record) }
         }, connect: { request in
             let settings = try Settings(request)
-            // The trace file first: a path that cannot be written fails before any I/O.
-            let sink = if let file = settings.file { try await TraceSink.open(file) } else { TraceSink.standardError }
+            // The trace and the recording first: a path that cannot be written fails before any I/O.
+            if let record = settings.record { try Recorder.checkNew(record) }
+            let sink: TraceSink? = if let file = settings.file { try await TraceSink.open(file) } else if settings.record == nil { TraceSink.standardError } else { nil }
+            let recording: TraceSink?
             let inner: Connection
             do {
-                inner = try await request.connectInner()
+                recording = if let record = settings.record { try await TraceSink.open(record, purpose: "the recording (spy.record=)") } else { nil }
+                do {
+                    inner = try await request.connectInner()
+                } catch {
+                    await recording?.close()
+                    throw error
+                }
             } catch {
-                await sink.close()
+                await sink?.close()
                 throw error
             }
-            let tracer = Tracer(sink: sink, format: settings.format, direction: settings.direction, label: settings.label)
-            tracer.event("OPEN", "\(inner.url) at \(Tracer.wallClock())")
-            return Connection(url: request.url, backend: SpyBackend(wrapping: inner, tracer: tracer))
+            let tracer = sink.map { Tracer(sink: $0, format: settings.format, direction: settings.direction, label: settings.label) }
+            tracer?.event("OPEN", "\(inner.url) at \(Tracer.wallClock())")
+            let recorder = recording.map { Recorder(sink: $0, url: inner.url) }
+            return Connection(url: request.url, backend: SpyBackend(wrapping: inner, tracer: tracer, recorder: recorder))
         })]
     }
 
@@ -105,12 +116,17 @@ public struct SpyPlugin: TransportPlugin {
         var direction: Direction
         var file: String?
         var label: String?
+        var record: String?
 
         init(_ request: ConnectRequest) throws {
             format = request[SpyPlugin.format]
             direction = request[SpyPlugin.direction]
             file = request[SpyPlugin.file]
             label = request[SpyPlugin.label]
+            record = request[SpyPlugin.record]
+            if record?.isEmpty == true {
+                throw TransportError(.invalidURL, "\(request.url.shown): spy.record= needs a path for the new recording, such as spy.record=\(UserPath.example)")
+            }
             if file?.isEmpty == true {
                 throw TransportError(.invalidURL, "\(request.url.shown): spy.file= needs a path, such as spy.file=\(UserPath.example)")
             }
@@ -125,13 +141,16 @@ public struct SpyPlugin: TransportPlugin {
 /// Passes everything to the wrapped connection and tells the tracer.
 final class SpyBackend: WrappingBackend {
     let wrapped: Connection
-    private let tracer: Tracer
+    /// The trace, unless only a recording was asked for.
+    private let tracer: Tracer?
+    private let recorder: Recorder?
     /// Each poll's last traced line, by operation.
     private let lastPolls = Mutex<[String: String]>([:])
 
-    init(wrapping wrapped: Connection, tracer: Tracer) {
+    init(wrapping wrapped: Connection, tracer: Tracer?, recorder: Recorder? = nil) {
         self.wrapped = wrapped
         self.tracer = tracer
+        self.recorder = recorder
     }
 
     func read() async throws -> ByteBuffer? {
@@ -143,15 +162,17 @@ final class SpyBackend: WrappingBackend {
         do {
             let message = try await carriesMessages ? wrapped.nextMessage() : wrapped.readBuffer().map { TransportMessage(.binary, $0) }
             if let message {
-                tracer.data(.rx, message.payload)
+                tracer?.data(.rx, message.payload)
+                recorder?.record(.fromDevice(Array(message.payload.readableBytesView)))
             } else {
-                tracer.event("EOF", "")
+                tracer?.event("EOF", "")
+                recorder?.record(.endOfStream)
             }
             return message
         } catch is CancellationError {
             throw CancellationError()
         } catch {
-            tracer.event("ERROR", "reading: \(error)")
+            tracer?.event("ERROR", "reading: \(error)")
             throw error
         }
     }
@@ -162,7 +183,8 @@ final class SpyBackend: WrappingBackend {
 
     /// Traces, then writes (a message with its kind where the wrapped connection carries them).
     func writeMessage(_ message: TransportMessage) async throws {
-        tracer.data(.tx, message.payload)
+        tracer?.data(.tx, message.payload)
+        recorder?.record(.toDevice(Array(message.payload.readableBytesView)))
         do {
             if carriesMessages {
                 try await wrapped.writeMessage(message)
@@ -172,46 +194,53 @@ final class SpyBackend: WrappingBackend {
         } catch is CancellationError {
             throw CancellationError()
         } catch {
-            tracer.event("ERROR", "writing: \(error)")
+            tracer?.event("ERROR", "writing: \(error)")
             throw error
         }
     }
 
     func closeWrite() async throws {
-        tracer.event("SHUT", "no more writes (half-close)")
+        tracer?.event("SHUT", "no more writes (half-close)")
         try await wrapped.closeWrite()
     }
 
     func close() async throws {
-        tracer.event("CLOSE", "")
+        tracer?.event("CLOSE", "")
+        recorder?.record(.end)
         do {
             try await wrapped.close()
         } catch {
-            await tracer.close()
+            await tracer?.close()
+            await recorder?.close()
             throw error
         }
-        await tracer.close()
+        await tracer?.close()
+        await recorder?.close()
     }
 
     func connectionDropped() {
-        tracer.event("DROP", "released without close()")
-        tracer.closeLater()
+        tracer?.event("DROP", "released without close()")
+        tracer?.closeLater()
+        recorder?.record(.end)
+        recorder?.closeLater()
     }
 
     func willPerform(_ operation: ControlOperation) {
-        if !operation.isPoll { tracer.event("CTRL", operation.description) }
+        if !operation.isPoll { tracer?.event("CTRL", operation.description) }
     }
 
     func didPerform(_ operation: ControlOperation, outcome: Result<String?, any Error>) {
-        let line = switch outcome {
-        case .success(let text): "\(operation) → \(text ?? "ok")"
-        case .failure(let error): "\(operation) → failed: \(error)"
+        let result = switch outcome {
+        case .success(let text): text ?? "ok"
+        case .failure(let error): "failed: \(error)"
         }
+        let line = "\(operation) → \(result)"
         // A poll on a timer is traced when its answer changes, not four times a second.
         if operation.isPoll, lastPolls.withLock({ polls in defer { polls[operation.description] = line }; return polls[operation.description] == line }) {
             return
         }
-        tracer.event("CTRL", line)
+        tracer?.event("CTRL", line)
+        recorder?.record(.control(operation.description, outcome: result))
     }
 }
 
@@ -340,8 +369,8 @@ final class TraceSink: Sendable {
     static var standardError: TraceSink { TraceSink(.standardError, owned: false, describing: "standard error") }
 
     /// A trace appended to `path`; see `UserPath.openForAppending`.
-    static func open(_ path: String) async throws -> TraceSink {
-        let fd = try await UserPath.openForAppending(path, purpose: "the trace file (spy.file=)")
+    static func open(_ path: String, purpose: String = "the trace file (spy.file=)") async throws -> TraceSink {
+        let fd = try await UserPath.openForAppending(path, purpose: purpose)
         return TraceSink(fd, owned: true, describing: TransportError.printable(path))
     }
 

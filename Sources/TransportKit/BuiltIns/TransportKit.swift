@@ -44,7 +44,7 @@ extension TransportRegistry {
 public enum Transport {
     /// Fresh instances of every built-in plugin.
     public static var builtInPlugins: [any TransportPlugin] {
-        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), WebPlugin(), SerialPlugin(), RFC2217Plugin(), SpyPlugin(), ReconnectPlugin(), BluetoothPlugin(), USBPlugin()]
+        [LoopPlugin(), SocketsPlugin(), TLSPlugin(), WebPlugin(), SerialPlugin(), RFC2217Plugin(), SpyPlugin(), ReplayPlugin(), ReconnectPlugin(), BluetoothPlugin(), USBPlugin()]
     }
 
     /// The registry behind these functions.
