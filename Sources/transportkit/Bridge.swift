@@ -273,6 +273,15 @@ enum SpyTraces {
     /// A raw trace (bytes without lines) of a target several clients use at once would mix their
     /// bytes beyond telling apart: refused before listening.
     static func checkShared(_ settings: BridgeServer.Settings) throws {
+        // A recording is one session, and a server's target is opened for client after client.
+        var recorded: TransportURL? = try TransportURL(settings.target)
+        while let current = recorded {
+            if current.scheme == "spy", current.queryValue("record") != nil, !settings.keepOpen {
+                throw ValidationError("spy.record in the target of a bridge that serves client after client would need a recording per session; "
+                                      + "use --once, or --keep-open (one session of the target for all its clients)")
+            }
+            recorded = current.inner
+        }
         guard !settings.exclusive, settings.limit > 1 else { return }
         var layer: TransportURL? = try TransportURL(settings.target)
         while let current = layer {

@@ -23,33 +23,50 @@ struct RecordReplayTests {
         return seen
     }
 
-    /// The device: answers each command ending in \r on the pty's master, after `delay`.
-    static func device(_ pty: TestPTY, delayMilliseconds delay: UInt32) -> Task<Void, Never> {
-        let master = pty.master
-        return Task.detached {
-            await Support.offPool {
-                var pending: [UInt8] = []
-                var buffer = [UInt8](repeating: 0, count: 256)
-                while true {
-                    var poller = pollfd(fd: master, events: Int16(POLLIN), revents: 0)
-                    let ready = poll(&poller, 1, 20_000)
-                    if ready <= 0 || poller.revents & Int16(POLLNVAL) != 0 { return }
-                    let count = buffer.withUnsafeMutableBytes { Glibc.read(master, $0.baseAddress, $0.count) }
-                    if count < 0 && errno == EIO {
-                        usleep(20_000)   // nobody has the other side open (yet, or any more)
-                        continue
-                    }
-                    if count <= 0 { return }
-                    pending += buffer[..<count]
-                    while let end = pending.firstIndex(of: 0x0D) {
-                        let command = String(decoding: pending[..<end], as: UTF8.self)
-                        pending.removeSubrange(...end)
-                        let answer = command == "ATZ" ? "\r\rELM327 v1.5\r\r>" : "41 00 BE 3E B8 11\r\r>"
-                        usleep(delay * 1000)
-                        Support.writeAll(master, Array(answer.utf8))
+    /// The device: answers each command ending in \r on the pty's master, after `delay`, on a
+    /// thread of its own until `stop()` (a pipe it polls beside the master, so it never touches
+    /// the master after the test closes it).
+    final class Device: Sendable {
+        private let stopWriter: Int32
+        private let thread: Task<Void, Never>
+
+        init(_ pty: TestPTY, delayMilliseconds delay: UInt32) {
+            var ends: [Int32] = [-1, -1]
+            _ = pipe(&ends)
+            let (stopReader, master) = (ends[0], pty.master)
+            stopWriter = ends[1]
+            thread = Task.detached {
+                await Support.offPool {
+                    defer { _ = Glibc.close(stopReader) }
+                    var pending: [UInt8] = []
+                    var buffer = [UInt8](repeating: 0, count: 256)
+                    while true {
+                        var pollers = [pollfd(fd: master, events: Int16(POLLIN), revents: 0), pollfd(fd: stopReader, events: Int16(POLLIN), revents: 0)]
+                        guard poll(&pollers, 2, 20_000) > 0, pollers[1].revents == 0 else { return }
+                        let count = buffer.withUnsafeMutableBytes { Glibc.read(master, $0.baseAddress, $0.count) }
+                        if count < 0 && errno == EIO {
+                            usleep(20_000)   // nobody has the other side open (yet, or any more)
+                            continue
+                        }
+                        if count <= 0 { return }
+                        pending += buffer[..<count]
+                        while let end = pending.firstIndex(of: 0x0D) {
+                            let command = String(decoding: pending[..<end], as: UTF8.self)
+                            pending.removeSubrange(...end)
+                            let answer = command == "ATZ" ? "\r\rELM327 v1.5\r\r>" : "41 00 BE 3E B8 11\r\r>"
+                            usleep(delay * 1000)
+                            Support.writeAll(master, Array(answer.utf8))
+                        }
                     }
                 }
             }
+        }
+
+        /// Ends the thread and waits for it.
+        func stop() async {
+            _ = Glibc.write(stopWriter, "x", 1)
+            await thread.value
+            _ = Glibc.close(stopWriter)
         }
     }
 
@@ -57,14 +74,14 @@ struct RecordReplayTests {
         let file = temporaryPath("elm327") + ".rec"
         defer { unlink(file) }
         let pty = try TestPTY()
-        let device = Self.device(pty, delayMilliseconds: 150)
+        defer { pty.closeMaster() }
+        let device = Device(pty, delayMilliseconds: 150)
         let live = try await Transport.connect(to: "spy+tty://\(pty.path)?baud=38400&spy.record=\(file)")
         let started = ContinuousClock.now
         let recorded = try await Self.app(live)
         let recordedTime = ContinuousClock.now - started
         try await live.close()
-        pty.closeMaster()
-        await device.value
+        await device.stop()
         #expect(recorded.count == 3 && recorded[0].contains("ELM327 v1.5") && recorded[1].contains("41 00 BE 3E B8 11") && recorded[2] == "38400 8N1",
                 "\(recorded)")
         let text = try String(contentsOfFile: file, encoding: .utf8)
@@ -108,7 +125,7 @@ struct RecordReplayTests {
         try await tolerant.write("atz\n")
         let answer = try await tolerant.readFrame(.delimiter(Array(">".utf8)), timeout: .seconds(5))
         #expect(answer.map { String(decoding: $0, as: UTF8.self).hasPrefix("ELM327 v1.5\r") } == true, "\(String(describing: answer))")
-        #expect(try await tolerant.serialPort?.settings() == SerialSettings(), "no settings recorded: the defaults")
+        #expect(try await tolerant.serialPort?.settings() == SerialSettings(baudRate: 38400), "no settings recorded: the open URL's")
         await expectTransportError(.unsupported) { _ = try await tolerant.serialPort?.modemLines() }
         try await tolerant.close()
     }
@@ -136,7 +153,27 @@ struct RecordReplayTests {
         #expect(quote?.message.contains("line 1: bytes are a quoted string") == true, "\(String(describing: quote))")
         // A recording is one session: an existing one is not appended to.
         let taken = await expectTransportError(.busy) { try await Transport.connect(to: "spy+loop://?spy.record=\(file)") }
-        #expect(taken?.message.contains("already holds a recording") == true, "\(String(describing: taken))")
+        #expect(taken?.message.contains("is not empty: a recording is one session") == true, "\(String(describing: taken))")
         await expectTransportError(.invalidURL) { try await Transport.connect(to: "spy+loop://?spy.record=") }
+    }
+
+    /// A recording edited on another system (CRLF line ends), and its end of stream at the
+    /// recorded time, not at once.
+    @Test func aCRLFRecordingPlaysAndItsEndComesOnTime() async throws {
+        let file = temporaryPath("crlf") + ".rec"
+        defer { unlink(file) }
+        try "# transportkit recording 1\r\n0.000000 open loop://\r\n0.010000 < \"hi\"\r\n0.400000 eof\r\n0.500000 end\r\n"
+            .write(toFile: file, atomically: true, encoding: .utf8)
+        let replay = try await Transport.connect(to: "replay://\(file)")
+        let started = ContinuousClock.now
+        #expect(try await replay.read(timeout: .seconds(5)) == Array("hi".utf8))
+        #expect(try await replay.read(timeout: .seconds(5)) == nil)
+        #expect(ContinuousClock.now - started >= .milliseconds(300), "eof at 0.4 s, as recorded")
+        #expect(replay.serialPort == nil, "a loop:// recording is no serial line")
+        try await replay.close()
+        // Nothing in it: refused, not an empty device.
+        try "# transportkit recording 1\r\n".write(toFile: file, atomically: true, encoding: .utf8)
+        let empty = await expectTransportError(.invalidURL) { try await Transport.connect(to: "replay://\(file)") }
+        #expect(empty?.message.contains("holds no event") == true, "\(String(describing: empty))")
     }
 }

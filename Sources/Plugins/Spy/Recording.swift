@@ -15,6 +15,7 @@
 // with `#` and blank lines are ignored.
 
 import Glibc
+import Synchronization
 @_spi(Plugins) import TransportKitCore
 
 /// One event of a recording.
@@ -29,6 +30,9 @@ struct RecordedEvent: Sendable, Equatable {
         case control(String, outcome: String)
         case endOfStream
         case end
+        /// Records the recorder could not write (the disk was too slow or full): the file is
+        /// incomplete, and replay refuses it.
+        case lost(Int)
     }
 
     /// Seconds since the connection opened.
@@ -47,6 +51,7 @@ struct RecordedEvent: Sendable, Equatable {
         case .control(let operation, let outcome): return "\(stamp) ctrl \(operation) -> \(outcome)"
         case .endOfStream: return "\(stamp) eof"
         case .end: return "\(stamp) end"
+        case .lost(let count): return "\(stamp) lost \(count)"
         }
     }
 
@@ -123,8 +128,9 @@ struct RecordedEvent: Sendable, Equatable {
     static func parse(_ text: String, describing: String) throws -> [RecordedEvent] {
         var events: [RecordedEvent] = []
         var lastTime = 0.0
-        for (offset, raw) in text.split(separator: "\n", omittingEmptySubsequences: false).enumerated() {
-            let line = raw.hasSuffix("\r") ? raw.dropLast() : raw
+        // Lines by their LF byte (a CRLF file too: Swift takes "\r\n" as one Character).
+        for (offset, bytes) in Array(text.utf8).split(separator: 0x0A, omittingEmptySubsequences: false).enumerated() {
+            let line = Substring(String(decoding: bytes.last == 0x0D ? bytes.dropLast() : bytes[...], as: UTF8.self))
             let number = offset + 1
             if line.isEmpty || line.hasPrefix("#") { continue }
             func bad(_ why: String) -> TransportError {
@@ -133,9 +139,12 @@ struct RecordedEvent: Sendable, Equatable {
             guard let space = line.firstIndex(of: " "), let time = Double(line[..<space]), time.isFinite, time >= 0 else {
                 throw bad("a line begins with its time in seconds")
             }
+            let rest = line[line.index(after: space)...]
+            if rest.hasPrefix("lost ") {
+                throw bad("the recorder lost \(rest.dropFirst(5)) records while it wrote this file (a disk too slow or full); record the session again")
+            }
             guard time >= lastTime else { throw bad("the times go back") }
             lastTime = time
-            let rest = line[line.index(after: space)...]
             let kind: Kind
             if rest.hasPrefix("> ") || rest.hasPrefix("< ") {
                 guard let bytes = unquoted(rest.dropFirst(2)) else { throw bad("bytes are a quoted string with \\r, \\n, \\t, \\\\, \\\" and \\xHH escapes") }
@@ -158,38 +167,85 @@ struct RecordedEvent: Sendable, Equatable {
             }
             events.append(RecordedEvent(time: time, kind: kind, line: number))
         }
+        guard !events.isEmpty else {
+            throw TransportError(.invalidURL, "\(describing) holds no event: a recording has lines such as 0.012 > \"ATZ\\r\" (made with spy.record=)")
+        }
         return events
     }
 }
 
 /// Writes a session's recording (`spy.record=FILE`) through a sink of its own: a header, the open
-/// line, then one line per event.
+/// line, then one line per event, in the order the events happened (one lock around the clock and
+/// the write, so a reader and a writer in two tasks cannot cross), nothing after `end`. A payload
+/// is written in lines of at most ``chunk`` bytes, so no record is too large for the sink.
 final class Recorder: Sendable {
+    /// The most bytes one `<` or `>` line carries (its quoted text at most four times that).
+    static let chunk = 16 * 1024
+
     private let sink: TraceSink
     private let start = ContinuousClock.now
+    /// Set once `end` is written.
+    private let ended = Mutex(false)
 
     init(sink: TraceSink, url: TransportURL) {
         self.sink = sink
         sink.write(Array("\(RecordedEvent.header)\n".utf8))
-        record(.open(url.description))
+        record(.open(url.shown))
     }
 
     /// A recording is one session: a file that has something in it already is refused (replay
-    /// would find its times going back).
+    /// would find its times going back). (Checked before the file is opened: two sessions started
+    /// at the same moment on one new path are not told apart.)
     static func checkNew(_ path: String) throws {
         var status = stat()
         guard lstat(path, &status) == 0 else { return }   // absent: it is made
         if (status.st_mode & S_IFMT) == S_IFREG, status.st_size > 0 {
-            throw TransportError(.busy, "spy.record=\(TransportError.printable(path)) already holds a recording: a recording is one session; remove it or name a new file")
+            throw TransportError(.busy, "spy.record=\(TransportError.printable(path)) is not empty: a recording is one session in a file of its own; "
+                                 + "remove it or name a new file")
         }
     }
 
+    /// Removes `path` if it is an empty regular file (a recording whose connect failed).
+    static func removeIfEmpty(_ path: String) {
+        var status = stat()
+        if lstat(path, &status) == 0, (status.st_mode & S_IFMT) == S_IFREG, status.st_size == 0 { unlink(path) }
+    }
+
+    /// The lost-records line the sink writes at close when it had to drop some.
+    static func lostNote(_ count: Int) -> String { "0.000000 lost \(count)\n" }
+
     func record(_ kind: RecordedEvent.Kind) {
-        let (seconds, attoseconds) = (ContinuousClock.now - start).components
-        let time = Double(seconds) + Double(attoseconds) / 1e18
-        sink.write(Array((RecordedEvent(time: time, kind: kind).text + "\n").utf8))
+        ended.withLock { ended in
+            guard !ended else { return }
+            if kind == .end { ended = true }
+            let (seconds, attoseconds) = (ContinuousClock.now - start).components
+            let time = Double(seconds) + Double(attoseconds) / 1e18
+            var text = ""
+            switch kind {
+            case .toDevice(let bytes) where bytes.count > Self.chunk, .fromDevice(let bytes) where bytes.count > Self.chunk:
+                let toDevice = if case .toDevice = kind { true } else { false }
+                for start in stride(from: 0, to: bytes.count, by: Self.chunk) {
+                    let piece = Array(bytes[start..<min(start + Self.chunk, bytes.count)])
+                    text += RecordedEvent(time: time, kind: toDevice ? .toDevice(piece) : .fromDevice(piece)).text + "\n"
+                }
+            case .control(let operation, let outcome):
+                // One line each: a message with a newline in it is kept on its line.
+                let flat = { (text: String) in text.replacingNewlines() }
+                text = RecordedEvent(time: time, kind: .control(flat(operation), outcome: flat(outcome))).text + "\n"
+            default:
+                text = RecordedEvent(time: time, kind: kind).text + "\n"
+            }
+            sink.write(Array(text.utf8))
+        }
     }
 
     func close() async { await sink.close() }
     func closeLater() { sink.closeLater() }
+}
+
+extension String {
+    /// The text with CR and LF as spaces.
+    func replacingNewlines() -> String {
+        String(unicodeScalars.map { $0 == "\n" || $0 == "\r" ? " " : Character($0) })
+    }
 }

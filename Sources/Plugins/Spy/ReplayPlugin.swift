@@ -64,9 +64,11 @@ public struct ReplayPlugin: TransportPlugin {
             do {
                 fd = try SystemPackage.FileDescriptor.open(FilePath(path), .readOnly, options: [.closeOnExec])
             } catch let errno as Errno {
-                throw TransportError(errno == .noSuchFileOrDirectory ? .notFound : .permissionDenied,
-                                     "no recording at \(TransportError.printable(path)) (\(errno)); make one with spy+URL?spy.record=\(TransportError.printable(path))",
-                                     errno: errno, syscall: "open")
+                let kind = TransportError.Kind(errno: errno)
+                let what = errno == .noSuchFileOrDirectory
+                    ? "no recording at \(TransportError.printable(path)); make one with spy+URL?spy.record=\(TransportError.printable(path))"
+                    : "the recording \(TransportError.printable(path)) cannot be opened (\(errno.symbolicDescription))"
+                throw TransportError(kind, what, errno: errno, syscall: "open")
             }
             defer { try? fd.close() }
             var bytes: [UInt8] = []
@@ -113,13 +115,14 @@ final class ReplayCore: Sendable {
         var writeLines: [(Int, Int)] = []
         var url: String?
         var controls = false
+        let serialCalls = ["settings", "modem lines", "DTR", "RTS", "break", "flush", "drain", "line errors"]
         for event in events {
             switch event.kind {
             case .toDevice(let bytes):
                 expected += bytes
                 writeLines.append((expected.count, event.line))
             case .open(let text): url = text
-            case .control: controls = true
+            case .control(let operation, _): controls = controls || serialCalls.contains { operation.hasPrefix($0) }
             default: break
             }
         }
@@ -128,7 +131,8 @@ final class ReplayCore: Sendable {
         recordedURL = url
         let scheme = url.flatMap { try? TransportURL($0) }?.innermost.scheme
         isSerial = controls || ["tty", "pty", "rfc2217"].contains(scheme ?? "")
-        line = Mutex((SerialSettings(), nil))
+        // The recorded URL's line options, before any recorded control call says more.
+        line = Mutex((url.flatMap { try? TransportURL($0) }.map(Self.settings(of:)) ?? SerialSettings(), nil))
         // The line as the recording first shows it, before any of it is played: an app that asks
         // for the settings before the recording did gets the recorded ones, not the defaults.
         let calls = events.compactMap { event -> (String, String)? in
@@ -140,6 +144,19 @@ final class ReplayCore: Sendable {
         driver.withLock { $0 = task }
     }
 
+    /// The line settings a URL's options give (`baud`, `dataBits`, `parity`, `stopBits`,
+    /// `flowControl`; the rest as `tty://`'s defaults).
+    static func settings(of url: TransportURL) -> SerialSettings {
+        let inner = url.innermost
+        var settings = SerialSettings()
+        if let rate = inner.queryValue("baud").flatMap({ Int($0) }) { settings.baudRate = rate } else if let port = inner.port, inner.scheme == "tty" { settings.baudRate = port }
+        if let bits = inner.queryValue("dataBits").flatMap({ Int($0) }) { settings.dataBits = bits }
+        if let parity = inner.queryValue("parity").flatMap({ SerialSettings.Parity(rawValue: $0.lowercased()) }) { settings.parity = parity }
+        if let stop = inner.queryValue("stopBits").flatMap({ Int($0) }) { settings.stopBits = stop }
+        if let flow = inner.queryValue("flowControl").flatMap({ SerialSettings.FlowControl(rawValue: $0.lowercased()) }) { settings.flowControl = flow }
+        return settings
+    }
+
     /// The line of the recording that holds written byte `position`.
     private func line(ofByte position: Int) -> Int {
         writeLines.first { $0.end > position }?.line ?? writeLines.last?.line ?? 0
@@ -147,7 +164,16 @@ final class ReplayCore: Sendable {
 
     /// Takes the application's `bytes`; in strict mode each must be the recording's next one.
     func write(_ bytes: ByteBuffer) throws {
-        let view = Array(bytes.readableBytesView)
+        do {
+            try check(Array(bytes.readableBytesView))
+        } catch let error as TransportError {
+            // The recording cannot go on from here: a reader waiting for its next bytes learns why.
+            inbound.fail(error)
+            throw error
+        }
+    }
+
+    private func check(_ view: [UInt8]) throws {
         try written.update { position in
             if strict {
                 for (index, byte) in view.enumerated() {
@@ -172,34 +198,34 @@ final class ReplayCore: Sendable {
         return (0x20..<0x7F).contains(byte) ? "\(hex) '\(Character(Unicode.Scalar(byte)))'" : hex
     }
 
-    /// Plays the recording: the device's bytes when their time comes, after the application's
-    /// writes recorded before them.
+    /// Plays the recording: each event when its time comes (`timing=recorded`), counted from the
+    /// last wait for the application's writes, so sleeps' lateness does not add up; the device's
+    /// bytes after the application's writes recorded before them.
     private func play() async {
         var recorded = 0.0
         var real = ContinuousClock.now
         var writtenBefore = 0
         for event in events {
             if Task.isCancelled { return }
-            switch event.kind {
-            case .fromDevice(let bytes):
-                if timing == .recorded {
-                    let pause = Duration.milliseconds(Int(((event.time - recorded) * 1000).rounded()))
-                    do { try await Task.sleep(until: real + pause, clock: .continuous) } catch { return }
-                }
-                inbound.append(ByteBuffer(bytes: bytes))
-            case .toDevice(let bytes):
+            if case .toDevice(let bytes) = event.kind {
                 writtenBefore += bytes.count
                 let target = writtenBefore
                 do { try await written.wait { $0 >= target ? () : nil } } catch { return }
-            case .control(let operation, let outcome):
-                noteControl(operation, outcome)
-            case .endOfStream:
-                inbound.finish()
-            case .open, .end:
-                break
+                recorded = event.time
+                real = .now
+                continue
             }
-            recorded = event.time
-            real = .now
+            if timing == .recorded {
+                real += .nanoseconds(Int64(((event.time - recorded) * 1e9).rounded()))
+                recorded = event.time
+                do { try await Task.sleep(until: real, clock: .continuous) } catch { return }
+            }
+            switch event.kind {
+            case .fromDevice(let bytes): inbound.append(ByteBuffer(bytes: bytes))
+            case .control(let operation, let outcome): noteControl(operation, outcome)
+            case .endOfStream: inbound.finish()
+            case .open, .end, .toDevice, .lost: break
+            }
         }
     }
 

@@ -92,11 +92,13 @@ public struct SpyPlugin: TransportPlugin {
             let recording: TraceSink?
             let inner: Connection
             do {
-                recording = if let record = settings.record { try await TraceSink.open(record, purpose: "the recording (spy.record=)") } else { nil }
+                recording = if let record = settings.record { try await TraceSink.openRecording(record) } else { nil }
                 do {
                     inner = try await request.connectInner()
                 } catch {
                     await recording?.close()
+                    // Nothing was recorded: the empty file this connect made goes.
+                    if let record = settings.record { Recorder.removeIfEmpty(record) }
                     throw error
                 }
             } catch {
@@ -173,6 +175,7 @@ final class SpyBackend: WrappingBackend {
             throw CancellationError()
         } catch {
             tracer?.event("ERROR", "reading: \(error)")
+            recorder?.record(.endOfStream)   // a replay ends its stream there too
             throw error
         }
     }
@@ -354,13 +357,17 @@ final class TraceSink: Sendable {
 
     private let ownsDescriptor: Bool
     private let describing: String
+    /// What is written at close when records were dropped (a recording's `lost N` line).
+    private let droppedNote: @Sendable (Int) -> String
     private let queue: DispatchQueue
     /// Guards the descriptor and the counts; the queue does the writing.
     private let state: Mutex<State>
 
-    private init(_ output: SystemPackage.FileDescriptor, owned: Bool, describing: String) {
+    private init(_ output: SystemPackage.FileDescriptor, owned: Bool, describing: String,
+                 droppedNote: @escaping @Sendable (Int) -> String = { "spy: \($0) records were dropped: the trace could not be written as fast as the connection ran\n" }) {
         ownsDescriptor = owned
         self.describing = describing
+        self.droppedNote = droppedNote
         state = Mutex(State(output: output))
         queue = DispatchQueue(label: "spy trace \(describing)")
     }
@@ -369,9 +376,16 @@ final class TraceSink: Sendable {
     static var standardError: TraceSink { TraceSink(.standardError, owned: false, describing: "standard error") }
 
     /// A trace appended to `path`; see `UserPath.openForAppending`.
-    static func open(_ path: String, purpose: String = "the trace file (spy.file=)") async throws -> TraceSink {
-        let fd = try await UserPath.openForAppending(path, purpose: purpose)
+    static func open(_ path: String) async throws -> TraceSink {
+        let fd = try await UserPath.openForAppending(path, purpose: "the trace file (spy.file=)")
         return TraceSink(fd, owned: true, describing: TransportError.printable(path))
+    }
+
+    /// A recording written to `path` (spy.record=): records it had to drop are marked at close
+    /// with a `lost N` line, which replay refuses.
+    static func openRecording(_ path: String) async throws -> TraceSink {
+        let fd = try await UserPath.openForAppending(path, purpose: "the recording (spy.record=)")
+        return TraceSink(fd, owned: true, describing: TransportError.printable(path), droppedNote: Recorder.lostNote)
     }
 
     /// Queues `bytes` (one whole record) for writing.
@@ -436,8 +450,7 @@ final class TraceSink: Sendable {
                 return (state.output, state.dropped)
             }
             if dropped > 0, let output {
-                let note = "spy: \(dropped) records were dropped: the trace could not be written as fast as the connection ran\n"
-                _ = Self.writeAll(Array(note.utf8), to: output)
+                _ = Self.writeAll(Array(droppedNote(dropped).utf8), to: output)
             }
             if ownsDescriptor { output?.closeOwned() }
             done()
