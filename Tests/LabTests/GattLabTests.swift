@@ -37,17 +37,14 @@ struct GattLabTests {
         return (controllers, peripheral)
     }
 
-    /// Makes sure hci0's side of bluetoothd knows the peripheral, as after any earlier sighting:
+    /// Makes sure hci0's side of bluetoothd has just seen the peripheral over LE, as after any earlier sighting:
     /// a test that forgot it (pairing, scans) would otherwise leave the next connect to a
     /// discovery, and btvirt reports an advertisement only when advertising or scanning starts
     /// (GattScanLabTests explains). A scan with the peripheral re-announcing itself finds it.
     static func makeKnown(_ address: String, _ peripheral: LabPeripheral) async throws {
-        let bus = try DBusConnection(.system)
-        let path = "/org/bluez/hci0/dev_" + address.replacingOccurrences(of: ":", with: "_")
-        let known = (try? await bus.call(destination: "org.bluez", path: path, interface: "org.freedesktop.DBus.Properties", member: "GetAll",
-                                         [.string("org.bluez.Device1")])) != nil
-        await bus.close()
-        if known { return }
+        // Known is not enough: bluetoothd connects over the bearer it saw the device on last, and
+        // an RFCOMM or SDP test before (BR/EDR) then makes Device1.Connect fail with
+        // "br-connection-profile-unavailable" (a CI run of 8052064). A scan sights it over LE again.
         let announcer = peripheral.announceWhileDiscovering()
         defer { announcer.cancel() }
         let wanted = address.uppercased()

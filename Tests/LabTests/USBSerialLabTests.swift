@@ -165,7 +165,8 @@ struct USBSerialLabTests {
         // A watch the app stops (its sequence dropped) ends its thread: TIOCMIWAIT interrupted.
         let dropped = Gathered(try await #require(connection.serialPort).modemLineChanges())
         #expect(await dropped.wait(5) { $0.count == 1 })
-        #expect(Self.watchThreads() == 1, "one thread per watch")
+        // The sequence yields the lines now before its thread is named: wait for it.
+        #expect(await eventually(3) { Self.watchThreads() == 1 }, "one thread per watch")
         dropped.stop()
         #expect(await eventually(3) { Self.watchThreads() == 0 }, "the dropped watch's thread ended")
         let changes = Gathered(try await #require(connection.serialPort).modemLineChanges())
