@@ -76,7 +76,7 @@ struct BlueZListenLabTests {
         let records = try await Self.serialPortChannels(on: controllers.peripheralText, awaiting: channel)
         #expect(records == [channel], "the Serial Port records hci1 publishes: channels \(records)")
 
-        let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText)?adapter=hci0")
+        let client = try await Self.connectAfterAPairingTest("rfcomm://\(controllers.peripheralText)?adapter=hci0")
         #expect(client.metadata.extra["channel"] == String(channel), "SDP found the listener's channel")
         #expect(client.metadata.extra["service"] == "1101")
         let server = try #require(try await accepted.value)
@@ -97,6 +97,22 @@ struct BlueZListenLabTests {
         #expect(search.stdout.contains("Channel: \(channel)"), "sdptool: \(search.stdout) \(search.stderr)")
         #expect(search.stdout.contains("TKLab-serial"), "the name= option is the record's name: \(search.stdout)")
         try await listener.close()
+    }
+
+    /// `BlueZLabTests.connect`, and once more after a refusal that lasted its 10 s: the links
+    /// dropped and both controllers' devices forgotten (NoInputNoOutput again). Right after
+    /// BlueZLabTests' pairing test this suite's first connect was refused for 10 s in three CI
+    /// runs (a pairing nobody confirmed is the likely cause); each time the test passed alone.
+    static func connectAfterAPairingTest(_ url: String) async throws -> Connection {
+        do {
+            return try await BlueZLabTests.connect(url)
+        } catch let error as TransportError where error.kind == .refused {
+            let links = try await Lab.run("/usr/bin/hcitool", ["con"])
+            print("lab: \(url) refused for 10 s (\(error.message)); links: \(links.stdout) — forgetting the devices and trying once more")
+            _ = try await setUp()
+            try await Task.sleep(for: .seconds(2))
+            return try await BlueZLabTests.connect(url)
+        }
     }
 
     /// The channels of the Serial Port records `address` publishes (BlueZ's sdptool), once they
