@@ -28,17 +28,17 @@ async def main(address, read_uuid, write_uuid, notify_uuid, adapter):
     # bleak 0.20 can also fail its own service walk while bluetoothd replaces the services under
     # it (KeyError 'org.bluez.GattService1' in manager.get_services), or see the emulated link
     # drop during service discovery ("failed to discover services, device disconnected"; each
-    # seen in a CI run): that connect is tried again too, up to three in all.
-    for attempt in (1, 2, 3):
+    # seen in CI runs): that connect is tried again too, up to five in all.
+    for attempt in (1, 2, 3, 4, 5):
         try:
             async with BleakClient(device, adapter=adapter, timeout=20.0) as client:
-                if client.services.get_characteristic(read_uuid) is None and attempt < 3:
+                if client.services.get_characteristic(read_uuid) is None and attempt < 5:
                     print("services without the characteristic (bluetoothd's cache): connecting again", flush=True)
                     await asyncio.sleep(2.0)
                     continue
                 return await exchange(client, read_uuid, write_uuid, notify_uuid)
         except (KeyError, BleakError) as error:
-            if attempt == 3 or (isinstance(error, BleakError) and "disconnected" not in str(error)):
+            if attempt == 5 or (isinstance(error, BleakError) and "disconnected" not in str(error)):
                 raise
             print(f"bleak's connect failed ({error!r}): connecting again", flush=True)
             await asyncio.sleep(2.0)
