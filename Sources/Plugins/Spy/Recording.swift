@@ -63,6 +63,12 @@ struct RecordedEvent: Sendable, Equatable {
         return "\(micros / 1_000_000)." + String(repeating: "0", count: 6 - fraction.count) + fraction
     }
 
+    /// `byte` as two lower-case hex digits (`"0a"`).
+    static func hexByte(_ byte: UInt8) -> String {
+        let digits = Array("0123456789abcdef")
+        return String(digits[Int(byte >> 4)]) + String(digits[Int(byte & 0x0F)])
+    }
+
     /// `bytes` as the format's quoted string.
     static func quoted(_ bytes: [UInt8]) -> String {
         var text = "\""
@@ -75,8 +81,7 @@ struct RecordedEvent: Sendable, Equatable {
             case 0x09: text += "\\t"
             case 0x20..<0x7F: text.unicodeScalars.append(Unicode.Scalar(byte))
             default:
-                let digits = Array("0123456789abcdef")
-                text += "\\x" + String(digits[Int(byte >> 4)]) + String(digits[Int(byte & 0x0F)])
+                text += "\\x" + hexByte(byte)
             }
         }
         return text + "\""

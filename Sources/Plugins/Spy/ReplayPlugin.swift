@@ -193,8 +193,7 @@ final class ReplayCore: Sendable {
     }
 
     static func shown(_ byte: UInt8) -> String {
-        let digits = Array("0123456789abcdef")
-        let hex = "0x" + String(digits[Int(byte >> 4)]) + String(digits[Int(byte & 0x0F)])
+        let hex = "0x" + RecordedEvent.hexByte(byte)
         return (0x20..<0x7F).contains(byte) ? "\(hex) '\(Character(Unicode.Scalar(byte)))'" : hex
     }
 
