@@ -42,9 +42,13 @@ enum Signals {
                     defer { if state.received == nil { state.received = number } }
                     return (state.received == nil, state.task)
                 }
-                guard first else { _exit(128 + number) }
+                guard first else {
+                    LocalTerminal.restore()   // `term`'s raw mode; nothing otherwise
+                    _exit(128 + number)
+                }
                 task?.cancel()
                 DispatchQueue.global().asyncAfter(deadline: .now() + cleanupLimit) {
+                    LocalTerminal.restore()
                     StandardError.write("transportkit: closing up took longer than 3 s; exiting without waiting for the rest\n")
                     _exit(128 + number)
                 }

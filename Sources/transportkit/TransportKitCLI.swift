@@ -9,7 +9,7 @@ struct TransportKitCLI: AsyncParsableCommand {
         commandName: "transportkit",
         abstract: "Connect to devices and peers by URL: tcp://, unix://, tty://, pty://, loop://, spy+URL, …",
         discussion: "Run 'transportkit schemes' for every URL form and its options. spy+URL traces a connection on standard error.",
-        subcommands: [Schemes.self, List.self, Watch.self, Connect.self, Bridge.self, Gatt.self]
+        subcommands: [Schemes.self, List.self, Watch.self, Connect.self, Term.self, Bridge.self, Gatt.self]
     )
 
     static func main() async {
@@ -92,6 +92,8 @@ struct SchemeJSON: Encodable {
     var wraps: Bool
     /// One connection at a time (a serial port): `bridge --listen` serves one client at a time.
     var exclusive: Bool
+    /// A device that can go away and come back (a serial port, USB, Bluetooth): `term` reconnects to it by default.
+    var device: Bool
     var options: [Option]
     /// The ways the scheme's URLs are used, each with the options it takes (Docs/Schemes.md, "Modes").
     var modes: [Mode]
@@ -115,6 +117,7 @@ struct SchemeJSON: Encodable {
         canListen = descriptor.canListen
         wraps = descriptor.wraps
         exclusive = descriptor.exclusive
+        device = descriptor.reachesDevice
         // A wrapper's options are written with its prefix (spy.format).
         let prefix = descriptor.wraps ? descriptor.scheme + "." : ""
         options = descriptor.allOptions.map { Option(name: prefix + $0.name, type: $0.kind.label, default: $0.defaultValue, help: $0.help) }

@@ -204,6 +204,8 @@ struct CLITests {
         #expect(tcp["portRange"] as? [Int] == [0, 65535])
         #expect(tcp["exclusive"] as? Bool == false)
         #expect(byName["tty"]?["exclusive"] as? Bool == true, "a serial port serves one connection at a time")
+        #expect(byName["tty"]?["device"] as? Bool == true && byName["rfc2217"]?["device"] as? Bool == true, "term reconnects to these by default")
+        #expect(tcp["device"] as? Bool == false && byName["pty"]?["device"] as? Bool == false)
         let options = try #require(tcp["options"] as? [[String: Any]])
         let noDelay = try #require(options.first { $0["name"] as? String == "noDelay" })
         #expect(noDelay["type"] as? String == "bool")

@@ -97,7 +97,8 @@ public struct BluetoothPlugin: TransportPlugin {
                         SchemeMode("rfcomm:// connection found through SDP", form: "rfcomm://MAC", port: .forbidden,
                                    options: [Self.adapter, Self.uuid, Self.security]),
                         SchemeMode("rfcomm:// listener", role: .listen, form: "rfcomm://any|ADAPTER-MAC[:CHANNEL]",
-                                   options: [Self.adapter, Self.uuid, Self.name, Self.backlog, Self.security])]
+                                   options: [Self.adapter, Self.uuid, Self.name, Self.backlog, Self.security])],
+                reachesDevice: true
             ), check: { request in try BluetoothConnector.checkRFCOMM(request) },
                connect: { [bus] in try await BluetoothConnector.rfcomm($0, bus: bus) },
                listen: { [bus] in try await RFCOMMListener.listen($0, bus: bus) }),
@@ -119,7 +120,8 @@ public struct BluetoothPlugin: TransportPlugin {
                         SchemeMode("ble:// L2CAP listener", role: .listen, form: "ble://SERVICE:PSM", port: .required,
                                    options: [Self.adapter, Self.advertise, Self.mtu, Self.security, Self.backlog]),
                         SchemeMode("ble:// GATT serial listener", role: .listen, form: "ble://SERVICE", port: .forbidden,
-                                   options: [Self.adapter, Self.rx, Self.tx, Self.advertise, Self.security])]
+                                   options: [Self.adapter, Self.rx, Self.tx, Self.advertise, Self.security])],
+                reachesDevice: true
             ), check: { request in try BluetoothConnector.checkBLE(request) },
                connect: { [bus] in try await BluetoothConnector.ble($0, bus: bus) },
                listen: { [bus] request in

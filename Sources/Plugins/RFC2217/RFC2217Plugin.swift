@@ -46,6 +46,7 @@ public struct RFC2217Plugin: TransportPlugin {
             modes: [SchemeMode("rfc2217:// connection", form: "rfc2217://HOST:PORT", options: Self.options),
                     SchemeMode("rfc2217:// listener", role: .listen, form: "rfc2217://ADDRESS:PORT", options: Self.listenOptions)])
         descriptor.layersBeneath = true
+        descriptor.reachesDevice = true
         return [Scheme(descriptor, connect: Self.connect, listen: Self.listen)]
     }
 

@@ -69,7 +69,7 @@ public struct SerialPlugin: TransportPlugin {
                 modes: [SchemeMode("tty:// connection to a USB adapter", form: "tty://usb[:BAUD]/VID:PID", host: "usb",
                                    options: Self.ttyOptions + [Self.serial, Self.interface, Self.location]),
                         SchemeMode("tty:// connection to a device node", form: "tty://[LABEL[:BAUD]]/DEVICE-PATH", options: Self.ttyOptions)],
-                exclusive: true
+                exclusive: true, reachesDevice: true
             ), check: TTYConnector.check, connect: TTYConnector.connect),
             Scheme(SchemeDescriptor(
                 scheme: "pty",

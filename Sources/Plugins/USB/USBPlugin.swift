@@ -47,7 +47,7 @@ public struct USBPlugin: TransportPlugin {
             authority: .usbDevice, host: .forbidden, port: .forbidden, path: .optional,
             options: [Self.interface, Self.alt, Self.inEndpoint, Self.outEndpoint, Self.location, Self.detach, Self.transfers,
                       Self.transferSize, Self.zlp, Self.wait],
-            exclusive: true
+            exclusive: true, reachesDevice: true
         ), check: Self.check, connect: Self.connect)]
     }
 

@@ -58,6 +58,10 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// (a serial port): a server that fronts it serves one client at a time, where a target that
     /// can be opened many times (tcp, unix) gets a connection per client.
     public var exclusive: Bool = false
+    /// `true` when a URL of this scheme reaches a device that can go away and come back: a serial
+    /// port, a USB or Bluetooth device, a serial port on another machine. `transportkit term`
+    /// connects again (`reconnect+`) to such a URL by default, as tio does for a serial port.
+    public var reachesDevice: Bool = false
     /// `true` for a scheme whose URL names a resource on a server (ws://, http://): query items
     /// it does not declare belong to the server and reach it unchanged
     /// (``ConnectRequest/serverQuery``), where another scheme refuses them as unknown. A declared
@@ -80,8 +84,10 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// `modes` say which of them each way of using the scheme reads (empty: all of them).
     public init(scheme: String, summary: String, grammar: String, examples: [String] = [], authority: AuthorityForm = .hostPort,
                 host: Presence, port: Presence, portRange: ClosedRange<Int>? = nil, path: Presence,
-                options: [any OptionDeclaration] = [], modes: [SchemeMode] = [], exclusive: Bool = false) {
+                options: [any OptionDeclaration] = [], modes: [SchemeMode] = [], exclusive: Bool = false,
+                reachesDevice: Bool = false) {
         self.exclusive = exclusive
+        self.reachesDevice = reachesDevice
         self.modes = modes
         self.scheme = scheme.lowercased()
         self.summary = summary

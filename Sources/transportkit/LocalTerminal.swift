@@ -1,0 +1,98 @@
+// LocalTerminal.swift: the terminal `transportkit term` runs in, through termios(3). Raw mode as
+// cfmakeraw(3) sets it (no echo, no line editing, no signal keys, no output processing), so that
+// every key, Ctrl-C included, reaches the device as a byte and its bytes reach the screen untouched.
+// The settings from before are put back on every way out: the normal end, a signal the tool
+// handles (Signals.run), the tool's own forced exit, and a crash (SIGSEGV, SIGILL, SIGTRAP, SIGBUS,
+// SIGFPE, SIGABRT), whose handler restores them and dies of the same signal. Only SIGKILL and
+// SIGSTOP leave a raw terminal behind; `reset` or `stty sane` mends it.
+
+import Glibc
+import SystemPackage
+import TransportKit
+
+enum LocalTerminal {
+    /// The settings standard input had before raw mode, for the crash handler. Written once, in
+    /// `enterRawMode`, before the handlers that read it are installed and before raw mode is set;
+    /// after that only read (by `restore` and by the signal handler, which may run on any thread),
+    /// so no lock is needed, and a signal handler could not take one.
+    nonisolated(unsafe) private static var saved = termios()
+    nonisolated(unsafe) private static var isRaw = false
+    /// The crash signals' handlers from before (the Swift runtime's backtracer): written once, as
+    /// the handlers are installed; read by the handler, which puts the old one back and raises the
+    /// signal again, so that a crash still prints its backtrace and ends as it would have.
+    nonisolated(unsafe) private static let previous: UnsafeMutablePointer<sigaction> = {
+        let table = UnsafeMutablePointer<sigaction>.allocate(capacity: 6)   // kept for the process's life
+        table.initialize(repeating: sigaction(), count: 6)
+        return table
+    }()
+
+    /// The signals that mean a crash: the handler puts the terminal back, then the signal does
+    /// what it would have done.
+    static let crashSignals: [Int32] = [SIGSEGV, SIGBUS, SIGILL, SIGTRAP, SIGFPE, SIGABRT]
+
+    /// The crash signal's place in `previous`.
+    private static func slot(_ number: Int32) -> Int? {
+        switch number {
+        case SIGSEGV: 0
+        case SIGBUS: 1
+        case SIGILL: 2
+        case SIGTRAP: 3
+        case SIGFPE: 4
+        case SIGABRT: 5
+        default: nil
+        }
+    }
+
+    /// Standard input's terminal settings now; throws when it is not a terminal.
+    static func settings() throws -> termios {
+        var current = termios()
+        guard tcgetattr(0, &current) == 0 else {
+            let failure = Errno(rawValue: errno)
+            if failure == .inappropriateIOCTLForDevice || failure == .invalidArgument {
+                throw TransportError(.unsupported, "term needs a terminal on standard input, and it is a file or a pipe; "
+                                     + "run it from a terminal, or use `transportkit connect` to relay a pipe")
+            }
+            throw TransportError.posix("tcgetattr", errno: failure, what: "standard input")
+        }
+        return current
+    }
+
+    /// Puts standard input's terminal in raw mode. Throws when standard input is not a terminal.
+    static func enterRawMode() throws {
+        let current = try settings()
+        saved = current
+        var action = sigaction()
+        action.__sigaction_handler.sa_handler = { number in
+            LocalTerminal.restore()
+            // The handler from before (Swift's backtracer, or the default action) gets the signal.
+            if let index = LocalTerminal.slot(number) {
+                sigaction(number, LocalTerminal.previous + index, nil)   // pointers and a switch: nothing counted or allocated in a handler
+            }
+            raise(number)
+        }
+        action.sa_flags = SA_NODEFER
+        sigemptyset(&action.sa_mask)
+        for number in crashSignals {
+            if let index = slot(number) { sigaction(number, &action, previous + index) }
+        }
+        var raw = current
+        cfmakeraw(&raw)
+        // One byte is enough for read(2) to return; no timer.
+        withUnsafeMutableBytes(of: &raw.c_cc) { cc in
+            cc[Int(VMIN)] = 1
+            cc[Int(VTIME)] = 0
+        }
+        isRaw = true   // before the change: a crash from here on finds the settings to put back
+        guard tcsetattr(0, TCSAFLUSH, &raw) == 0 else {
+            throw TransportError.posix("tcsetattr", errno: Errno(rawValue: errno), what: "standard input")
+        }
+    }
+
+    /// Puts the settings from before raw mode back, if raw mode was set. Async-signal-safe: only
+    /// tcsetattr(3), which is ioctl(2). Called more than once, it sets the same settings again.
+    static func restore() {
+        guard isRaw else { return }
+        var settings = saved
+        _ = tcsetattr(0, TCSANOW, &settings)
+    }
+}

@@ -1,0 +1,285 @@
+// TermScreen.swift: what `transportkit term` shows. The device's bytes after the input maps, as
+// they are or in hex, with a time at the start of each line when asked; the tool's own lines
+// ("[12:00:01.250] Disconnected: …") always on a line of their own; the log file. One writer at a
+// time, in the order the calls came, so that a status line never lands inside a piece of the
+// device's output.
+
+import Dispatch
+import Glibc
+import Synchronization
+import SystemPackage
+import TransportKit
+
+/// Character maps, named as tio's `--map` names them: `I…` for what the device sends (shown on
+/// the screen), `O…` for what is typed (sent to the device).
+struct TermMaps: Sendable, Equatable {
+    enum Flag: String, CaseIterable, Sendable {
+        /// CR from the device shown as a new line (unless IGNCR).
+        case ICRNL
+        /// CR from the device dropped.
+        case IGNCR
+        /// LF from the device shown as CR.
+        case INLCR
+        /// LF from the device shown as CR LF (a device that ends lines with LF alone).
+        case INLCRNL
+        /// CR typed (Enter) sent as LF.
+        case OCRNL
+        /// LF typed or pasted sent as CR LF.
+        case ONLCRNL
+        /// DEL typed (Backspace on most terminals) sent as BS.
+        case ODELBS
+        /// Lower case letters typed sent as upper case.
+        case OLTU
+    }
+
+    var flags: Set<Flag> = []
+
+    init() {}
+
+    /// Parses `--map ICRNL,ONLCRNL`: names separated by commas, in any case.
+    init(parsing text: String) throws {
+        for name in text.split(separator: ",").map({ $0.trimmingSpaces().uppercased() }) where !name.isEmpty {
+            guard let flag = Flag(rawValue: name) else {
+                throw TermError("--map has no map named \(name); the maps are \(Flag.allCases.map(\.rawValue).joined(separator: ", "))")
+            }
+            flags.insert(flag)
+        }
+    }
+
+    var summary: String { flags.isEmpty ? "none" : Flag.allCases.filter(flags.contains).map(\.rawValue).joined(separator: ",") }
+
+    /// The device's bytes as the screen gets them.
+    func fromDevice(_ bytes: [UInt8]) -> [UInt8] {
+        guard !flags.isEmpty else { return bytes }
+        var out: [UInt8] = []
+        out.reserveCapacity(bytes.count + 8)
+        for byte in bytes {
+            switch byte {
+            case 0x0D where flags.contains(.IGNCR): continue
+            case 0x0D where flags.contains(.ICRNL): out.append(0x0A)
+            case 0x0A where flags.contains(.INLCRNL): out += [0x0D, 0x0A]
+            case 0x0A where flags.contains(.INLCR): out.append(0x0D)
+            default: out.append(byte)
+            }
+        }
+        return out
+    }
+
+    /// Typed bytes as the device gets them.
+    func toDevice(_ bytes: [UInt8]) -> [UInt8] {
+        guard !flags.isEmpty else { return bytes }
+        var out: [UInt8] = []
+        out.reserveCapacity(bytes.count + 8)
+        for byte in bytes {
+            switch byte {
+            case 0x0D where flags.contains(.OCRNL): out.append(0x0A)
+            case 0x0A where flags.contains(.ONLCRNL): out += [0x0D, 0x0A]
+            case 0x7F where flags.contains(.ODELBS): out.append(0x08)
+            case UInt8(ascii: "a")...UInt8(ascii: "z") where flags.contains(.OLTU): out.append(byte - 0x20)
+            default: out.append(byte)
+            }
+        }
+        return out
+    }
+}
+
+/// A message for the person at the terminal, from `term` itself.
+struct TermError: Error, CustomStringConvertible {
+    var description: String
+    init(_ description: String) { self.description = description }
+}
+
+extension Substring {
+    func trimmingSpaces() -> Substring {
+        var text = self
+        while text.first == " " { text = text.dropFirst() }
+        while text.last == " " { text = text.dropLast() }
+        return text
+    }
+}
+
+/// The screen (standard output) and the log file.
+actor TermScreen {
+    var maps: TermMaps
+    var hex: Bool
+    var timestamps: Bool
+    /// The device's output is at the start of a line (for the time stamp).
+    private var atLineStart = true
+    /// Hex bytes on the current line.
+    private var hexColumn = 0
+    /// The last byte written to the screen was a line feed (status lines start on a line of their own).
+    private var atColumnZero = true
+    private(set) var log: TermLog?
+    private let colored: Bool
+    private let writable = DescriptorWait(fd: 1, events: Int16(POLLOUT))
+    /// One write at a time: a write that waits for room on the screen suspends, and the next
+    /// caller waits its turn here, so pieces never interleave.
+    private var busy = false
+    private var waiting: [CheckedContinuation<Void, Never>] = []
+
+    init(maps: TermMaps, hex: Bool, timestamps: Bool, log: TermLog?) {
+        self.maps = maps
+        self.hex = hex
+        self.timestamps = timestamps
+        self.log = log
+        colored = isatty(1) == 1 && getenv("NO_COLOR") == nil
+    }
+
+    /// Shows bytes from the device (and logs them as shown).
+    func device(_ bytes: [UInt8]) async throws {
+        let shown = format(maps.fromDevice(bytes))
+        log?.write(shown)
+        try await write(shown)
+    }
+
+    /// Shows typed bytes (local echo): Enter as a new line.
+    func echo(_ bytes: [UInt8]) async throws {
+        var typed: [UInt8] = []
+        for byte in bytes { if byte == 0x0D { typed += [0x0D, 0x0A] } else { typed.append(byte) } }
+        try await write(format(typed))
+    }
+
+    /// A line of the tool's own, on a line of its own: `[12:00:01.250] text`. Lines in `text`
+    /// each get a line of their own.
+    func status(_ text: String) async {
+        var out: [UInt8] = atColumnZero ? [] : [0x0D, 0x0A]
+        let lines = text.split(separator: "\n", omittingEmptySubsequences: false)
+        for (index, line) in lines.enumerated() {
+            let prefix = index == 0 ? "[\(Self.clock())] " : "    "
+            out += Array((colored ? "\u{1B}[33m" : "").utf8) + Array((prefix + line).utf8) + Array((colored ? "\u{1B}[0m" : "").utf8) + [0x0D, 0x0A]
+        }
+        if hex { hexColumn = 0 }
+        atLineStart = true
+        try? await write(out)
+    }
+
+    /// Writes `text` as it is (a prompt and what is typed into it).
+    func raw(_ text: String) async {
+        try? await write(Array(text.utf8))
+    }
+
+    func setHex(_ on: Bool) async {
+        if hex && !on && hexColumn > 0 { hexColumn = 0; try? await write([0x0D, 0x0A]); atLineStart = true }
+        hex = on
+    }
+
+    func setTimestamps(_ on: Bool) { timestamps = on }
+
+    /// Ends the output on a line of its own, for the shell's prompt.
+    func finish() async {
+        if !atColumnZero { try? await write([0x0D, 0x0A]) }
+    }
+
+    func setLog(_ log: TermLog?) { self.log = log }
+
+    /// The time of day, as `12:00:01.250`.
+    static func clock() -> String {
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        var parts = tm()
+        var seconds = now.tv_sec
+        localtime_r(&seconds, &parts)
+        func two(_ n: Int32) -> String { n < 10 ? "0\(n)" : "\(n)" }
+        let millis = Int(now.tv_nsec / 1_000_000)
+        let ms = millis < 10 ? "00\(millis)" : millis < 100 ? "0\(millis)" : "\(millis)"
+        return "\(two(parts.tm_hour)):\(two(parts.tm_min)):\(two(parts.tm_sec)).\(ms)"
+    }
+
+    private func format(_ bytes: [UInt8]) -> [UInt8] {
+        guard hex || timestamps else {
+            if let last = bytes.last { atLineStart = last == 0x0A }
+            return bytes
+        }
+        var out: [UInt8] = []
+        out.reserveCapacity(bytes.count * (hex ? 3 : 1) + 32)
+        for byte in bytes {
+            if atLineStart {
+                if timestamps { out += Array("[\(Self.clock())] ".utf8) }
+                atLineStart = false
+            }
+            if hex {
+                out += Array(((byte < 0x10 ? "0" : "") + String(byte, radix: 16) + " ").utf8)
+                hexColumn += 1
+                if byte == 0x0A || hexColumn == 16 {
+                    out += [0x0D, 0x0A]
+                    hexColumn = 0
+                    atLineStart = true
+                }
+            } else {
+                out.append(byte)
+                if byte == 0x0A { atLineStart = true }
+            }
+        }
+        return out
+    }
+
+    private func write(_ bytes: [UInt8]) async throws {
+        guard !bytes.isEmpty else { return }
+        while busy { await withCheckedContinuation { waiting.append($0) } }
+        busy = true
+        defer {
+            busy = false
+            if !waiting.isEmpty { waiting.removeFirst().resume() }
+        }
+        if let last = bytes.last { atColumnZero = last == 0x0A }
+        try await StandardOutput.writeAll(bytes, waiting: writable)
+    }
+}
+
+/// The log file: appended to, written on a queue of its own so that a slow disk never holds the
+/// screen. At most 4 MiB wait for the disk; beyond that bytes are dropped and counted, and the
+/// count is written into the log when the disk catches up.
+final class TermLog: Sendable {
+    let path: String
+    private let fd: Int32
+    private let queue = DispatchQueue(label: "transportkit-term-log")
+    /// Bytes handed to the queue and not yet written; bytes dropped; the first write error.
+    private let state = Mutex<(pending: Int, lost: Int, failure: Errno?)>((0, 0, nil))
+    static let pendingLimit = 4 << 20
+
+    /// Opens `path` for appending (made with mode 0644 when absent).
+    init(path: String) throws {
+        let fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOCTTY, 0o644)
+        guard fd >= 0 else {
+            let failure = Errno(rawValue: errno)
+            throw TransportError.posix("open", errno: failure, what: "the log file \(TransportError.printable(path))")
+        }
+        self.path = path
+        self.fd = fd
+    }
+
+    deinit { _ = Glibc.close(fd) }
+
+    /// What went wrong, if anything: `nil`, or "12 bytes lost (the disk was slower than the device)".
+    var trouble: String? {
+        state.withLock { state in
+            if let failure = state.failure { return "writing \(path) failed with \(failure.symbolicDescription) (\(failure.description)); later bytes are not logged" }
+            return state.lost > 0 ? "\(state.lost) bytes were not logged: the disk was slower than the device" : nil
+        }
+    }
+
+    func write(_ bytes: [UInt8]) {
+        let take = state.withLock { state -> Bool in
+            guard state.failure == nil else { return false }
+            guard state.pending + bytes.count <= Self.pendingLimit else {
+                state.lost += bytes.count
+                return false
+            }
+            state.pending += bytes.count
+            return true
+        }
+        guard take else { return }
+        queue.async { [self] in
+            let failure = writeFully(fd, bytes[...])
+            state.withLock { state in
+                state.pending -= bytes.count
+                if let failure, state.failure == nil { state.failure = failure }
+            }
+        }
+    }
+
+    /// Waits until what was handed over is on its way to the disk.
+    func flush() async {
+        await withCheckedContinuation { continuation in queue.async { continuation.resume() } }
+    }
+}
