@@ -3,8 +3,9 @@
 // every key, Ctrl-C included, reaches the device as a byte and its bytes reach the screen untouched.
 // The settings from before are put back on every way out: the normal end, a signal the tool
 // handles (Signals.run), the tool's own forced exit, and a crash (SIGSEGV, SIGILL, SIGTRAP, SIGBUS,
-// SIGFPE, SIGABRT), whose handler restores them and dies of the same signal. Only SIGKILL and
-// SIGSTOP leave a raw terminal behind; `reset` or `stty sane` mends it.
+// SIGFPE, SIGABRT, and SIGQUIT, which Swift's backtracer also takes), whose handler restores them
+// and passes the signal on. A signal nothing here handles (SIGKILL, a stop signal sent by another
+// process, SIGUSR1 and the like) leaves a raw terminal behind; `stty sane` mends it.
 
 import Glibc
 import SystemPackage
@@ -21,14 +22,14 @@ enum LocalTerminal {
     /// the handlers are installed; read by the handler, which puts the old one back and raises the
     /// signal again, so that a crash still prints its backtrace and ends as it would have.
     nonisolated(unsafe) private static let previous: UnsafeMutablePointer<sigaction> = {
-        let table = UnsafeMutablePointer<sigaction>.allocate(capacity: 6)   // kept for the process's life
-        table.initialize(repeating: sigaction(), count: 6)
+        let table = UnsafeMutablePointer<sigaction>.allocate(capacity: 7)   // kept for the process's life
+        table.initialize(repeating: sigaction(), count: 7)
         return table
     }()
 
     /// The signals that mean a crash: the handler puts the terminal back, then the signal does
     /// what it would have done.
-    static let crashSignals: [Int32] = [SIGSEGV, SIGBUS, SIGILL, SIGTRAP, SIGFPE, SIGABRT]
+    static let crashSignals: [Int32] = [SIGSEGV, SIGBUS, SIGILL, SIGTRAP, SIGFPE, SIGABRT, SIGQUIT]
 
     /// The crash signal's place in `previous`.
     private static func slot(_ number: Int32) -> Int? {
@@ -39,6 +40,7 @@ enum LocalTerminal {
         case SIGTRAP: 3
         case SIGFPE: 4
         case SIGABRT: 5
+        case SIGQUIT: 6
         default: nil
         }
     }
@@ -62,15 +64,20 @@ enum LocalTerminal {
         let current = try settings()
         saved = current
         var action = sigaction()
-        action.__sigaction_handler.sa_handler = { number in
+        action.__sigaction_handler.sa_sigaction = { number, info, _ in
             LocalTerminal.restore()
             // The handler from before (Swift's backtracer, or the default action) gets the signal.
             if let index = LocalTerminal.slot(number) {
                 sigaction(number, LocalTerminal.previous + index, nil)   // pointers and a switch: nothing counted or allocated in a handler
             }
+            // A fault the kernel raised (si_code > 0) happens again when the handler returns, and
+            // the handler from before gets it with its real address and context; one sent by
+            // kill(2) or abort(3) is raised again.
+            if let info, info.pointee.si_code > 0 { return }
             raise(number)
         }
-        action.sa_flags = SA_NODEFER
+        // The alternate stack Swift's runtime set up, so that a stack overflow still gets here.
+        action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER
         sigemptyset(&action.sa_mask)
         for number in crashSignals {
             if let index = slot(number) { sigaction(number, &action, previous + index) }

@@ -171,7 +171,10 @@ final class TermSession: Sendable {
             ending = error
         }
         if let connection { _ = await Relay.close([connection]) }
-        await options.log?.flush()
+        // A connect cut short by Ctrl-T q or a signal while the device was awaited: what it made
+        // (a tty whose settings it changed) is closed, and put back, before the tool exits.
+        await Transport.registry.waitForAbandonedConnects()
+        await screen.log?.flush()
         await screen.finish()
         if let ending { throw ending }
     }
@@ -191,6 +194,7 @@ final class TermSession: Sendable {
         }
         guard let connection else { return }
         current.withLock { $0 = connection }
+        notSentSaid.store(false, ordering: .relaxed)   // keys typed while it was awaited were said
         await screen.status("Connected to \(connection.url.shown) (Ctrl-T ? for the keys, Ctrl-T q to quit)")
         try await withThrowingTaskGroup(of: Void.self) { group in
             if options.reconnecting {
@@ -256,8 +260,8 @@ final class TermSession: Sendable {
         case normal
         /// Ctrl-T was pressed: the next key is a command.
         case menu
-        /// The log file's name is being typed.
-        case prompt(String)
+        /// The log file's name is being typed (its UTF-8 bytes so far).
+        case prompt([UInt8])
     }
 
     /// Reads the keys until Ctrl-T q or the end of standard input (the terminal hung up).
@@ -289,28 +293,30 @@ final class TermSession: Sendable {
                     await flush()
                     switch await command(byte) {
                     case .quit: return
-                    case .promptForLog: state = .prompt("")
+                    case .promptForLog: state = .prompt([])
                     case .done: break
                     }
                 case .prompt(var name):
                     switch byte {
                     case 0x0D, 0x0A:
                         state = .normal
-                        await screen.raw("\r\n")
-                        await startLog(name)
+                        await screen.raw([0x0D, 0x0A])
+                        await startLog(String(decoding: name, as: UTF8.self))
                     case 0x1B, 0x03:
                         state = .normal
-                        await screen.raw("\r\n")
+                        await screen.raw([0x0D, 0x0A])
                         await screen.status("Not logging")
                     case 0x7F, 0x08:
+                        // One character back: its UTF-8 continuation bytes, then its first byte.
+                        while let last = name.last, last & 0xC0 == 0x80 { name.removeLast() }
                         if !name.isEmpty {
                             name.removeLast()
-                            await screen.raw("\u{8} \u{8}")
+                            await screen.raw([0x08, 0x20, 0x08])
                         }
                         state = .prompt(name)
                     case 0x20...0x7E, 0x80...:
-                        name.unicodeScalars.append(Unicode.Scalar(byte))
-                        await screen.raw(String(decoding: [byte], as: UTF8.self))
+                        name.append(byte)
+                        await screen.raw([byte])
                         state = .prompt(name)
                     default:
                         state = .prompt(name)
@@ -393,7 +399,7 @@ final class TermSession: Sendable {
                 await startLog(path)
             } else {
                 await screen.status("Log to which file? Type its name and Enter (Esc: no log)")
-                await screen.raw("file: ")
+                await screen.raw(Array("file: ".utf8))
                 return .promptForLog
             }
         case UInt8(ascii: "s"):
@@ -401,7 +407,7 @@ final class TermSession: Sendable {
         case UInt8(ascii: "c"):
             await configuration()
         case UInt8(ascii: "l"):
-            await screen.raw("\u{1B}[H\u{1B}[2J")
+            await screen.raw(Array("\u{1B}[H\u{1B}[2J".utf8))
         case UInt8(ascii: "b"):
             await serial("Break") { port in
                 try await port.sendBreak(duration: Self.breakLength)
@@ -491,6 +497,9 @@ final class TermSession: Sendable {
             }
         } else {
             lines.append("Not connected yet")
+        }
+        if let log = await screen.log {
+            lines.append("Logging to \(log.path)" + (log.trouble.map { ": \($0)" } ?? ""))
         }
         await screen.status(lines.joined(separator: "\n"))
     }

@@ -112,8 +112,8 @@ actor TermScreen {
     private(set) var log: TermLog?
     private let colored: Bool
     private let writable = DescriptorWait(fd: 1, events: Int16(POLLOUT))
-    /// One write at a time: a write that waits for room on the screen suspends, and the next
-    /// caller waits its turn here, so pieces never interleave.
+    /// One caller at a time formats and writes: a write that waits for room on the screen
+    /// suspends, and the next caller waits its turn (``takeTurn()``), so pieces never interleave.
     private var busy = false
     private var waiting: [CheckedContinuation<Void, Never>] = []
 
@@ -127,50 +127,69 @@ actor TermScreen {
 
     /// Shows bytes from the device (and logs them as shown).
     func device(_ bytes: [UInt8]) async throws {
+        await takeTurn()
+        defer { passTurn() }
         let shown = format(maps.fromDevice(bytes))
         log?.write(shown)
         try await write(shown)
     }
 
-    /// Shows typed bytes (local echo): Enter as a new line.
+    /// Shows typed bytes (local echo) as they are, Enter as a new line: no time, no hex.
     func echo(_ bytes: [UInt8]) async throws {
+        await takeTurn()
+        defer { passTurn() }
         var typed: [UInt8] = []
         for byte in bytes { if byte == 0x0D { typed += [0x0D, 0x0A] } else { typed.append(byte) } }
-        try await write(format(typed))
+        if let last = typed.last { atLineStart = last == 0x0A }
+        try await write(typed)
     }
 
     /// A line of the tool's own, on a line of its own: `[12:00:01.250] text`. Lines in `text`
     /// each get a line of their own.
     func status(_ text: String) async {
-        var out: [UInt8] = atColumnZero ? [] : [0x0D, 0x0A]
+        await takeTurn()
+        defer { passTurn() }
+        // CR first in any case: after a bare LF from the device (no output processing in raw
+        // mode) the cursor is on a new line but not at its start.
+        var out: [UInt8] = atColumnZero ? [0x0D] : [0x0D, 0x0A]
         let lines = text.split(separator: "\n", omittingEmptySubsequences: false)
         for (index, line) in lines.enumerated() {
             let prefix = index == 0 ? "[\(Self.clock())] " : "    "
             out += Array((colored ? "\u{1B}[33m" : "").utf8) + Array((prefix + line).utf8) + Array((colored ? "\u{1B}[0m" : "").utf8) + [0x0D, 0x0A]
         }
-        if hex { hexColumn = 0 }
+        hexColumn = 0
         atLineStart = true
         try? await write(out)
     }
 
-    /// Writes `text` as it is (a prompt and what is typed into it).
-    func raw(_ text: String) async {
-        try? await write(Array(text.utf8))
+    /// Writes `bytes` as they are (a prompt and what is typed into it).
+    func raw(_ bytes: [UInt8]) async {
+        await takeTurn()
+        defer { passTurn() }
+        try? await write(bytes)
     }
 
     func setHex(_ on: Bool) async {
-        if hex && !on && hexColumn > 0 { hexColumn = 0; try? await write([0x0D, 0x0A]); atLineStart = true }
+        await takeTurn()
+        defer { passTurn() }
+        if hex && !on && hexColumn > 0 {
+            hexColumn = 0
+            atLineStart = true
+            try? await write([0x0D, 0x0A])
+        }
         hex = on
     }
 
     func setTimestamps(_ on: Bool) { timestamps = on }
 
-    /// Ends the output on a line of its own, for the shell's prompt.
-    func finish() async {
-        if !atColumnZero { try? await write([0x0D, 0x0A]) }
-    }
-
     func setLog(_ log: TermLog?) { self.log = log }
+
+    /// Ends the output at the start of a line of its own, for the shell's prompt.
+    func finish() async {
+        await takeTurn()
+        defer { passTurn() }
+        try? await write(atColumnZero ? [0x0D] : [0x0D, 0x0A])
+    }
 
     /// The time of day, as `12:00:01.250`.
     static func clock() -> String {
@@ -213,22 +232,31 @@ actor TermScreen {
         return out
     }
 
+    /// Waits for this caller's turn: the state the output is formatted from is read and changed
+    /// only by the caller whose turn it is, and turns go in the order they were asked for.
+    private func takeTurn() async {
+        if busy {
+            await withCheckedContinuation { waiting.append($0) }   // passTurn hands it over: busy stays true
+        } else {
+            busy = true
+        }
+    }
+
+    private func passTurn() {
+        if waiting.isEmpty { busy = false } else { waiting.removeFirst().resume() }
+    }
+
+    /// Writes during the caller's turn.
     private func write(_ bytes: [UInt8]) async throws {
         guard !bytes.isEmpty else { return }
-        while busy { await withCheckedContinuation { waiting.append($0) } }
-        busy = true
-        defer {
-            busy = false
-            if !waiting.isEmpty { waiting.removeFirst().resume() }
-        }
         if let last = bytes.last { atColumnZero = last == 0x0A }
         try await StandardOutput.writeAll(bytes, waiting: writable)
     }
 }
 
 /// The log file: appended to, written on a queue of its own so that a slow disk never holds the
-/// screen. At most 4 MiB wait for the disk; beyond that bytes are dropped and counted, and the
-/// count is written into the log when the disk catches up.
+/// screen. At most 4 MiB wait for the disk; beyond that bytes are dropped and counted
+/// (``trouble``: `Ctrl-T s` and `Ctrl-T f` say it).
 final class TermLog: Sendable {
     let path: String
     private let fd: Int32
@@ -237,13 +265,20 @@ final class TermLog: Sendable {
     private let state = Mutex<(pending: Int, lost: Int, failure: Errno?)>((0, 0, nil))
     static let pendingLimit = 4 << 20
 
-    /// Opens `path` for appending (made with mode 0644 when absent).
+    /// Opens `path` for appending (made with mode 0644 when absent). Only a regular file: the
+    /// open does not wait (O_NONBLOCK, so a FIFO's never holds the keys), and anything else is refused.
     init(path: String) throws {
-        let fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOCTTY, 0o644)
+        let fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOCTTY | O_NONBLOCK, 0o644)
         guard fd >= 0 else {
             let failure = Errno(rawValue: errno)
             throw TransportError.posix("open", errno: failure, what: "the log file \(TransportError.printable(path))")
         }
+        var status = stat()
+        guard fstat(fd, &status) == 0, (status.st_mode & S_IFMT) == S_IFREG else {
+            _ = Glibc.close(fd)
+            throw TransportError(.unsupported, "the log file \(TransportError.printable(path)) is not a regular file; name a file")
+        }
+        _ = fcntl(fd, F_SETFL, O_WRONLY | O_APPEND)
         self.path = path
         self.fd = fd
     }

@@ -79,16 +79,16 @@ struct TermCLITests {
     @Test func theLogFileCanBeNamedAtItsPrompt() async throws {
         let device = try await Transport.connect(to: "pty://")
         let node = try #require(device.metadata.extra["peer"])
-        let log = temporaryPath("term-prompt.log")
+        let log = temporaryPath("term-prompt-é.log")   // UTF-8 typed at the prompt
         defer { unlink(log) }
         let pane = try await TermPane(["term", "--no-reconnect", "tty://\(node)"])
         defer { pane.close() }
         #expect(await pane.waitForScreen("Connected to tty://"), "--no-reconnect: no reconnect+ layer: \(pane.screen())")
         await pane.keys("C-t", "f")
         #expect(await pane.waitForScreen("Log to which file?"), "\(pane.screen())")
-        await pane.type(log + "x")
+        await pane.type(log + "ü")
         await pane.keys("BSpace", "Enter")
-        #expect(await pane.waitForScreen("Logging to \(log)\n"), "Backspace took the x back: \(pane.screen())")
+        #expect(await pane.waitForScreen("Logging to \(log)\n"), "Backspace took the ü back, both its bytes: \(pane.screen())")
         try await device.write("kept\r\n")
         #expect(await pane.waitForScreen("kept"))
         await pane.keys("C-t", "q")
@@ -134,7 +134,7 @@ struct TermCLITests {
         #expect(await pane.waitForScreen("Connected to"), "\(pane.screen())")
         try await device.close()
         #expect(await pane.exitStatus() == 1, "\(pane.screen())")
-        #expect(pane.screen().contains("Disconnected: serial port \(node) went away"), "\(pane.screen())")
+        #expect(await pane.capture().contains("Disconnected: serial port \(node) went away"), "\(pane.screen())")
         #expect(pane.stderr.contains("transportkit: serial port \(node) went away"), "\(pane.stderr)")
         #expect(pane.terminalRestored)
     }
@@ -223,39 +223,49 @@ final class TermPane: Sendable {
         try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
         let command = ([CLI.binary] + arguments).map(Self.quoted).joined(separator: " ")
         let script = "stty -g > \(directory)/before; echo $$ > \(directory)/shell; \(environment) \(command) 2> \(directory)/stderr; "
-            + "echo $? > \(directory)/status; stty -g > \(directory)/after; exec sleep 600"
-        let status = await runToEnd("/usr/bin/env", ["TERM=xterm", "tmux", "-S", socket, "-f", "/dev/null", "new-session", "-d", "-s", "t",
+            + "code=$?; stty -g > \(directory)/after; echo $code > \(directory)/status; exec sleep 600"
+        let status = await runToEnd("/usr/bin/env", ["TERM=xterm", Self.tmux, "-S", socket, "-f", "/dev/null", "new-session", "-d", "-s", "t",
                                                       "-x", "160", "-y", "60", "/bin/sh", "-c", script])
         guard status == 0 else { throw TermPaneError(description: "tmux new-session exited with \(status)") }
     }
+
+    static let tmux = "/usr/bin/tmux"
 
     static func quoted(_ word: String) -> String { "'" + word.replacingOccurrences(of: "'", with: "'\\''") + "'" }
 
     /// tmux key names (`C-t`, `Enter`, `q`), each one key.
     func keys(_ names: String...) async {
-        _ = await runToEnd("/usr/bin/tmux", ["-S", socket, "send-keys", "-t", "t"] + names)
+        let status = await runToEnd(Self.tmux, ["-S", socket, "send-keys", "-t", "t"] + names)
+        #expect(status == 0, "tmux send-keys \(names) exited with \(status)")
     }
 
     /// Types `text` as it is.
     func type(_ text: String) async {
-        _ = await runToEnd("/usr/bin/tmux", ["-S", socket, "send-keys", "-t", "t", "-l", text])
+        let status = await runToEnd(Self.tmux, ["-S", socket, "send-keys", "-t", "t", "-l", text])
+        #expect(status == 0, "tmux send-keys -l exited with \(status)")
     }
 
-    /// The screen and its history, lines joined with `\n`.
-    func screen() -> String {
-        let file = directory + "/screen"
-        let command = "/usr/bin/tmux -S \(socket) capture-pane -p -J -S -500 -t t > \(file)"
-        let status = command.withCString { system($0) }
-        guard status == 0 else { return "(capture-pane failed: \(status))" }
-        return (try? String(contentsOfFile: file, encoding: .utf8)) ?? ""
+    /// The screen and its history as last captured, lines joined with `\n`.
+    func screen() -> String { (try? String(contentsOfFile: directory + "/screen", encoding: .utf8)) ?? "" }
+
+    /// Captures the screen (on a thread of runToEnd's, not the test's) and returns it.
+    func capture() async -> String {
+        let command = "\(Self.tmux) -S \(socket) capture-pane -p -J -S -500 -t t > \(directory)/screen.new && mv \(directory)/screen.new \(directory)/screen"
+        guard await runToEnd("/bin/sh", ["-c", command]) == 0 else { return "" }
+        return screen()
     }
 
     func waitForScreen(_ text: String, seconds: Double = 10) async -> Bool {
-        await eventually(seconds, every: .milliseconds(50)) { screen().contains(text) }
+        let deadline = ContinuousClock.now + .seconds(seconds)
+        while ContinuousClock.now < deadline {
+            if await capture().contains(text) { return true }
+            try? await Task.sleep(for: .milliseconds(50))
+        }
+        return false
     }
 
     private func read(_ name: String) -> String {
-        ((try? String(contentsOfFile: directory + "/" + name, encoding: .utf8)) ?? "").trimmingCharacters(in: .whitespacesAndNewlines)
+        ((try? String(contentsOfFile: directory + "/" + name, encoding: .utf8)) ?? "").trimmingCharacters(in: .newlines)
     }
 
     /// term's exit status, once the shell wrote it.
@@ -282,7 +292,7 @@ final class TermPane: Sendable {
     }
 
     func close() {
-        _ = "/usr/bin/tmux -S \(socket) kill-server 2>/dev/null".withCString { system($0) }
+        _ = "\(Self.tmux) -S \(socket) kill-server 2>/dev/null".withCString { system($0) }
         try? FileManager.default.removeItem(atPath: directory)
     }
 }

@@ -258,6 +258,74 @@ struct ReconnectTests {
         try await connection.close()
     }
 
+    /// The delay each event announces, in milliseconds: after a loss and after each failed attempt.
+    static func announcedDelays(_ events: [ConnectionEvent]) -> [Int] {
+        events.compactMap { (event: ConnectionEvent) -> Int? in
+            let next: Duration?
+            switch event {
+            case .disconnected(_, let delay), .waiting(_, _, let delay): next = delay
+            default: next = nil
+            }
+            guard let next else { return nil }
+            let (seconds, attoseconds) = next.components
+            return Int((Double(seconds) * 1000 + Double(attoseconds) / 1e15).rounded())
+        }
+    }
+
+    /// With no jitter the delays grow by `multiplier` from `initialDelay` and stop at `maxDelay`;
+    /// with jitter, each is moved by up to ±jitter of itself, and they differ.
+    @Test func delaysGrowToTheirMaximumAndJitterSpreadsThem() async throws {
+        for (options, check) in [
+            ("reconnect.initialDelay=0.04&reconnect.multiplier=2&reconnect.maxDelay=0.16&reconnect.jitter=0", { (delays: [Int]) in
+                #expect(Array(delays.prefix(5)) == [40, 80, 160, 160, 160], "\(delays)")
+            }),
+            ("reconnect.initialDelay=0.1&reconnect.multiplier=1&reconnect.jitter=0.5", { (delays: [Int]) in
+                #expect(delays.allSatisfy { (50...150).contains($0) }, "within ±50 %: \(delays)")
+                #expect(Set(delays).count > 1, "spread, not in step: \(delays)")
+            }),
+        ] as [(String, ([Int]) -> Void)] {
+            let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+            let port = try #require(server.url.port)
+            let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?\(options)")
+            let events = Gathered(connection.events())
+            let reading = Task { try? await connection.read(timeout: .seconds(30)) }   // a read finds each loss
+            // Each connection is dropped at once, so it never stays up long enough to reset the
+            // delays. (The listener stays: a port given back would be reused by another test's
+            // listener, which these attempts would then reach.)
+            let dropping = Task {
+                while let accepted = try await server.accept() { try await accepted.close() }
+            }
+            #expect(await events.wait(10) { Self.announcedDelays($0).count >= 6 }, "\(events.elements)")
+            check(Self.announcedDelays(events.elements))
+            try await connection.close()
+            reading.cancel()
+            dropping.cancel()
+            try await server.close()
+        }
+    }
+
+    /// A connection that stayed up `stableAfter` starts the next outage from the first delay; one
+    /// that did not carries on where the last outage's delays were.
+    @Test func aConnectionThatStayedUpResetsTheDelays() async throws {
+        let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(server.url.port)
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?reconnect.initialDelay=0.05&reconnect.multiplier=4"
+                                                     + "&reconnect.maxDelay=5&reconnect.jitter=0&reconnect.stableAfter=0.6")
+        let events = Gathered(connection.events())
+        let reading = Task { try? await connection.read(timeout: .seconds(30)) }   // a read finds each loss
+        defer { reading.cancel() }
+        for upFor in [Duration.zero, .zero, .milliseconds(900)] {
+            let accepted = try #require(try await server.accept())
+            try await Task.sleep(for: upFor)
+            try await accepted.close()
+        }
+        _ = try #require(try await server.accept())
+        #expect(await events.wait(10) { Self.announcedDelays($0).count >= 3 }, "\(events.elements)")
+        #expect(Self.announcedDelays(events.elements) == [50, 200, 50], "short lives grew the delay; 0.9 s up reset it: \(events.elements)")
+        try await connection.close()
+        try await server.close()
+    }
+
     @Test func eventsAfterCloseEndAtOnceWithClosed() async throws {
         let connection = try await Transport.connect(to: "loop://")
         try await connection.close()

@@ -24,6 +24,12 @@ func argument(_ name: String, default value: Int) -> Int {
 let nioExecutor = CommandLine.arguments.contains("--nio-executor")
     && NIOSingletons.unsafeTryInstallSingletonPosixEventLoopGroupAsConcurrencyGlobalExecutor()
 
+// Before the dispatch below: main.swift's globals are set in order, and a mode that runs first
+// (reconnect) would read them unset.
+let totalBytes = argument("--bytes", default: 1 << 30)
+let rounds = argument("--rounds", default: 20_000)
+let chunk = 64 * 1024
+
 switch CommandLine.arguments.dropFirst().first {
 case "serial": try await SerialBench.run(); exit(0)
 case "serial-list": try await SerialBench.list(); exit(0)
@@ -57,9 +63,6 @@ func tlsHandshakes() async throws {
     print("\(count) handshakes in \(String(format: "%.2f", elapsed)) s: \(String(format: "%.0f", Double(count) / elapsed)) per second")
 }
 
-let totalBytes = argument("--bytes", default: 1 << 30)
-let rounds = argument("--rounds", default: 20_000)
-let chunk = 64 * 1024
 
 /// Sends `totalBytes` through tcp:// from one TransportKit connection to another.
 func transportKitThroughput() async throws -> Double {
