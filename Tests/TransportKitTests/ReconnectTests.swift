@@ -258,6 +258,15 @@ struct ReconnectTests {
         try await connection.close()
     }
 
+    @Test func whatAFailedAttemptWaitsForIsSaidFromTheErrorsKindAndCode() {
+        #expect(ConnectionEvent.missing(TransportError(.notFound, "no device at /dev/ttyUSB0")) == "the device to be plugged in")
+        #expect(ConnectionEvent.missing(TransportError(.busy, "held by 123")) == "the device to be free")
+        #expect(ConnectionEvent.missing(TransportError(.permissionDenied, "EACCES")) == "permission")
+        let off = TransportError(.unsupported, "adapter hci0 is powered off", code: "org.bluez.Error.NotReady")
+        #expect(ConnectionEvent.missing(off) == "the adapter to be powered", "by its code, not its words")
+        #expect(ConnectionEvent.missing(TransportError(.unsupported, "adapter hci0 is powered off")) == "the next attempt")
+    }
+
     /// The delay each event announces, in milliseconds: after a loss and after each failed attempt.
     static func announcedDelays(_ events: [ConnectionEvent]) -> [Int] {
         events.compactMap { (event: ConnectionEvent) -> Int? in

@@ -359,9 +359,12 @@ final class BlueZ: Sendable {
         return adapter
     }
 
+    /// An adapter that is off, with the code BlueZ's own calls give that state
+    /// (`org.bluez.Error.NotReady`), so that a reconnect says it waits for the adapter to be powered.
     static func poweredOff(_ adapter: BluetoothAdapter) -> TransportError {
         TransportError(.unsupported, "Bluetooth adapter \(adapter.name) (\(adapter.address)) is powered off: power it on with "
-                       + "`bluetoothctl power on`\(adapter.index.map { " or `btmgmt --index \($0) power on`" } ?? "") (and check `rfkill list`)")
+                       + "`bluetoothctl power on`\(adapter.index.map { " or `btmgmt --index \($0) power on`" } ?? "") (and check `rfkill list`)",
+                       code: "org.bluez.Error.NotReady")
     }
 
     /// Turns BlueZ's D-Bus errors (org.bluez.Error.*, by their name in ``TransportError/code``)

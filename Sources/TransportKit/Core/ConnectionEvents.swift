@@ -45,13 +45,15 @@ public enum ConnectionEvent: Sendable, Equatable, CustomStringConvertible {
 
     /// What an attempt that failed with `error` waits for, in words: the device to be plugged in
     /// (`.notFound`), permission, the device to be free (`.busy`), the peer to accept
-    /// (`.refused`), an answer (`.timedOut`), or else the next attempt.
+    /// (`.refused`), an answer (`.timedOut`), the adapter to be powered (a Bluetooth adapter that
+    /// is off: code `org.bluez.Error.NotReady`), or else the next attempt.
     ///
     /// ```swift
     /// ConnectionEvent.missing(TransportError(.notFound, "no device at /dev/ttyUSB0"))   // "the device to be plugged in"
     /// ```
     public static func missing(_ error: TransportError) -> String {
-        switch error.kind {
+        if error.code == "org.bluez.Error.NotReady" { return "the adapter to be powered" }
+        return switch error.kind {
         case .notFound: "the device to be plugged in"
         case .permissionDenied: "permission"
         case .busy: "the device to be free"
