@@ -237,6 +237,29 @@ struct USBLabTests {
         #expect(settled, "descriptors: \(Descriptors.open())")
     }
 
+    /// `reconnect+usb://` by identity: the Loopback gadget unplugged and plugged in again is found
+    /// by its arrival (not the 30 s delay), claimed again, and echoes on the same Connection.
+    @Test(.timeLimit(.minutes(2)))
+    func reconnectClaimsTheDeviceAgainAfterAReplug() async throws {
+        try await Lab.ctl("usb-loopback", "plug")
+        let connection = try await Transport.connect(to: "reconnect+\(Self.url)?reconnect.initialDelay=30&reconnect.jitter=0")
+        let events = Gathered(connection.events())
+        defer { events.stop() }
+        #expect(try await Self.echo(connection, Array("before".utf8)) == Array("before".utf8))
+        let reading = Task { try await connection.readFrame(.fixedLength(5), timeout: .seconds(60)) }   // a read finds the loss
+        try await Lab.ctl("usb-loopback", "unplug")
+        #expect(await events.wait(10) { $0.contains { if case .disconnected = $0 { true } else { false } } }, "\(events.elements)")
+        let replugged = ContinuousClock.now
+        try await Lab.ctl("usb-loopback", "plug")
+        #expect(await events.wait(20) { $0.contains(.connected(generation: 2)) }, "\(events.elements)")
+        let back = ContinuousClock.now - replugged
+        print("lab: reconnect+usb:// connected again \(back) after the replug began")
+        #expect(back < .seconds(15), "the arrival started the attempt, not the 30 s delay: \(back)")
+        try await connection.write(Array("after".utf8))
+        #expect(try await reading.value == Array("after".utf8), "the reader carried on with the new claim")
+        try await connection.close()
+    }
+
     /// The Loopback function queues OUT requests of 4096 bytes: 1024 bytes (two full high-speed
     /// packets) complete one only when a short or zero-length packet ends them. With zlp=true the
     /// write ends with one, and the bytes come back on their own.

@@ -258,6 +258,46 @@ struct ReconnectTests {
         try await connection.close()
     }
 
+    /// A serial port on another machine (rfc2217://, served here in front of a pty): the server
+    /// ends the session, the client connects again, and the new session gets the settings the app
+    /// had set, although the port was set back to 9600 meanwhile.
+    @Test func anRFC2217PortGetsTheAppsSettingsAgainOnTheNextSession() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let listener = try await Transport.listen(on: "rfc2217://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        /// Accepts one client and serves it with the pty, set to 9600 first; ends when told.
+        func serveOne() async throws -> (client: Connection, device: Connection, serving: Task<Void, Never>) {
+            let client = try #require(try await listener.accept())
+            let session = try #require(client.rfc2217Session)
+            let device = try await Transport.connect(to: "tty://\(pty.path)?baud=9600")
+            let serial = try #require(device.serialPort)
+            return (client, device, Task { await session.serve(serial) })
+        }
+        let connecting = Task { try await Transport.connect(to: "reconnect+rfc2217://127.0.0.1:\(port)?baud=19200&\(Self.quick)") }
+        let first = try await serveOne()
+        let connection = try await connecting.value
+        let events = Gathered(connection.events())
+        #expect(await eventually(5) { (try? pty.termios2().c_ospeed) == 19_200 }, "the URL's rate")
+        try await #require(connection.serialPort).apply(SerialSettings(baudRate: 57_600, stopBits: 2))
+        #expect(await eventually(5) { (try? pty.termios2().c_ospeed) == 57_600 })
+        let reading = Task { try await connection.read(timeout: .seconds(20)) }   // a read finds the loss
+        // The server ends the session; the port is set back to 9600 by the next session's device.
+        try await first.client.close()
+        await first.serving.value
+        try await first.device.close()
+        let second = try await serveOne()
+        #expect(await events.wait(10) { $0.contains(.connected(generation: 2)) }, "\(events.elements)")
+        #expect(await eventually(5) { (try? pty.termios2().c_ospeed) == 57_600 && (try? pty.termios2().c_cflag).map { $0 & UInt32(CSTOPB) != 0 } == true },
+                "the app's 57600 8N2 set again on the new session")
+        try await second.client.write("on the new session")
+        #expect(try await reading.value == Array("on the new session".utf8))
+        try await connection.close()
+        await second.serving.value
+        try await second.device.close()
+        try await listener.close()
+    }
+
     @Test func whatAFailedAttemptWaitsForIsSaidFromTheErrorsKindAndCode() {
         #expect(ConnectionEvent.missing(TransportError(.notFound, "no device at /dev/ttyUSB0")) == "the device to be plugged in")
         #expect(ConnectionEvent.missing(TransportError(.busy, "held by 123")) == "the device to be free")
