@@ -4,6 +4,7 @@
 // the connection's events become status lines.
 
 import ArgumentParser
+import Glibc
 import Logging
 import Synchronization
 import TransportKit
@@ -58,6 +59,10 @@ struct Term: AsyncParsableCommand {
         LoggingSystem.bootstrap { _ in SwiftLogNoOpLogHandler() }
         do {
             let plan = try Self.plan(url, reconnect: !noReconnect)
+            if plan.url.hasLayer("spy"), !plan.url.description.contains("spy.file="), isatty(2) == 1 {
+                throw ValidationError("spy+ writes its trace to standard error, which is the terminal term draws on; "
+                                      + "give the trace a file (spy.file=PATH) or send standard error elsewhere (2> trace.txt)")
+            }
             _ = try LocalTerminal.settings()   // a terminal, before anything is connected
             ToolConnection.warnIfInsecure(plan.url)
             let log = try logPath.map(TermLog.init)

@@ -201,6 +201,29 @@ struct TermCLITests {
         }
     }
 
+    /// spy+ in term: with standard error elsewhere the trace goes there and the session works; with
+    /// standard error on the terminal term draws on, it is refused before anything is opened.
+    @Test func spyTracesToStandardErrorElsewhereAndIsRefusedOnTheTerminal() async throws {
+        let device = try await Transport.connect(to: "pty://")
+        let node = try #require(device.metadata.extra["peer"])
+        let pane = try await TermPane(["term", "spy+tty://\(node)"])
+        defer { pane.close() }
+        #expect(await pane.waitForScreen("Connected to reconnect+spy+tty://"), "\(pane.screen())")
+        await pane.type("hi")
+        #expect(try await device.readFrame(.fixedLength(2), timeout: .seconds(10)) == Array("hi".utf8))
+        await pane.keys("C-t", "q")
+        #expect(await pane.exitStatus() == 0)
+        #expect(pane.stderr.contains("> 2 bytes") || pane.stderr.contains("68 69"), "the trace went to standard error's file: \(pane.stderr)")
+        #expect(pane.terminalRestored)
+
+        let refused = try await TermPane(["term", "spy+tty://\(node)"], stderrToFile: false)
+        defer { refused.close() }
+        #expect(await refused.exitStatus() == 64)
+        #expect(await refused.waitForScreen("spy+ writes its trace to standard error, which is the terminal term draws on"), "\(refused.screen())")
+        #expect(refused.terminalRestored)
+        try await device.close()
+    }
+
     @Test func refusals() async throws {
         let piped = try await CLI.run(["term", "tcp://127.0.0.1:9"], stdin: Array("x".utf8))
         #expect(piped.status == 1)
@@ -218,11 +241,12 @@ final class TermPane: Sendable {
     let directory: String
     private var socket: String { directory + "/tmux" }
 
-    init(_ arguments: [String], environment: String = "") async throws {
+    /// - Parameter stderrToFile: standard error to a file (`stderr`); otherwise the terminal.
+    init(_ arguments: [String], environment: String = "", stderrToFile: Bool = true) async throws {
         directory = temporaryPath("term-pane")
         try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
         let command = ([CLI.binary] + arguments).map(Self.quoted).joined(separator: " ")
-        let script = "stty -g > \(directory)/before; echo $$ > \(directory)/shell; \(environment) \(command) 2> \(directory)/stderr; "
+        let script = "stty -g > \(directory)/before; echo $$ > \(directory)/shell; \(environment) \(command)\(stderrToFile ? " 2> \(directory)/stderr" : ""); "
             + "code=$?; stty -g > \(directory)/after; echo $code > \(directory)/status; exec sleep 600"
         let status = await runToEnd("/usr/bin/env", ["TERM=xterm", Self.tmux, "-S", socket, "-f", "/dev/null", "new-session", "-d", "-s", "t",
                                                       "-x", "160", "-y", "60", "/bin/sh", "-c", script])
