@@ -31,6 +31,24 @@ enum LocalTerminal {
     /// what it would have done.
     static let crashSignals: [Int32] = [SIGSEGV, SIGBUS, SIGILL, SIGTRAP, SIGFPE, SIGABRT, SIGQUIT]
 
+    /// Whether signal `number` with `si_code` `code` comes back by itself when its handler
+    /// returns: a synchronous fault whose instruction runs again. Not SIGABRT or SIGQUIT, not a
+    /// signal sent by a process (code ≤ 0), not x86's int3 (SIGTRAP, already past it), not an
+    /// asynchronous machine-check SIGBUS (BUS_MCEERR_AO, 5).
+    private static func replays(_ number: Int32, code: Int32) -> Bool {
+        switch number {
+        case SIGSEGV, SIGILL, SIGFPE: return code > 0
+        case SIGBUS: return code > 0 && code != 5
+        case SIGTRAP:
+            #if arch(arm64)
+            return code == 1   // TRAP_BRKPT: brk leaves the PC on the instruction
+            #else
+            return false
+            #endif
+        default: return false
+        }
+    }
+
     /// The crash signal's place in `previous`.
     private static func slot(_ number: Int32) -> Int? {
         switch number {
@@ -70,13 +88,18 @@ enum LocalTerminal {
             if let index = LocalTerminal.slot(number) {
                 sigaction(number, LocalTerminal.previous + index, nil)   // pointers and a switch: nothing counted or allocated in a handler
             }
-            // A fault the kernel raised (si_code > 0) happens again when the handler returns, and
-            // the handler from before gets it with its real address and context; one sent by
-            // kill(2) or abort(3) is raised again.
-            if let info, info.pointee.si_code > 0 { return }
+            // A fault that happens again when the handler returns (the faulting instruction runs
+            // again) reaches the handler from before with its real address and context.
+            if LocalTerminal.replays(number, code: info?.pointee.si_code ?? Int32(SI_USER)) { return }
+            // Anything else (kill(2), abort(3), int3, a keyboard SIGQUIT) is raised again; if the
+            // handler from before returns (Swift's does, expecting a fault to come back), the
+            // default action ends the process.
+            raise(number)
+            signal(number, SIG_DFL)
             raise(number)
         }
-        // The alternate stack Swift's runtime set up, so that a stack overflow still gets here.
+        // On the alternate stack where the thread has one (the one that installed Swift's crash
+        // handler does; the pool's threads do not, so a stack overflow there is not caught).
         action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER
         sigemptyset(&action.sa_mask)
         for number in crashSignals {

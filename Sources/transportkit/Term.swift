@@ -59,7 +59,7 @@ struct Term: AsyncParsableCommand {
         LoggingSystem.bootstrap { _ in SwiftLogNoOpLogHandler() }
         do {
             let plan = try Self.plan(url, reconnect: !noReconnect)
-            if plan.url.hasLayer("spy"), !plan.url.description.contains("spy.file="), isatty(2) == 1 {
+            if Self.spyTracesToTheTerminal(plan.url) {
                 throw ValidationError("spy+ writes its trace to standard error, which is the terminal term draws on; "
                                       + "give the trace a file (spy.file=PATH) or send standard error elsewhere (2> trace.txt)")
             }
@@ -78,6 +78,23 @@ struct Term: AsyncParsableCommand {
         } catch {
             throw fail(error)
         }
+    }
+
+    /// Whether a spy layer of `url` writes its trace to standard error (no `spy.file`, no
+    /// `spy.record`) and standard error is the terminal standard input is.
+    static func spyTracesToTheTerminal(_ url: TransportURL) -> Bool {
+        var toStandardError = false
+        var layer: TransportURL? = url
+        while let current = layer {
+            if current.scheme == "spy", !["file", "spy.file", "record", "spy.record"].contains(where: { current.queryValue($0) != nil }) {
+                toStandardError = true
+            }
+            layer = current.inner
+        }
+        guard toStandardError, isatty(2) == 1 else { return false }
+        var error = stat(), input = stat()
+        guard fstat(2, &error) == 0, fstat(0, &input) == 0 else { return true }
+        return error.st_rdev == input.st_rdev
     }
 
     /// The URL term connects to: a tty gets its settings back at the end (`restore=true`), and a

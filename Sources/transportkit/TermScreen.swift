@@ -140,7 +140,10 @@ actor TermScreen {
         defer { passTurn() }
         var typed: [UInt8] = []
         for byte in bytes { if byte == 0x0D { typed += [0x0D, 0x0A] } else { typed.append(byte) } }
-        if let last = typed.last { atLineStart = last == 0x0A }
+        if let last = typed.last {
+            atLineStart = last == 0x0A
+            if atLineStart { hexColumn = 0 }
+        }
         try await write(typed)
     }
 

@@ -12,11 +12,56 @@ struct ReconnectLabTests {
     static let quick = "reconnect.initialDelay=0.3&reconnect.maxDelay=1&reconnect.jitter=0"
 
     @Test(.timeLimit(.minutes(3)))
+    func gattSerialIsSubscribedAgainAfterThePeripheralDropsTheLink() async throws {
+        var (controllers, _) = try await GattLabTests.setUp()
+        let url = { (address: String) in "reconnect+ble://nus/\(address)?adapter=hci0&\(Self.quick)" }
+        let connection: Connection
+        do {
+            connection = try await Transport.connect(to: url(controllers.peripheralText))
+        } catch let error as TransportError where error.code == "org.bluez.Error.NotAvailable" {
+            // bluetoothd went for BR/EDR, as it last used the device (an RFCOMM test before):
+            // forgotten, sighted again over LE, tried once more.
+            print("lab: \(error.message) — forgetting the device and trying once more")
+            try await BlueZLabTests.forgetDevices()
+            (controllers, _) = try await GattLabTests.setUp()
+            connection = try await Transport.connect(to: url(controllers.peripheralText))
+        }
+        let events = Gathered(connection.events())
+        defer { events.stop() }
+        try await connection.write([0x41, 0x42])
+        #expect(try await connection.read(timeout: .seconds(10)) == [0x41, 0x42], "the lab peripheral echoes")
+
+        let reading = Task { try await connection.read(timeout: .seconds(90)) }
+        try await BluetoothFaultLabTests.dropFromPeripheral(controllers.centralText)
+        #expect(await events.wait(60) { $0.contains(.connected(generation: 2)) }, "\(events.elements)")
+        #expect(events.elements.contains { if case .disconnected = $0 { true } else { false } }, "\(events.elements)")
+        // An echo on the new link: written, and its notification back through the new subscription.
+        try await connection.write([0x43])
+        #expect(try await reading.value == [0x43], "the reader carried on with the new link's notifications")
+        try await connection.close()
+    }
+
+    @Test(.timeLimit(.minutes(3)))
     func rfcommComesBackAfterThePeerClosesAndWaitsForTheAdapterToBePowered() async throws {
+        // A fresh bluetoothd: in the full lab run, one that the suites before had used died when
+        // hci0 was powered off (D-Bus then failed to start it: "Launch helper exited").
+        _ = try await Lab.run("/usr/bin/pkill", ["-x", "bluetoothd"])
+        _ = await eventually(5) { (try? FileManager.default.contentsOfDirectory(atPath: "/proc"))?.contains { entry in
+            (try? String(contentsOfFile: "/proc/\(entry)/comm", encoding: .utf8)) == "bluetoothd\n"
+        } == false }
         let controllers = try await BlueZListenLabTests.setUp()
-        defer { Task { _ = try? await Lab.run("/usr/bin/btmgmt", ["--index", "0", "power", "on"]) } }
+        do {
+            try await Self.rfcommScenario(controllers)
+        } catch {
+            // hci0 on again before the error goes on: the Bluetooth tests after this need it.
+            _ = try? await Lab.run("/usr/bin/btmgmt", ["--index", "0", "power", "on"])
+            throw error
+        }
+    }
+
+    static func rfcommScenario(_ controllers: BluetoothLabTests.Controllers) async throws {
         var listener = try await Transport.listen(on: "rfcomm://\(controllers.peripheralText):16")
-        let connection = try await Transport.connect(to: "reconnect+rfcomm://\(controllers.peripheralText):16?adapter=hci0&\(Self.quick)")
+        let connection = try await Transport.connect(to: "reconnect+rfcomm://\(controllers.peripheralText):16?adapter=hci0&\(quick)")
         let events = Gathered(connection.events())
         defer { events.stop() }
         let first = try #require(try await BlueZListenLabTests.acceptOne(listener).value)
@@ -55,22 +100,4 @@ struct ReconnectLabTests {
         try await listener.close()
     }
 
-    @Test(.timeLimit(.minutes(3)))
-    func gattSerialIsSubscribedAgainAfterThePeripheralDropsTheLink() async throws {
-        let (controllers, _) = try await GattLabTests.setUp()
-        let connection = try await Transport.connect(to: "reconnect+ble://nus/\(controllers.peripheralText)?adapter=hci0&\(Self.quick)")
-        let events = Gathered(connection.events())
-        defer { events.stop() }
-        try await connection.write([0x41, 0x42])
-        #expect(try await connection.read(timeout: .seconds(10)) == [0x41, 0x42], "the lab peripheral echoes")
-
-        let reading = Task { try await connection.read(timeout: .seconds(90)) }
-        try await BluetoothFaultLabTests.dropFromPeripheral(controllers.centralText)
-        #expect(await events.wait(60) { $0.contains(.connected(generation: 2)) }, "\(events.elements)")
-        #expect(events.elements.contains { if case .disconnected = $0 { true } else { false } }, "\(events.elements)")
-        // An echo on the new link: written, and its notification back through the new subscription.
-        try await connection.write([0x43])
-        #expect(try await reading.value == [0x43], "the reader carried on with the new link's notifications")
-        try await connection.close()
-    }
 }

@@ -151,6 +151,15 @@ public func runToEnd(_ executable: String, _ arguments: [String]) async -> Int32
             var actions = posix_spawn_file_actions_t()
             posix_spawn_file_actions_init(&actions)
             posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0)
+            // Nothing of this process's past descriptor 2: NIO's sockets are not close-on-exec, and
+            // a daemon started here (tmux's server) would keep a test's listening port open after
+            // the test closed it, so that another test's reconnects found it still accepting.
+            // (glibc 2.34's posix_spawn_file_actions_addclosefrom_np, which Swift's Glibc module
+            // does not declare: looked up by name.)
+            typealias CloseFrom = @convention(c) (UnsafeMutablePointer<posix_spawn_file_actions_t>?, Int32) -> Int32
+            if let symbol = dlsym(nil, "posix_spawn_file_actions_addclosefrom_np") {
+                _ = unsafeBitCast(symbol, to: CloseFrom.self)(&actions, 3)
+            }
             let argv: [UnsafeMutablePointer<CChar>?] = ([executable] + arguments).map { strdup($0) } + [nil]
             defer {
                 argv.forEach { free($0) }

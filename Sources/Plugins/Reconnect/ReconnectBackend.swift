@@ -208,10 +208,12 @@ final class ReconnectCore: Sendable {
     private func reconnect(after generation: Int, error: TransportError?) async {
         let started = ContinuousClock.now
         let deadline = settings.giveUpAfter.map { started + $0 }
-        var delay = nextDelay(until: deadline)
-        events.emit(.disconnected(error, nextAttempt: delay))
+        // Watching before the loss is announced: a device plugged in again by someone reacting
+        // to the event is seen.
         let arrivals = ArrivalWatch(request.innerDeviceEvents())
         defer { arrivals.stop() }
+        var delay = nextDelay(until: deadline)
+        events.emit(.disconnected(error, nextAttempt: delay))
         var attempt = 0
         while !Task.isCancelled, stillDown(generation) {
             await arrivals.wait(upTo: delay)
