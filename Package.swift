@@ -167,7 +167,7 @@ let package = Package(
         ),
         .executableTarget(
             name: "transportkit",
-            dependencies: ["TransportKit", logging, .product(name: "ArgumentParser", package: "swift-argument-parser")],
+            dependencies: ["TransportKit", "TransportKitLinux", logging, .product(name: "ArgumentParser", package: "swift-argument-parser")],
             path: "Sources/transportkit",
             swiftSettings: strict
         ),

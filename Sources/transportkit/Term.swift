@@ -65,7 +65,7 @@ struct Term: AsyncParsableCommand {
             }
             _ = try LocalTerminal.settings()   // a terminal, before anything is connected
             ToolConnection.warnIfInsecure(plan.url)
-            let log = try logPath.map(TermLog.init)
+            let log: TermLog? = if let logPath { try await TermLog.open(path: logPath) } else { nil }
             let options = TermSession.Options(url: plan.url, reconnecting: plan.reconnecting, maps: try TermMaps(parsing: map ?? ""),
                                               localEcho: localEcho, hex: hex, timestamps: timestamps, log: log)
             try await Signals.run {
@@ -101,10 +101,7 @@ struct Term: AsyncParsableCommand {
     /// URL whose innermost scheme reaches a device is wrapped in `reconnect+` unless `reconnect`
     /// is false or the URL has a reconnect layer already.
     static func plan(_ text: String, reconnect: Bool) throws -> (url: TransportURL, reconnecting: Bool) {
-        var url = try TransportURL(text)
-        url.updateLayers { layer in
-            if layer.scheme == "tty", layer.queryValue("restore") == nil { layer.query.append(("restore", "true")) }
-        }
+        var url = try ToolConnection.restoring(text, writesWait: false)
         let explicit = url.hasLayer("reconnect")
         if explicit && !reconnect {
             throw ValidationError("--no-reconnect and a reconnect+ URL say opposite things; leave one of them out")
@@ -499,7 +496,7 @@ final class TermSession: Sendable {
             return
         }
         do {
-            let log = try TermLog(path: path)
+            let log = try await TermLog.open(path: path)
             logPath.withLock { $0 = path }
             await screen.setLog(log)
             await screen.status("Logging to \(path)")

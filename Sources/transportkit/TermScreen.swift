@@ -9,6 +9,7 @@ import Glibc
 import Synchronization
 import SystemPackage
 import TransportKit
+import TransportKitLinux
 
 /// Character maps, named as tio's `--map` names them: `I…` for what the device sends (shown on
 /// the screen), `O…` for what is typed (sent to the device).
@@ -268,20 +269,20 @@ final class TermLog: Sendable {
     private let state = Mutex<(pending: Int, lost: Int, failure: Errno?)>((0, 0, nil))
     static let pendingLimit = 4 << 20
 
-    /// Opens `path` for appending (made with mode 0644 when absent). Only a regular file: the
-    /// open does not wait (O_NONBLOCK, so a FIFO's never holds the keys), and anything else is refused.
-    init(path: String) throws {
-        let fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOCTTY | O_NONBLOCK, 0o644)
-        guard fd >= 0 else {
-            let failure = Errno(rawValue: errno)
-            throw TransportError.posix("open", errno: failure, what: "the log file \(TransportError.printable(path))")
-        }
+    /// Opens `path` for appending as `spy.file=` traces are (UserPath: never through another
+    /// user's link, a new file owner-only, the open never waiting), and takes only a regular file.
+    static func open(path: String) async throws -> TermLog {
+        let fd = try await UserPath.openForAppending(path, purpose: "the log file (--log)").rawValue
         var status = stat()
         guard fstat(fd, &status) == 0, (status.st_mode & S_IFMT) == S_IFREG else {
             _ = Glibc.close(fd)
             throw TransportError(.unsupported, "the log file \(TransportError.printable(path)) is not a regular file; name a file")
         }
-        _ = fcntl(fd, F_SETFL, O_WRONLY | O_APPEND)
+        _ = fcntl(fd, F_SETFL, O_WRONLY | O_APPEND)   // writes wait for the disk (on the log's queue)
+        return TermLog(path: path, fd: fd)
+    }
+
+    private init(path: String, fd: Int32) {
         self.path = path
         self.fd = fd
     }

@@ -253,12 +253,13 @@ enum ToolConnection {
     /// settings back when it closes it, also when a signal cuts a connect short and the
     /// registry closes what the connect made late (Signals waits for that). A `reconnect+` layer
     /// that does not say gets `reconnect.writeWait=86400`: what the tool relays waits for the
-    /// connection to come back instead of ending the relay.
-    static func restoring(_ text: String) throws -> TransportURL {
+    /// connection to come back instead of ending the relay (unless `writesWait` is false: `term`
+    /// drops keys typed while the device is away).
+    static func restoring(_ text: String, writesWait: Bool = true) throws -> TransportURL {
         var url = try TransportURL(text)
         url.updateLayers { layer in
             if layer.scheme == "tty", layer.queryValue("restore") == nil { layer.query.append(("restore", "true")) }
-            if layer.scheme == "reconnect", layer.queryValue("writeWait") == nil { layer.query.append(("writeWait", "86400")) }
+            if writesWait, layer.scheme == "reconnect", layer.queryValue("writeWait") == nil { layer.query.append(("writeWait", "86400")) }
         }
         return url
     }

@@ -224,6 +224,22 @@ struct TermCLITests {
         try await device.close()
     }
 
+    /// The log file is opened as spy+ traces are: a symbolic link as its name is refused, before
+    /// anything is connected, and what it points at is left alone.
+    @Test func aLogFileThatIsALinkIsRefused() async throws {
+        let target = temporaryPath("term-log-target")
+        let link = temporaryPath("term-log-link")
+        _ = FileManager.default.createFile(atPath: target, contents: Data("kept\n".utf8))
+        try FileManager.default.createSymbolicLink(atPath: link, withDestinationPath: target)
+        defer { unlink(link); unlink(target) }
+        let pane = try await TermPane(["term", "--log", link, "tcp://127.0.0.1:9"])
+        defer { pane.close() }
+        #expect(await pane.exitStatus() == 1)
+        #expect(pane.stderr.contains("the log file (--log) \(link) is a symbolic link"), "\(pane.stderr)")
+        #expect((try? String(contentsOfFile: target, encoding: .utf8)) == "kept\n")
+        #expect(pane.terminalRestored)
+    }
+
     @Test func refusals() async throws {
         let piped = try await CLI.run(["term", "tcp://127.0.0.1:9"], stdin: Array("x".utf8))
         #expect(piped.status == 1)
