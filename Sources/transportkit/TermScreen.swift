@@ -221,7 +221,7 @@ actor TermScreen {
                 atLineStart = false
             }
             if hex {
-                out += Array(((byte < 0x10 ? "0" : "") + String(byte, radix: 16) + " ").utf8)
+                out += Array((Hex.digits(byte) + " ").utf8)
                 hexColumn += 1
                 if byte == 0x0A || hexColumn == 16 {
                     out += [0x0D, 0x0A]

@@ -156,6 +156,20 @@ struct URLParsingCostTests {
     /// take about 35 s in release and minutes in a debug build. Linear parsing takes a fraction of
     /// a second. No clock is asserted (timed tests flake on a loaded machine): a quadratic return
     /// shows as this test stalling the suite, and `transportkit-bench parse` prints the figures.
+    @Test func identityURLsFromParts() throws {
+        #expect(TransportURL.percentEncoded("AB/12 ü") == "AB%2F12%20%C3%BC")
+        #expect(TransportURL.percentEncoded("/tmp/a b", keeping: "/") == "/tmp/a%20b")
+        let usb = TransportURL(scheme: "usb", host: "1d50", portText: "6089", segments: ["AB/12 ü"])
+        #expect(usb.description == "usb://1d50:6089/AB%2F12%20%C3%BC")
+        #expect(usb.pathSegments == ["", "AB/12 ü"])
+        #expect(try TransportURL(usb.description) == usb)
+        let hub = TransportURL(scheme: "usb", host: "05e3", portText: "0608", segments: [], query: [("location", "1-1")])
+        #expect(hub.description == "usb://05e3:0608?location=1-1")
+        #expect(hub.usbDeviceID?.product == 0x0608)
+        #expect(TransportURL(scheme: "tty", host: "usb", path: "/0403:6001", query: [("serial", "A5"), ("interface", "0")]).description
+                == "tty://usb/0403:6001?serial=A5&interface=0")
+    }
+
     @Test func manyOptionsParseInLinearTime() throws {
         let count = 50_000
         let query = (0..<count).map { "o\($0)=\($0)" }.joined(separator: "&")

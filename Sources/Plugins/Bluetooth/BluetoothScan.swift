@@ -481,16 +481,16 @@ private struct Scanner {
         let url: String
         func ble(_ service: String) -> String {
             let name = BluetoothUUID.serialServices.first { $0.value.service == service }?.key ?? BluetoothUUID.short(service)
-            return "ble://\(name)/\(address)?adapter=\(adapter.name)"
+            return TransportURL(scheme: "ble", host: name, path: "/" + address, query: [("adapter", adapter.name)]).description
         }
         if let service = services.first(where: device.uuids.contains) ?? device.uuids.first(where: serial.contains) {
             url = ble(service)
         } else if properties["Class"] != nil {
-            url = "rfcomm://\(address)?adapter=\(adapter.name)"
+            url = TransportURL(scheme: "rfcomm", host: address, query: [("adapter", adapter.name)]).description
         } else if let service = device.uuids.first {
             url = ble(service)
         } else {
-            url = "ble://SERVICE/\(address)?adapter=\(adapter.name)"
+            url = TransportURL(scheme: "ble", host: "SERVICE", path: "/" + address, query: [("adapter", adapter.name)]).description
         }
         return BluetoothDiscovery(address: address, addressType: device.addressType, name: device.name ?? device.alias, rssi: device.rssi,
                                   serviceUUIDs: device.uuids, manufacturerData: device.manufacturerData, serviceData: device.serviceData,

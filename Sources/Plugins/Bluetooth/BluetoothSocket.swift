@@ -23,8 +23,8 @@ struct BluetoothAddress: Sendable, Hashable, CustomStringConvertible {
         guard parts.count == 6 else { return nil }
         var bytes: [UInt8] = []
         for part in parts {
-            // Two hexadecimal digits each: UInt8(_:radix:) alone would also take "+0".
-            guard part.utf8.count == 2, part.allSatisfy({ $0.isASCII && $0.isHexDigit }), let byte = UInt8(part, radix: 16) else { return nil }
+            // Two hexadecimal digits each: UInt8(_:radix:) would also take "+0".
+            guard let byte = Hex.value(part, width: 2, as: UInt8.self) else { return nil }
             bytes.append(byte)
         }
         self.bytes = bytes
@@ -46,11 +46,7 @@ struct BluetoothAddress: Sendable, Hashable, CustomStringConvertible {
         self.bytes = bytes
     }
 
-    var description: String { bytes.map { String($0, radix: 16, uppercase: true).leftPadded(to: 2) }.joined(separator: ":") }
-}
-
-private extension String {
-    func leftPadded(to width: Int) -> String { String(repeating: "0", count: max(0, width - count)) + self }
+    var description: String { Hex.text(bytes, separator: ":") }
 }
 
 /// Opening Bluetooth sockets, bound to an adapter, connected within a deadline.

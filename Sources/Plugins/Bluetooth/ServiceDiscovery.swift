@@ -106,7 +106,7 @@ enum ServiceDiscovery {
             let uuid = UnsafeMutablePointer<uuid_t>.allocate(capacity: 1)
             defer { uuid.deallocate() }
             let short = BluetoothUUID.short(service)
-            if short.count == 4, let value = UInt16(short, radix: 16) {
+            if let value = Hex.value(short, width: 4, as: UInt16.self) {
                 sdp_uuid16_create(uuid, value)
             } else {
                 var bytes = Self.bytes(service)

@@ -124,9 +124,8 @@ struct USBSelector: Sendable, CustomStringConvertible {
     init(_ request: ConnectRequest) throws {
         let text = request.url.path.split(separator: "/").joined(separator: "/")
         let parts = text.split(separator: ":", omittingEmptySubsequences: false)
-        func hex4(_ part: Substring) -> Bool { part.count == 4 && part.allSatisfy({ $0.isASCII && $0.isHexDigit }) }
         let shown = request.url.shown
-        guard parts.count == 2, hex4(parts[0]), hex4(parts[1]) else {
+        guard parts.count == 2, Hex.value(parts[0], width: 4, as: UInt16.self) != nil, Hex.value(parts[1], width: 4, as: UInt16.self) != nil else {
             throw TransportError(.invalidURL, "\(shown): after tty://usb/ comes VENDOR:PRODUCT as two 4-digit hex IDs, such as tty://usb/0403:6001 (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
         }
         let serial = request[SerialPlugin.serial]
@@ -202,20 +201,20 @@ enum SerialDiscovery {
 
     static func identityURL(_ info: TTYDeviceInfo) -> String {
         if let vendor = info.vendorId, let product = info.productId {
-            var query: [String] = []
+            var query: [(name: String, value: String)] = []
             if let serial = info.serialNumber, !serial.isEmpty {
-                query.append("serial=\(USBDevices.percentEncoded(serial))")
+                query.append(("serial", serial))
             } else if let location = info.location {
-                query.append("location=\(USBDevices.percentEncoded(location))")
+                query.append(("location", location))
             }
             if let interface = info.interface, (info.usbInterfaceCount ?? 2) > 1 {
-                query.append("interface=\(interface)")
+                query.append(("interface", String(interface)))
             }
-            return "tty://usb/\(vendor):\(product)" + (query.isEmpty ? "" : "?" + query.joined(separator: "&"))
+            return TransportURL(scheme: "tty", host: "usb", path: "/\(vendor):\(product)", query: query).description
         }
-        if let byID = info.links.first(where: { $0.hasPrefix("/dev/serial/by-id/") }) { return "tty://" + byID }
-        if let byPath = info.links.first(where: { $0.hasPrefix("/dev/serial/by-path/") }) { return "tty://" + byPath }
-        return "tty://" + (info.devnode ?? "/dev/" + info.sysName)
+        let link = info.links.first(where: { $0.hasPrefix("/dev/serial/by-id/") }) ?? info.links.first(where: { $0.hasPrefix("/dev/serial/by-path/") })
+        let path: String = link ?? info.devnode ?? "/dev/" + info.sysName
+        return TransportURL(scheme: "tty", path: path).description
     }
 
     /// The sort key that puts ttyS2 before ttyS10: the name without its trailing digits, then

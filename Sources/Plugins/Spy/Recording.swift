@@ -63,12 +63,6 @@ struct RecordedEvent: Sendable, Equatable {
         return "\(micros / 1_000_000)." + String(repeating: "0", count: 6 - fraction.count) + fraction
     }
 
-    /// `byte` as two lower-case hex digits (`"0a"`).
-    static func hexByte(_ byte: UInt8) -> String {
-        let digits = Array("0123456789abcdef")
-        return String(digits[Int(byte >> 4)]) + String(digits[Int(byte & 0x0F)])
-    }
-
     /// `bytes` as the format's quoted string.
     static func quoted(_ bytes: [UInt8]) -> String {
         var text = "\""
@@ -81,7 +75,7 @@ struct RecordedEvent: Sendable, Equatable {
             case 0x09: text += "\\t"
             case 0x20..<0x7F: text.unicodeScalars.append(Unicode.Scalar(byte))
             default:
-                text += "\\x" + hexByte(byte)
+                text += "\\x" + Hex.digits(byte)
             }
         }
         return text + "\""
@@ -94,14 +88,6 @@ struct RecordedEvent: Sendable, Equatable {
         var bytes: [UInt8] = []
         var index = 1
         let end = scalars.count - 1
-        func hexValue(_ digit: UInt8) -> UInt8? {
-            switch digit {
-            case UInt8(ascii: "0")...UInt8(ascii: "9"): digit - UInt8(ascii: "0")
-            case UInt8(ascii: "a")...UInt8(ascii: "f"): digit - UInt8(ascii: "a") + 10
-            case UInt8(ascii: "A")...UInt8(ascii: "F"): digit - UInt8(ascii: "A") + 10
-            default: nil
-            }
-        }
         while index < end {
             let byte = scalars[index]
             guard byte == UInt8(ascii: "\\") else {
@@ -118,7 +104,7 @@ struct RecordedEvent: Sendable, Equatable {
             case UInt8(ascii: "n"): bytes.append(0x0A)
             case UInt8(ascii: "t"): bytes.append(0x09)
             case UInt8(ascii: "x"):
-                guard index + 3 < end, let high = hexValue(scalars[index + 2]), let low = hexValue(scalars[index + 3]) else { return nil }
+                guard index + 3 < end, let high = Hex.digitValue(scalars[index + 2]), let low = Hex.digitValue(scalars[index + 3]) else { return nil }
                 bytes.append(high << 4 | low)
                 index += 2
             default:

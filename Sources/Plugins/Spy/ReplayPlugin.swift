@@ -193,7 +193,7 @@ final class ReplayCore: Sendable {
     }
 
     static func shown(_ byte: UInt8) -> String {
-        let hex = "0x" + RecordedEvent.hexByte(byte)
+        let hex = "0x" + Hex.digits(byte)
         return (0x20..<0x7F).contains(byte) ? "\(hex) '\(Character(Unicode.Scalar(byte)))'" : hex
     }
 

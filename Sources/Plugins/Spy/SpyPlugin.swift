@@ -324,17 +324,13 @@ final class Tracer: Sendable {
 
     /// "0010  68 65 6c 6c 6f 0a …  |hello.|": offset, 16 hex columns (a gap after 8), printable ASCII.
     static func hexRow(_ row: ArraySlice<UInt8>, offset: Int) -> String {
-        func hex(_ value: Int, width: Int) -> String {
-            let text = String(value, radix: 16)
-            return String(repeating: "0", count: max(0, width - text.count)) + text
-        }
         var columns = ""
         for (index, byte) in row.enumerated() {
-            columns += hex(Int(byte), width: 2) + (index == 7 ? "  " : " ")
+            columns += Hex.digits(byte) + (index == 7 ? "  " : " ")
         }
         columns += String(repeating: " ", count: max(0, 50 - columns.count))
         let ascii = String(decoding: row.map { $0 >= 0x20 && $0 < 0x7F ? $0 : UInt8(ascii: ".") }, as: UTF8.self)
-        return hex(offset, width: 4) + "  " + columns + "|" + ascii + "|"
+        return Hex.digits(offset, width: 4) + "  " + columns + "|" + ascii + "|"
     }
 }
 

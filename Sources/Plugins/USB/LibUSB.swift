@@ -19,7 +19,7 @@ struct USBEndpoint: Sendable, Equatable {
     var maxPacketSize: Int
     var isIn: Bool { address & 0x80 != 0 }
     var typeName: String { ["control", "isochronous", "bulk", "interrupt"][Int(type & 3)] }
-    var addressText: String { "0x" + USBDevices.hex2(address) }
+    var addressText: String { "0x" + Hex.digits(address) }
 }
 
 /// One alternate setting of one interface.
@@ -226,7 +226,7 @@ func chooseEndpoints(_ alternates: [USBAlternate], interface: Int?, alternate: I
             }
         }
     }
-    let named = [input.map { "in=0x\(USBDevices.hex2($0))" }, output.map { "out=0x\(USBDevices.hex2($0))" }].compactMap { $0 }
+    let named = [input.map { "in=0x\(Hex.digits($0))" }, output.map { "out=0x\(Hex.digits($0))" }].compactMap { $0 }
     throw TransportError(.notFound, "\(describing): no \(interface.map { "interface \($0) " } ?? "interface ")with "
                          + (named.isEmpty ? "a bulk (or interrupt) IN and OUT endpoint pair" : named.joined(separator: " and "))
                          + "; the device offers \(offered). Name them with interface=, in= and out=")
@@ -237,12 +237,11 @@ func chooseEndpoints(_ alternates: [USBAlternate], interface: Int?, alternate: I
 func parseEndpoint(_ text: String?, option: String, describing: String) throws -> UInt8? {
     guard let text else { return nil }
     let value: UInt8?
-    // Digits only: UInt8(_:radix:) alone would also take "+1".
-    let isHex = { (digits: Substring) in !digits.isEmpty && digits.allSatisfy { $0.isASCII && $0.isHexDigit } }
+    // Digits only (Hex.value): UInt8(_:radix:) would also take "+1".
     if text.lowercased().hasPrefix("0x") {
-        value = isHex(text.dropFirst(2)) ? UInt8(text.dropFirst(2), radix: 16) : nil
+        value = Hex.value(text.dropFirst(2), as: UInt8.self)
     } else if text.count == 2 {
-        value = isHex(Substring(text)) ? UInt8(text, radix: 16) : nil
+        value = Hex.value(text, as: UInt8.self)
     } else {
         value = text.allSatisfy({ $0.isASCII && $0.isNumber }) ? UInt8(text) : nil
     }

@@ -54,10 +54,7 @@ public struct USBDeviceControl: Sendable {
     }
 
     private func describe(_ requestType: UInt8, _ request: UInt8, _ value: UInt16, _ index: UInt16, _ length: Int) -> String {
-        func hex(_ value: some BinaryInteger, _ digits: Int) -> String {
-            let text = String(value, radix: 16)
-            return "0x" + String(repeating: "0", count: max(0, digits - text.count)) + text
-        }
+        func hex(_ value: some BinaryInteger, _ digits: Int) -> String { "0x" + Hex.digits(value, width: digits) }
         return "type \(hex(requestType, 2)) request \(hex(request, 2)) value \(hex(value, 4)) index \(hex(index, 4)) length \(length)"
     }
 }

@@ -32,7 +32,7 @@ struct USBDeviceSelector: Sendable, CustomStringConvertible {
         let segments = request.url.pathSegments.dropFirst()
         if let text = segments.first {
             guard !text.isEmpty || segments.count > 1 else {
-                throw TransportError(.invalidURL, "\(shown): the serial number after '/' is empty; give it (usb://\(hex4(id.vendor)):\(hex4(id.product))/SERIAL) or drop the '/'. Grammar: \(request.scheme.grammar)")
+                throw TransportError(.invalidURL, "\(shown): the serial number after '/' is empty; give it (usb://\(Hex.digits(id.vendor, width: 4)):\(Hex.digits(id.product, width: 4))/SERIAL) or drop the '/'. Grammar: \(request.scheme.grammar)")
             }
             guard segments.count == 1 else {
                 let written = TransportError.printable(segments.joined(separator: "/"), limit: 40)
@@ -45,7 +45,7 @@ struct USBDeviceSelector: Sendable, CustomStringConvertible {
         if location?.isEmpty == true {
             throw TransportError(.invalidURL, "\(shown): location= needs a bus and port path, such as location=1-1.4 (`transportkit list` shows it)")
         }
-        self.init(vendorId: hex4(id.vendor), productId: hex4(id.product), serialNumber: serial, location: location)
+        self.init(vendorId: Hex.digits(id.vendor, width: 4), productId: Hex.digits(id.product, width: 4), serialNumber: serial, location: location)
     }
 
     func matches(_ device: USBDeviceInfo) -> Bool {
@@ -60,12 +60,6 @@ struct USBDeviceSelector: Sendable, CustomStringConvertible {
         if let location { text += " at \(TransportError.printable(location, limit: 80))" }
         return text
     }
-}
-
-/// Four lower-case hexadecimal digits.
-func hex4(_ value: UInt16) -> String {
-    let text = String(value, radix: 16)
-    return String(repeating: "0", count: 4 - text.count) + text
 }
 
 /// Hot-plug events of USB devices.
@@ -96,7 +90,7 @@ enum USBDiscovery {
     static func record(_ device: USBDeviceInfo) -> DeviceRecord {
         var properties = device.properties
         if let speed = device.speed { properties["speed"] = "\(device.speedName ?? speed) (\(speed) Mbit/s)" }
-        properties["class"] = USBDevices.hex2(device.deviceClass)
+        properties["class"] = Hex.digits(device.deviceClass)
         for interface in device.interfaces {
             properties["interface.\(interface.number)"] = describe(interface)
         }

@@ -63,6 +63,51 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
         self.wrapped = inner.map { [$0] } ?? []
     }
 
+    /// A URL from parts as a device listing writes its identity URLs: `portText` as it stands after
+    /// the host's `:` (a USB product id in hexadecimal), and the path as `segments`, each
+    /// percent-encoded whole (``percentEncoded(_:keeping:)``), so that a `/` inside one stays
+    /// inside it (`%2F`, as ``pathSegments`` reads it back). ``description`` is the URL's text.
+    ///
+    /// ```swift
+    /// TransportURL(scheme: "usb", host: "1d50", portText: "6089", segments: ["AB/12 ü"]).description
+    /// // "usb://1d50:6089/AB%2F12%20%C3%BC"
+    /// TransportURL(scheme: "usb", host: "05e3", portText: "0608", segments: [], query: [("location", "1-1")]).description
+    /// // "usb://05e3:0608?location=1-1"
+    /// ```
+    public init(scheme: String, host: String? = nil, portText: String? = nil, segments: [String],
+                query: [(name: String, value: String)] = []) {
+        self.init(scheme: scheme, host: host, path: segments.isEmpty ? "" : "/" + segments.joined(separator: "/"), query: query)
+        self.portText = portText
+        if !segments.isEmpty {
+            writtenPath = "/" + segments.map { TransportURL.percentEncoded($0) }.joined(separator: "/")
+        }
+    }
+
+    /// `text` percent-encoded for a URL: unreserved ASCII (letters, digits, `-._~`) and the
+    /// characters of `keeping` stay as they are; every other UTF-8 byte becomes `%XX`, two
+    /// upper-case hex digits. What ``description`` writes each part of a URL with.
+    ///
+    /// ```swift
+    /// TransportURL.percentEncoded("AB/12 ü")                      // "AB%2F12%20%C3%BC"
+    /// TransportURL.percentEncoded("/tmp/a b", keeping: "/")       // "/tmp/a%20b"
+    /// ```
+    public static func percentEncoded(_ text: String, keeping extra: String = "") -> String {
+        let kept = Set(extra.utf8)
+        var out = ""
+        for byte in text.utf8 {
+            switch byte {
+            case UInt8(ascii: "0")...UInt8(ascii: "9"), UInt8(ascii: "A")...UInt8(ascii: "Z"), UInt8(ascii: "a")...UInt8(ascii: "z"),
+                 UInt8(ascii: "-"), UInt8(ascii: "."), UInt8(ascii: "_"), UInt8(ascii: "~"):
+                out.unicodeScalars.append(Unicode.Scalar(byte))
+            case _ where kept.contains(byte):
+                out.unicodeScalars.append(Unicode.Scalar(byte))
+            default:
+                out += "%" + Hex.digits(byte, width: 2, uppercase: true)
+            }
+        }
+        return out
+    }
+
     /// Parses `string`, throwing ``TransportError/Kind/invalidURL`` with the reason.
     ///
     /// ```swift
@@ -137,9 +182,8 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
     /// The authority read as a USB device's vendor and product id, four hexadecimal digits each
     /// (`usb://1546:01a7`); `nil` when it is not of that form.
     public var usbDeviceID: (vendor: UInt16, product: UInt16)? {
-        guard let host, let portText, host.utf8.count == 4, portText.utf8.count == 4,
-              host.allSatisfy({ $0.isASCII && $0.isHexDigit }), portText.allSatisfy({ $0.isASCII && $0.isHexDigit }),
-              let vendor = UInt16(host, radix: 16), let product = UInt16(portText, radix: 16) else { return nil }
+        guard let host, let portText,
+              let vendor = Hex.value(host, width: 4, as: UInt16.self), let product = Hex.value(portText, width: 4, as: UInt16.self) else { return nil }
         return (vendor, product)
     }
 
@@ -156,7 +200,7 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
                 text += "[" + host + "]"
             } else {
                 // A ':' that came percent-encoded (tcp://x%3Ay:1) goes back percent-encoded.
-                text += URLParser.percentEncode(host, allowing: URLParser.unreserved)
+                text += TransportURL.percentEncoded(host)
             }
         }
         if let portText = bottom.portText { text += ":" + portText }
@@ -188,8 +232,6 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
 }
 
 enum URLParser {
-    static let unreserved = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~"
-
     static func fail(_ string: String, _ reason: String) -> TransportError {
         TransportError(.invalidURL, "invalid URL '\(printable(string))': \(reason)")
     }
@@ -402,13 +444,13 @@ enum URLParser {
         while let byte = utf8.first {
             utf8 = utf8.dropFirst()
             if byte == UInt8(ascii: "%") {
-                guard utf8.count >= 2, let high = hexValue(utf8[utf8.startIndex]),
-                      let low = hexValue(utf8[utf8.index(after: utf8.startIndex)]) else {
+                guard utf8.count >= 2, let high = Hex.digitValue(utf8[utf8.startIndex]),
+                      let low = Hex.digitValue(utf8[utf8.index(after: utf8.startIndex)]) else {
                     throw fail(string, "'%' must be followed by two hex digits")
                 }
                 let value = high << 4 | low
                 if value < 0x20 || value == 0x7F {
-                    throw fail(string, "\(what) contains a control character (%\(String(format2: value))); such bytes are never valid here")
+                    throw fail(string, "\(what) contains a control character (%\(Hex.digits(value, width: 2, uppercase: true))); such bytes are never valid here")
                 }
                 bytes.append(value)
                 utf8 = utf8.dropFirst(2)
@@ -422,50 +464,20 @@ enum URLParser {
         return decoded
     }
 
-    private static func hexValue(_ byte: UInt8) -> UInt8? {
-        switch byte {
-        case UInt8(ascii: "0")...UInt8(ascii: "9"): byte - UInt8(ascii: "0")
-        case UInt8(ascii: "a")...UInt8(ascii: "f"): byte - UInt8(ascii: "a") + 10
-        case UInt8(ascii: "A")...UInt8(ascii: "F"): byte - UInt8(ascii: "A") + 10
-        default: nil
-        }
-    }
-
     /// A path for a URL's text: as written where it was parsed (re-encoding the decoded path would
     /// turn a "%2F" into a "/"), else the decoded path encoded; `keeping` more characters as they are.
     static func encodePath(written: String?, decoded: String, keeping extra: String = "") -> String {
-        let allowed = unreserved + "/:@" + extra
-        return written.map { percentEncode($0, allowing: allowed + "%") } ?? percentEncode(decoded, allowing: allowed)
+        let kept = "/:@" + extra
+        return written.map { TransportURL.percentEncoded($0, keeping: kept + "%") } ?? TransportURL.percentEncoded(decoded, keeping: kept)
     }
 
     /// `?name=value&…` with names and values encoded (a bare name for an empty value); `""` for none.
     static func encodeQuery(_ items: [(name: String, value: String)]) -> String {
         guard !items.isEmpty else { return "" }
         return "?" + items.map { name, value in
-            let name = percentEncode(name, allowing: unreserved)
-            return value.isEmpty ? name : name + "=" + percentEncode(value, allowing: unreserved + ":/")
+            let name = TransportURL.percentEncoded(name)
+            return value.isEmpty ? name : name + "=" + TransportURL.percentEncoded(value, keeping: ":/")
         }.joined(separator: "&")
-    }
-
-    static func percentEncode(_ text: String, allowing allowed: String) -> String {
-        let allowedBytes = Set(allowed.utf8)
-        var out = ""
-        for byte in text.utf8 {
-            if allowedBytes.contains(byte) {
-                out.unicodeScalars.append(Unicode.Scalar(byte))
-            } else {
-                out += "%" + String(format2: byte)
-            }
-        }
-        return out
-    }
-}
-
-extension String {
-    /// Two upper-case hex digits.
-    init(format2 byte: UInt8) {
-        let hex = String(byte, radix: 16, uppercase: true)
-        self = hex.count == 1 ? "0" + hex : hex
     }
 }
 

@@ -5,6 +5,7 @@
 
 import Glibc
 import SystemPackage
+import TransportKitCore
 
 /// Facts about a device node for error messages.
 public enum DeviceNode {
@@ -49,7 +50,7 @@ public enum DeviceNode {
         guard stat(path, &info) == 0, let locks = readText("/proc/locks") else { return nil }
         // Lines look like "1: FLOCK  ADVISORY  WRITE 1234 00:05:87 0 EOF" (device as major:minor in hex).
         let (major, minor) = numbers(of: info.st_dev)
-        let device = "\(hex2(major)):\(hex2(minor)):\(UInt64(info.st_ino))"
+        let device = "\(Hex.digits(major)):\(Hex.digits(minor)):\(UInt64(info.st_ino))"
         for line in locks.split(separator: "\n") {
             let fields = line.split(separator: " ", omittingEmptySubsequences: true)
             guard fields.count >= 6, fields[1] == "FLOCK", fields[5] == device, let pid = Int(fields[4]) else { continue }
@@ -138,11 +139,6 @@ public enum DeviceNode {
             bytes += chunk[..<count]
         }
         return String(decoding: bytes, as: UTF8.self)
-    }
-
-    private static func hex2(_ value: UInt64) -> String {
-        let text = String(value, radix: 16)
-        return text.count < 2 ? "0" + text : text
     }
 
     private static func supplementaryGroups() -> [gid_t] {

@@ -25,7 +25,7 @@ public struct USBEndpointInfo: Sendable, Equatable {
     /// `control`, `isochronous`, `bulk` or `interrupt`.
     public var transferType: String { ["control", "isochronous", "bulk", "interrupt"][Int(attributes & 3)] }
     /// The address as USB tools write it: `0x81`.
-    public var addressText: String { "0x" + USBDevices.hex2(address) }
+    public var addressText: String { "0x" + Hex.digits(address) }
 }
 
 /// One interface of a configured USB device.
@@ -48,7 +48,7 @@ public struct USBInterfaceInfo: Sendable, Equatable {
     public var endpoints: [USBEndpointInfo]
 
     /// "ff/00/00": class, subclass and protocol in hexadecimal.
-    public var classTriple: String { "\(USBDevices.hex2(interfaceClass))/\(USBDevices.hex2(interfaceSubclass))/\(USBDevices.hex2(interfaceProtocol))" }
+    public var classTriple: String { "\(Hex.digits(interfaceClass))/\(Hex.digits(interfaceSubclass))/\(Hex.digits(interfaceProtocol))" }
 }
 
 /// A USB device (a sysfs `usb_device`) with what a listing, an identity match and a hot-plug event need.
@@ -135,7 +135,7 @@ public enum USBDevices {
         var info = USBDeviceInfo(
             sysPath: path, sysName: device.sysName, devnode: device.devnode, vendorId: vendor, productId: product,
             serialNumber: Sysfs.attribute(path, "serial"), manufacturer: Sysfs.attribute(path, "manufacturer"),
-            product: Sysfs.attribute(path, "product"), deviceClass: hexByte(Sysfs.attribute(path, "bDeviceClass")) ?? 0,
+            product: Sysfs.attribute(path, "product"), deviceClass: hexAttribute(path, "bDeviceClass") ?? 0,
             speed: Sysfs.attribute(path, "speed"), busNumber: Sysfs.attribute(path, "busnum").flatMap { Int($0) },
             deviceNumber: Sysfs.attribute(path, "devnum").flatMap { Int($0) }, isConfigured: true,
             interfaceCount: Sysfs.attribute(path, "bNumInterfaces").flatMap { Int($0) }, interfaces: interfaces,
@@ -148,19 +148,19 @@ public enum USBDevices {
 
     /// An interface directory's record.
     static func interface(_ path: String) -> USBInterfaceInfo? {
-        guard let number = hexByte(Sysfs.attribute(path, "bInterfaceNumber")) else { return nil }
+        guard let number = hexAttribute(path, "bInterfaceNumber") else { return nil }
         let endpoints = Sysfs.entries(of: path).filter { $0.hasPrefix("ep_") }.compactMap { name -> USBEndpointInfo? in
             let directory = path + "/" + name
-            guard let address = hexByte(Sysfs.attribute(directory, "bEndpointAddress")),
-                  let attributes = hexByte(Sysfs.attribute(directory, "bmAttributes")),
-                  let size = Sysfs.attribute(directory, "wMaxPacketSize").flatMap({ Int($0, radix: 16) }) else { return nil }
+            guard let address = hexAttribute(directory, "bEndpointAddress"),
+                  let attributes = hexAttribute(directory, "bmAttributes"),
+                  let size = Sysfs.attribute(directory, "wMaxPacketSize").flatMap({ Hex.value($0, as: Int.self) }) else { return nil }
             return USBEndpointInfo(address: address, attributes: attributes, maxPacketSize: size & 0x7ff)
         }
         return USBInterfaceInfo(
             sysPath: path, number: Int(number), alternateSetting: Sysfs.attribute(path, "bAlternateSetting").flatMap { Int($0) } ?? 0,
-            interfaceClass: hexByte(Sysfs.attribute(path, "bInterfaceClass")) ?? 0,
-            interfaceSubclass: hexByte(Sysfs.attribute(path, "bInterfaceSubClass")) ?? 0,
-            interfaceProtocol: hexByte(Sysfs.attribute(path, "bInterfaceProtocol")) ?? 0,
+            interfaceClass: hexAttribute(path, "bInterfaceClass") ?? 0,
+            interfaceSubclass: hexAttribute(path, "bInterfaceSubClass") ?? 0,
+            interfaceProtocol: hexAttribute(path, "bInterfaceProtocol") ?? 0,
             name: Sysfs.attribute(path, "interface"), driver: Sysfs.driverName(path),
             endpoints: endpoints.sorted { $0.address < $1.address })
     }
@@ -173,13 +173,12 @@ public enum USBDevices {
 
     /// The same from the parts (a tty's USB ancestry names them too).
     public static func identityURL(vendorId: String, productId: String, serialNumber: String?, location: String) -> String {
-        let base = "usb://\(vendorId):\(productId)"
         // A serial the URL could not carry (a control character in it) gives way to the location;
         // a "/" in it is written %2F, which stays inside the one path segment.
         if let serialNumber, !serialNumber.isEmpty, !serialNumber.unicodeScalars.contains(where: { $0.value < 0x20 || $0.value == 0x7F }) {
-            return base + "/" + percentEncoded(serialNumber)
+            return TransportURL(scheme: "usb", host: vendorId, portText: productId, segments: [serialNumber]).description
         }
-        return base + "?location=" + percentEncoded(location)
+        return TransportURL(scheme: "usb", host: vendorId, portText: productId, segments: [], query: [("location", location)]).description
     }
 
     /// "usbN": a root hub (the host controller's own, virtual, device).
@@ -187,27 +186,9 @@ public enum USBDevices {
         name.hasPrefix("usb") && name.count > 3 && name.dropFirst(3).allSatisfy(\.isNumber)
     }
 
-    /// A value as it may stand in a URL: unreserved ASCII kept, every other byte as %XX.
-    public static func percentEncoded(_ text: String) -> String {
-        var out = ""
-        for byte in text.utf8 {
-            let unreserved = (byte >= 0x30 && byte <= 0x39) || (byte | 0x20 >= 0x61 && byte | 0x20 <= 0x7a)
-                || byte == 0x2d || byte == 0x2e || byte == 0x5f || byte == 0x7e
-            if unreserved {
-                out.unicodeScalars.append(Unicode.Scalar(byte))
-            } else {
-                out += "%" + hex2(byte).uppercased()
-            }
-        }
-        return out
+    /// A sysfs attribute that holds a byte in hexadecimal (`bInterfaceClass`: "ff").
+    private static func hexAttribute(_ path: String, _ name: String) -> UInt8? {
+        Sysfs.attribute(path, name).flatMap { Hex.value($0, as: UInt8.self) }
     }
-
-    /// Two lower-case hexadecimal digits.
-    public static func hex2(_ value: UInt8) -> String {
-        let text = String(value, radix: 16)
-        return text.count == 1 ? "0" + text : text
-    }
-
-    private static func hexByte(_ text: String?) -> UInt8? { text.flatMap { UInt8($0, radix: 16) } }
     private static func pad3(_ value: Int) -> String { String(repeating: "0", count: max(0, 3 - String(value).count)) + String(value) }
 }
