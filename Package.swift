@@ -167,7 +167,7 @@ let package = Package(
         ),
         .executableTarget(
             name: "transportkit",
-            dependencies: ["TransportKit", "TransportKitLinux", logging, .product(name: "ArgumentParser", package: "swift-argument-parser")],
+            dependencies: ["TransportKit", "TransportKitLinux", logging, nioCore, .product(name: "ArgumentParser", package: "swift-argument-parser")],
             path: "Sources/transportkit",
             swiftSettings: strict
         ),
@@ -219,7 +219,8 @@ let package = Package(
         ),
         .testTarget(
             name: "CShimTests",
-            dependencies: ["CBlueZ", "CUdev", "CLibUSB"],
+            // Every C module (Sources/C*); DocsDriftTests checks it.
+            dependencies: ["CBlueZ", "CUdev", "CLibUSB", "CSDBus", "CZlib"],
             swiftSettings: strict
         ),
     ],

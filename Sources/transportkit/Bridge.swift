@@ -12,7 +12,7 @@ struct Bridge: AsyncParsableCommand {
             --listen. With one --listen and one URL the bridge is a server: it keeps accepting \
             clients until SIGINT or SIGTERM. A target that can be opened many times (tcp, unix, \
             loop) gets a connection of its own per client, up to --max-clients at once; more are \
-            told the bridge is full and closed. An exclusive target (a serial port) serves one \
+            told the bridge is full and closed. An exclusive target (a serial port or a USB interface: tty://, usb://) serves one \
             client at a time: --busy refuse (the default) tells a second client "busy" and closes \
             it, --busy replace closes the old client and serves the new one (ser2net's \
             kickolduser: any client can take over). The target is opened per client and closed \

@@ -7,7 +7,7 @@ import TransportKit
 struct TransportKitCLI: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "transportkit",
-        abstract: "Connect to devices and peers by URL: tcp://, unix://, tty://, pty://, loop://, spy+URL, …",
+        abstract: "Connect to devices and peers by URL: tcp://, unix://, tls://, ws://, wss://, http://, https://, tty://, pty://, rfc2217://, usb://, rfcomm://, ble://, loop://, replay://; spy+URL, tls+URL and reconnect+URL wrap any of them; ea:// is refused.",
         discussion: "Run 'transportkit schemes' for every URL form and its options. spy+URL traces a connection on standard error.",
         subcommands: [Schemes.self, List.self, Watch.self, Connect.self, Term.self, Bridge.self, Gatt.self]
     )
@@ -90,7 +90,7 @@ struct SchemeJSON: Encodable {
     var path: String
     var canListen: Bool
     var wraps: Bool
-    /// One connection at a time (a serial port): `bridge --listen` serves one client at a time.
+    /// One connection at a time (a serial port or a USB interface: tty://, usb://): `bridge --listen` serves one client at a time.
     var exclusive: Bool
     /// A device that can go away and come back (a serial port, USB, Bluetooth): `term` reconnects to it by default.
     var device: Bool

@@ -1,6 +1,9 @@
 import CBlueZ
 import CLibUSB
+import CSDBus
 import CUdev
+import CZlib
+import Glibc
 import Testing
 
 /// The C targets build and their shim helpers return what the C macros do.
@@ -42,5 +45,57 @@ struct CShimTests {
         #expect(tk_libusb_set_log_level(context, 0) == 0)
         #expect(tk_libusb_set_log_level(context, 99) == LIBUSB_ERROR_INVALID_PARAM.rawValue, "a level out of range is refused")
         libusb_exit(context)
+    }
+
+    @Test func sdbusErrorNamesMapToErrno() {
+        // TransportKitDBus answers a malformed call to an exported object with sd_bus_error_set and
+        // hands its result, a negative errno (sd_bus_error_set(3): InvalidArgs is EINVAL), to sd-bus.
+        var error = sd_bus_error(name: nil, message: nil, _need_free: 0)
+        defer { sd_bus_error_free(&error) }
+        #expect(sd_bus_error_set(&error, "org.freedesktop.DBus.Error.InvalidArgs", "bad argument") == -EINVAL)
+        #expect(sd_bus_error_is_set(&error) > 0)
+        #expect(sd_bus_error_has_name(&error, "org.freedesktop.DBus.Error.InvalidArgs") > 0)
+        #expect(error.message.map { String(cString: $0) } == "bad argument")
+    }
+
+    @Test func zlibRawDeflateRoundTripThroughTheShim() {
+        // tk_deflate_init and tk_inflate_init wrap the deflateInit2/inflateInit2 macros; negative
+        // window bits are raw DEFLATE, as permessage-deflate uses it. zlib keeps a pointer to its
+        // z_stream, so each lives at one address (allocated, as PerMessageDeflate.swift does).
+        let text = Array(String(repeating: "permessage-deflate ", count: 50).utf8)
+        let deflater = UnsafeMutablePointer<z_stream>.allocate(capacity: 1)
+        deflater.initialize(to: z_stream())
+        defer { deflater.deallocate() }
+        #expect(tk_deflate_init(deflater, Z_DEFAULT_COMPRESSION, -15) == Z_OK)
+        var input = text
+        var compressed = [UInt8](repeating: 0, count: 4096)
+        let compressedCount = Self.finish(deflater, from: &input, count: text.count, into: &compressed, deflate)
+        deflateEnd(deflater)
+        #expect(compressedCount > 0 && compressedCount < text.count, "repetitive text compresses")
+
+        let inflater = UnsafeMutablePointer<z_stream>.allocate(capacity: 1)
+        inflater.initialize(to: z_stream())
+        defer { inflater.deallocate() }
+        #expect(tk_inflate_init(inflater, -15) == Z_OK)
+        var restored = [UInt8](repeating: 0, count: text.count + 64)
+        let restoredCount = Self.finish(inflater, from: &compressed, count: compressedCount, into: &restored, inflate)
+        inflateEnd(inflater)
+        #expect(Array(restored.prefix(restoredCount)) == text)
+    }
+
+    /// Runs `step` (deflate or inflate) over the first `count` bytes of `input` with Z_FINISH,
+    /// expecting the stream's end; the number of bytes it wrote into `output`.
+    static func finish(_ stream: UnsafeMutablePointer<z_stream>, from input: inout [UInt8], count: Int, into output: inout [UInt8],
+                       _ step: (UnsafeMutablePointer<z_stream>, Int32) -> Int32) -> Int {
+        input.withUnsafeMutableBufferPointer { source -> Int in
+            output.withUnsafeMutableBufferPointer { target -> Int in
+                stream.pointee.next_in = source.baseAddress
+                stream.pointee.avail_in = uInt(count)
+                stream.pointee.next_out = target.baseAddress
+                stream.pointee.avail_out = uInt(target.count)
+                #expect(step(stream, Z_FINISH) == Z_STREAM_END)
+                return target.count - Int(stream.pointee.avail_out)
+            }
+        }
     }
 }
