@@ -25,10 +25,10 @@ enum Relay {
                     var lines = LineSplitter()
                     while let chunk = try await input.next() {
                         guard textLines else {
-                            try await deliver(chunk.count, to: connection) { try await connection.write(chunk) }
+                            try await deliver(chunk.readableBytes, to: connection) { try await connection.write(chunk) }
                             continue
                         }
-                        for line in lines.feed(chunk) {
+                        for line in lines.feed(Array(chunk.readableBytesView)) {
                             try await deliver(line.utf8.count, to: connection) { try await connection.writeMessage(.text(line)) }
                         }
                     }

@@ -5,6 +5,8 @@
 import Foundation
 import Glibc
 import SystemPackage
+import NIOCore
+import Synchronization
 import TransportKit
 
 /// Standard input, output and error as the tool was started with them.
@@ -53,31 +55,49 @@ enum StandardStreamError: Error, CustomStringConvertible {
     }
 }
 
+/// A pipe whose read end a poll(2) watches beside the descriptor it waits for: one byte written
+/// to it ends that poll(2) and every later one (the byte is never read).
+final class WakePipe: Sendable {
+    /// The end poll(2) watches; -1 when pipe(2) failed (then nothing can cancel a wait).
+    let read: Int32
+    private let write: Int32
+
+    init() {
+        var ends: [Int32] = [-1, -1]
+        if pipe(&ends) == 0 {
+            for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
+            _ = fcntl(ends[1], F_SETFL, O_NONBLOCK)   // a second signal never blocks
+        } else {
+            ends = [-1, -1]
+        }
+        read = ends[0]
+        write = ends[1]
+    }
+
+    deinit {
+        if read >= 0 { Glibc.close(read) }
+        if write >= 0 { Glibc.close(write) }
+    }
+
+    /// Ends the current poll(2) on ``read`` and every later one.
+    func signal() {
+        var one: UInt8 = 1
+        _ = Glibc.write(write, &one, 1)
+    }
+}
+
 /// Waits in poll(2) for one descriptor on a thread of its own. Cancelling the waiting task writes
 /// to a pipe that the same poll(2) watches, so the thread returns at once; a cancelled waiter
 /// stays cancelled. One waiter serves one wait at a time.
 final class DescriptorWait: Sendable {
     private let fd: Int32
     private let events: Int16
-    /// The pipe that cancels (read end, write end); owned by this object, closed in deinit.
-    private let wake: (read: Int32, write: Int32)
+    /// Cancels the poll(2).
+    private let wake = WakePipe()
 
     init(fd: Int32, events: Int16) {
         self.fd = fd
         self.events = events
-        var ends: [Int32] = [-1, -1]
-        if pipe(&ends) == 0 {
-            for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
-            _ = fcntl(ends[1], F_SETFL, O_NONBLOCK)   // a second cancel never blocks
-        } else {
-            ends = [-1, -1]
-        }
-        wake = (ends[0], ends[1])
-    }
-
-    deinit {
-        if wake.read >= 0 { Glibc.close(wake.read) }
-        if wake.write >= 0 { Glibc.close(wake.write) }
     }
 
     /// The events poll(2) reported for the descriptor, or `nil` when the task was cancelled.
@@ -94,8 +114,7 @@ final class DescriptorWait: Sendable {
 
     /// Makes the current and every later wait return `nil`.
     func cancel() {
-        var one: UInt8 = 1
-        _ = Glibc.write(wake.write, &one, 1)
+        wake.signal()
     }
 
     private func blockingPoll() -> Int16? {
@@ -109,24 +128,86 @@ final class DescriptorWait: Sendable {
     }
 }
 
-/// Standard input, one chunk per call: a read(2) only after poll(2) said it will not block, so at
-/// most one chunk is in flight, and a cancelled task stops waiting at once.
-struct StandardInput: Sendable {
-    private let wait = DescriptorWait(fd: 0, events: Int16(POLLIN))
+/// Standard input, read ahead by one thread of its own into a bounded ``InboundQueue``: the thread
+/// waits in poll(2) (with the cancel pipe) and reads, while the relay writes the chunk before; it
+/// stops reading once 1 MiB waits unread and goes on when the relay has taken it below 256 KiB.
+/// One thread for the whole input, not one per chunk. A cancelled task stops the thread at once.
+final class StandardInput: Sendable {
+    /// Where the thread pauses and goes on, in bytes read and not yet taken.
+    static let watermarks = InboundQueue.Watermarks(low: 256 * 1024, high: 1024 * 1024)
+    /// The most one read(2) takes.
+    static let chunkSize = 64 * 1024
 
-    /// The next chunk, or `nil` at the end of input or when the task was cancelled.
-    func next() async throws -> [UInt8]? {
-        var buffer = [UInt8](repeating: 0, count: 65536)
+    private let queue: InboundQueue
+    /// Signalled when the relay has made room (the queue's `onResume`) and on cancel.
+    private let room: DispatchSemaphore
+    /// Cancels the thread's poll(2); closed after the thread ended (it holds this object).
+    private let wake = WakePipe()
+    private let started = Atomic(false)
+    private let cancelled = Atomic(false)
+    /// The errno a read(2) failed with; the queue then fails, and ``next()`` throws it.
+    private let failure = Mutex<Errno?>(nil)
+
+    init() {
+        let room = DispatchSemaphore(value: 0)
+        self.room = room
+        queue = InboundQueue(watermarks: Self.watermarks) { room.signal() }
+    }
+
+    /// The next chunk, or `nil` at the end of input or when the task was cancelled (the input then
+    /// stays ended).
+    func next() async throws -> ByteBuffer? {
+        if !started.exchange(true, ordering: .acquiringAndReleasing) {
+            let thread = Thread { [self] in readAhead() }
+            thread.name = "transportkit stdin"
+            thread.start()
+        }
+        do {
+            return try await queue.next()
+        } catch is CancellationError {
+            cancel()
+            return nil
+        } catch {
+            if let errno = failure.withLock({ $0 }) { throw StandardStreamError.inputFailed(errno) }
+            throw error
+        }
+    }
+
+    /// Stops the thread; the current and every later ``next()`` returns `nil` once what was read
+    /// before is taken.
+    func cancel() {
+        cancelled.store(true, ordering: .releasing)
+        wake.signal()
+        room.signal()
+    }
+
+    /// The thread: poll(2), read(2), append, until the end, an error or a cancel.
+    private func readAhead() {
+        var fds = [pollfd(fd: 0, events: Int16(POLLIN), revents: 0), pollfd(fd: wake.read, events: Int16(POLLIN), revents: 0)]
         while true {
-            guard await wait.next() != nil else { return nil }
-            let count = buffer.withUnsafeMutableBytes { Glibc.read(0, $0.baseAddress, $0.count) }
-            if count > 0 { return Array(buffer[..<count]) }
-            if count == 0 { return nil }
-            let failure = Errno(rawValue: errno)
+            while !queue.shouldProduce() && !cancelled.load(ordering: .acquiring) { room.wait() }
+            if cancelled.load(ordering: .acquiring) { return queue.finish() }
+            let ready = poll(&fds, 2, -1)
+            if ready < 0 && errno == EINTR { continue }
+            if ready < 0 || fds[1].revents != 0 { return queue.finish() }
+            var buffer = ByteBufferAllocator().buffer(capacity: Self.chunkSize)
+            var readErrno: Int32 = 0
+            let count = buffer.writeWithUnsafeMutableBytes(minimumWritableBytes: Self.chunkSize) { space in
+                let count = Glibc.read(0, space.baseAddress, min(space.count, Self.chunkSize))
+                if count < 0 { readErrno = errno }
+                return max(count, 0)
+            }
+            if count > 0 {
+                queue.append(buffer)
+                continue
+            }
+            if readErrno == 0 { return queue.finish() }
+            let failed = Errno(rawValue: readErrno)
             // EAGAIN: standard input is non-blocking (a terminal shared with a shell that set it)
             // and poll(2) woke for nothing; wait again.
-            if failure == .interrupted || failure == .wouldBlock { continue }
-            throw StandardStreamError.inputFailed(failure)
+            if failed == .interrupted || failed == .wouldBlock { continue }
+            failure.withLock { $0 = failed }
+            return queue.fail(TransportError.posix("read", errno: failed, what: "standard input"))
         }
     }
 }

@@ -299,7 +299,7 @@ final class TermSession: Sendable {
             }
         }
         while let chunk = try await input.next() {
-            for byte in chunk {
+            for byte in chunk.readableBytesView {
                 switch state {
                 case .normal:
                     if byte == Self.menuKey { state = .menu } else { pending.append(byte) }

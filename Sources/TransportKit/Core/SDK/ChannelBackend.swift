@@ -165,11 +165,30 @@ public final class ChannelBackend: ConnectionBackend {
         if let failure = takeUnreportedWriteFailure() { throw failure }
         // Counted before the hand-over: on the event loop the write may complete inside it.
         let inFlightNow = inFlight.add(size, ordering: .relaxed).newValue
+        let eventLoop = channel.eventLoop
+        if eventLoop.inEventLoop {
+            handOver(data, size: size)
+        } else {
+            // One hop to the loop for the write and its bookkeeping together: a future's
+            // `whenComplete` called off the loop would queue a second job of its own.
+            eventLoop.execute { [self] in handOver(data, size: size) }
+        }
+        if !channel.isWritable || inFlightNow > inFlightCap {
+            // Checked again under the gate's lock. The handler signals when NIO makes the channel
+            // writable; the completion that brings the bytes in flight down to the resume mark too.
+            try await writers.wait { [self] in
+                channel.isWritable && inFlight.load(ordering: .relaxed) <= (inFlightNow > inFlightCap ? inFlightResume : inFlightCap)
+            }
+        }
+    }
+
+    /// Writes `data` on the loop and, once the channel has written or failed it, takes it out of
+    /// the bytes in flight. Registered after handing the bytes over, so that on the loop the
+    /// bookkeeping is not between the read that woke the writer and the write syscall; a write
+    /// that already completed runs the callback at once, so nothing is missed.
+    private func handOver<Data: Sendable>(_ data: Data, size: Int) {
         let promise = channel.eventLoop.makePromise(of: Void.self)
         channel.writeAndFlush(data, promise: promise)
-        // Bookkeeping after handing the bytes over, so that on the event loop it is not between the
-        // read that woke this task and the write syscall. A write that already completed runs the
-        // callback at once, so nothing is missed.
         promise.futureResult.whenComplete { [self] result in
             let before = inFlight.subtract(size, ordering: .relaxed).oldValue
             if case .failure(let error) = result {
@@ -178,13 +197,6 @@ public final class ChannelBackend: ConnectionBackend {
             let after = before - size
             // Wake writers held at the cap, and flushPendingWrites waiting for the last byte.
             if (before > inFlightResume && after <= inFlightResume) || after == 0 { writers.signal() }
-        }
-        if !channel.isWritable || inFlightNow > inFlightCap {
-            // Checked again under the gate's lock. The handler signals when NIO makes the channel
-            // writable; the completion that brings the bytes in flight down to the resume mark too.
-            try await writers.wait { [self] in
-                channel.isWritable && inFlight.load(ordering: .relaxed) <= (inFlightNow > inFlightCap ? inFlightResume : inFlightCap)
-            }
         }
     }
 
