@@ -1,3 +1,4 @@
+import Glibc
 import Testing
 @testable import TransportKit
 
@@ -57,6 +58,19 @@ struct LoopTests {
     @Test func readTimeoutLosesNothing() async throws {
         let loop = try await Transport.connect(to: "loop://")
         await expectTransportError(.timedOut) { try await loop.read(timeout: .milliseconds(50)) }
+        try await loop.write("late")
+        #expect(try await loop.read(timeout: .seconds(5)) == Array("late".utf8))
+        try await loop.close()
+    }
+
+    /// spy+ has no deadline read of its own: the SDK's default (a task group) serves it, with the
+    /// same promise.
+    @Test func readTimeoutThroughAWrapperLosesNothing() async throws {
+        let trace = "/tmp/tk-timeout-\(getpid())-\(UInt32.random(in: 0...UInt32.max)).trace"
+        defer { unlink(trace) }
+        let loop = try await Transport.connect(to: "spy+loop://?spy.file=\(trace)")
+        let error = await expectTransportError(.timedOut) { try await loop.read(timeout: .milliseconds(50)) }
+        #expect(error?.message.contains("within") == true, "\(String(describing: error))")
         try await loop.write("late")
         #expect(try await loop.read(timeout: .seconds(5)) == Array("late".utf8))
         try await loop.close()

@@ -80,6 +80,36 @@ struct InboundQueueTests {
         #expect(received == 200, "every byte was delivered exactly once")
     }
 
+    @Test func aDeadlineThatPassesConsumesNothingAndADeliveryRacingItIsNeverLost() async throws {
+        let queue = InboundQueue()
+        await #expect(throws: ReadDeadlinePassed.self) { try await queue.next(deadline: .now + .milliseconds(20)) }
+        queue.append(ByteBuffer(string: "late"))
+        #expect(try await queue.next(deadline: .now + .seconds(5)).map { String(buffer: $0) } == "late")
+        // An element already there is taken at once, even with a deadline in the past.
+        queue.append(ByteBuffer(string: "now"))
+        #expect(try await queue.next(deadline: .now - .seconds(1)).map { String(buffer: $0) } == "now")
+        // Deadlines that pass as the element arrives: each element is read exactly once.
+        var received = 0
+        for index in 0..<200 {
+            let reader = Task { try await queue.next(deadline: .now + .microseconds(200)) }
+            if index % 2 == 0 { try await Task.sleep(for: .microseconds(150)) }
+            queue.append(ByteBuffer(string: "x"))
+            if (try? await reader.value) != nil { received += 1 }
+        }
+        while received < 200, let element = try await queue.next(deadline: .now + .seconds(5)) {
+            #expect(String(buffer: element) == "x")
+            received += 1
+        }
+        #expect(received == 200, "every element was delivered exactly once")
+        // Cancelling a reader with a deadline ends it with CancellationError, not the deadline.
+        let reader = Task { try await queue.next(deadline: .now + .seconds(60)) }
+        try await Task.sleep(for: .milliseconds(10))
+        reader.cancel()
+        await #expect(throws: CancellationError.self) { try await reader.value }
+        queue.finish()
+        #expect(try await queue.next(deadline: .now + .seconds(5)) == nil)
+    }
+
     @Test func aSecondConcurrentReaderIsMisuse() async throws {
         let queue = InboundQueue()
         let first = Task { try await queue.next() }

@@ -293,14 +293,14 @@ enum BluetoothConnector {
         let fd: SystemPackage.FileDescriptor
         if let port = url.port {
             channel = port
-            fd = try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: UInt8(port), security: security, describing: describing,
-                                                         deadline: request.deadline)
+            // The connect and the SDP search have no timer of their own: the registry's deadline bounds them.
+            fd = try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: UInt8(port), security: security, describing: describing)
         } else {
-            (channel, fd) = try await ServiceDiscovery.withRFCOMMChannel(adapter: local, device: device, service: service, describing: describing,
-                                                                        deadline: request.deadline) { found in
+            (channel, fd) = try await ServiceDiscovery.withRFCOMMChannel(adapter: local, device: device, service: service,
+                                                                        describing: describing) { found in
                 request.logger.debug("SDP: \(device) offers \(BluetoothUUID.short(service)) on RFCOMM channel \(found)")
                 return (Int(found), try await BluetoothSocket.connectRFCOMM(adapter: local, device: device, channel: found, security: security,
-                                                                             describing: describing, deadline: request.deadline))
+                                                                             describing: describing))
             }
         }
         let backend = try await DescriptorChannel.adoptSocket(fd, describing: describing, buffering: request.buffering)
@@ -358,7 +358,7 @@ enum BluetoothConnector {
         let describing = url.description
         let channel = try await BluetoothSocket.connectL2CAP(adapter: local, device: device, addressType: addressType, psm: UInt16(psm),
                                                              receiveMTU: request[BluetoothPlugin.mtu], security: request[BluetoothPlugin.security],
-                                                             describing: describing, deadline: request.deadline)
+                                                             describing: describing)
         let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
                                           maximumWriteSize: channel.sendMTU, watermarks: request.buffering.inbound) { errno in
             BluetoothBackend.disconnected(device, errno: errno, syscall: errno == nil ? nil : "recv")
@@ -375,6 +375,14 @@ enum BluetoothConnector {
 
     /// How long a ble:// URL without a device keeps listening after the first match, for a stronger one.
     static let choiceWindow = Duration.seconds(1)
+
+    /// The reply timeout of a D-Bus call inside a connect whose `deadline` is enforced around it
+    /// (by the registry, or by `BluetoothPeripheral.connect`): a few seconds past the deadline, so
+    /// that the deadline's error is the one timeout reported (it cancels the call); `otherwise`
+    /// when the connect has no deadline.
+    static func replyTimeout(enforcedBy deadline: ContinuousClock.Instant?, otherwise: Duration?) -> Duration? {
+        deadline.map { max($0 - ContinuousClock.now, .zero) + .seconds(5) } ?? otherwise
+    }
 
     /// The device a ble:// URL without one connects to: an LE scan for the URL's service; of the
     /// devices seen within ``choiceWindow`` of the first match, the one with the strongest signal
@@ -460,6 +468,15 @@ final class BluetoothBackend: ConnectionBackend {
         do {
             guard let buffer = try await channel.read() else { throw Self.disconnected(device, errno: nil, syscall: nil) }
             return buffer
+        } catch let error as TransportError where error.kind == .disconnected {
+            throw Self.disconnected(device, errno: error.errno, syscall: error.syscall)
+        }
+    }
+
+    func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        do {
+            guard let message = try await channel.readMessage(deadline: deadline) else { throw Self.disconnected(device, errno: nil, syscall: nil) }
+            return message
         } catch let error as TransportError where error.kind == .disconnected {
             throw Self.disconnected(device, errno: error.errno, syscall: error.syscall)
         }

@@ -49,7 +49,7 @@ struct BluetoothAddress: Sendable, Hashable, CustomStringConvertible {
     var description: String { Hex.text(bytes, separator: ":") }
 }
 
-/// Opening Bluetooth sockets, bound to an adapter, connected within a deadline.
+/// Opening Bluetooth sockets, bound to an adapter; a connect is bounded by the registry's deadline.
 enum BluetoothSocket {
     /// How L2CAP security is asked for (BT_SECURITY): above `low` the link is encrypted and pairing may start.
     enum Security: String, CaseIterable, Sendable {
@@ -80,13 +80,13 @@ enum BluetoothSocket {
     /// the connect when it cannot (rfcomm_check_security, hci_conn_security). BT_SECURITY read
     /// back on an RFCOMM socket gives the socket's own setting, not the link's, so there is nothing
     /// to check afterwards, unlike L2CAP.
-    static func connectRFCOMM(adapter: BluetoothAddress, device: BluetoothAddress, channel: UInt8, security: Security = .low, describing: String,
-                              deadline: ContinuousClock.Instant?) async throws -> SystemPackage.FileDescriptor {
+    static func connectRFCOMM(adapter: BluetoothAddress, device: BluetoothAddress, channel: UInt8, security: Security = .low,
+                              describing: String) async throws -> SystemPackage.FileDescriptor {
         let fd = try open(SOCK_STREAM, BTPROTO_RFCOMM, describing: describing)
         do {
             try Syscall.run("bind", on: describing) { tk_bt_rfcomm_bind(fd.rawValue, adapter.kernel, 0) }
             try configure(fd, receiveMTU: nil, security: security, describing: describing)
-            try await connect(fd, describing: describing, deadline: deadline, what: "RFCOMM channel \(channel) on \(device)") {
+            try await connect(fd, describing: describing, what: "RFCOMM channel \(channel) on \(device)") {
                 tk_bt_rfcomm_connect(fd.rawValue, device.kernel, channel)
             }
             return fd
@@ -107,14 +107,13 @@ enum BluetoothSocket {
 
     /// An LE L2CAP connection-oriented channel (SOCK_SEQPACKET) to `device` on `psm`.
     static func connectL2CAP(adapter: BluetoothAddress, device: BluetoothAddress, addressType: String, psm: UInt16,
-                             receiveMTU: Int?, security: Security, describing: String,
-                             deadline: ContinuousClock.Instant?) async throws -> Channel {
+                             receiveMTU: Int?, security: Security, describing: String) async throws -> Channel {
         let fd = try open(SOCK_SEQPACKET, BTPROTO_L2CAP, describing: describing)
         do {
             let type = UInt8(addressType == "random" ? BDADDR_LE_RANDOM : BDADDR_LE_PUBLIC)
             try Syscall.run("bind", on: describing) { tk_bt_l2cap_bind(fd.rawValue, adapter.kernel, UInt8(BDADDR_LE_PUBLIC), 0) }
             try configure(fd, receiveMTU: receiveMTU, security: security, describing: describing)
-            try await connect(fd, describing: describing, deadline: deadline, what: "L2CAP PSM \(psm) on \(device)") {
+            try await connect(fd, describing: describing, what: "L2CAP PSM \(psm) on \(device)") {
                 tk_bt_l2cap_connect(fd.rawValue, device.kernel, type, psm)
             }
             let achieved = try requireSecurity(security, fd, device: device, describing: describing)
@@ -152,12 +151,12 @@ enum BluetoothSocket {
     }
 
     /// A BR/EDR L2CAP channel (SOCK_SEQPACKET) to `device` on `psm`: PSM 1 is SDP (ServiceDiscovery.swift).
-    static func connectClassicL2CAP(adapter: BluetoothAddress, device: BluetoothAddress, psm: UInt16, describing: String,
-                                    deadline: ContinuousClock.Instant?) async throws -> SystemPackage.FileDescriptor {
+    static func connectClassicL2CAP(adapter: BluetoothAddress, device: BluetoothAddress, psm: UInt16,
+                                    describing: String) async throws -> SystemPackage.FileDescriptor {
         let fd = try open(SOCK_SEQPACKET, BTPROTO_L2CAP, describing: describing)
         do {
             try Syscall.run("bind", on: describing) { tk_bt_l2cap_bind(fd.rawValue, adapter.kernel, UInt8(BDADDR_BREDR), 0) }
-            try await connect(fd, describing: describing, deadline: deadline, what: "L2CAP PSM \(psm) (SDP) on \(device)") {
+            try await connect(fd, describing: describing, what: "L2CAP PSM \(psm) (SDP) on \(device)") {
                 tk_bt_l2cap_connect(fd.rawValue, device.kernel, UInt8(BDADDR_BREDR), psm)
             }
             return fd
@@ -272,32 +271,15 @@ enum BluetoothSocket {
         }
     }
 
-    /// A non-blocking connect(2): waits for writability (or the deadline), then reads SO_ERROR.
-    private static func connect(_ fd: SystemPackage.FileDescriptor, describing: String, deadline: ContinuousClock.Instant?, what: String,
-                                _ start: () -> Int32) async throws {
+    /// A non-blocking connect(2): waits for writability, then reads SO_ERROR. No timer of its own:
+    /// the registry's connect deadline cancels the wait, and its error is the one timeout reported.
+    private static func connect(_ fd: SystemPackage.FileDescriptor, describing: String, what: String, _ start: () -> Int32) async throws {
         switch Syscall.attempt(start) {
         case .success: return
         case .failure(.nowInProgress), .failure(.resourceTemporarilyUnavailable): break
         case .failure(let errno): throw failure(errno, describing: describing, what: what)
         }
-        let waiting = Task { try await fd.wait(until: .writable) }
-        let timer = Task {
-            if let deadline {
-                try await Task.sleep(until: deadline, clock: .continuous)
-                waiting.cancel()
-            }
-        }
-        defer { timer.cancel() }
-        do {
-            try await withTaskCancellationHandler {
-                try await waiting.value
-            } onCancel: {
-                waiting.cancel()
-            }
-        } catch {
-            if Task.isCancelled { throw CancellationError() }
-            throw TransportError(.timedOut, "\(describing): connecting to \(what) timed out; is the device in range and switched on?")
-        }
+        try await fd.wait(until: .writable)
         var code: Int32 = 0
         var length = socklen_t(MemoryLayout<Int32>.size)
         try Syscall.run("getsockopt(SO_ERROR)", on: describing) { getsockopt(fd.rawValue, SOL_SOCKET, SO_ERROR, &code, &length) }

@@ -90,9 +90,11 @@ struct GattSession: Sendable {
                 step("discovery")
                 // Connected by another program meanwhile: its link, left up on close.
                 guard !found.connected else { return (found, false) }
-                let remaining = deadline.map { max($0 - ContinuousClock.now, .milliseconds(1)) }
+                // No reply timeout before the deadline: the one enforced around this (the registry's, or
+                // BluetoothPeripheral.connect's) reports the timeout.
+                let replyTimeout = BluetoothConnector.replyTimeout(enforcedBy: deadline, otherwise: nil)
                 do {
-                    _ = try await bluez.call(found.path, BlueZ.deviceInterface, "Connect", timeout: remaining,
+                    _ = try await bluez.call(found.path, BlueZ.deviceInterface, "Connect", timeout: replyTimeout,
                                              about: "connecting to Bluetooth device \(address) over LE")
                 } catch {
                     // Cut short (the deadline, a cancellation): bluetoothd may still be connecting,

@@ -145,8 +145,9 @@ enum GattSerial {
             // dual-mode device bonded over BR/EDR only too (Docs/Schemes.md says so). The pairing
             // is within the connect's timeout (a person entering a passkey needs a longer one).
             if security == .medium, !device.paired {
-                let remaining = request.deadline.map { max($0 - ContinuousClock.now, .milliseconds(1)) } ?? .seconds(60)
-                try await BluetoothPairingAgent.pair(session.bluez, device: device.path, timeout: remaining, about: "\(url.shown): pairing for security=medium")
+                // The registry's deadline bounds it; the reply timeout only past that (60 s without one).
+                let replyTimeout = BluetoothConnector.replyTimeout(enforcedBy: request.deadline, otherwise: .seconds(60)) ?? .seconds(60)
+                try await BluetoothPairingAgent.pair(session.bluez, device: device.path, timeout: replyTimeout, about: "\(url.shown): pairing for security=medium")
             }
             let backend = try await GattBackend.open(link: link, rx: rx, tx: tx, acquire: request[BluetoothPlugin.acquire] == .auto,
                                                      events: events, describing: describing)

@@ -353,6 +353,10 @@ final class GattServerBackend: ConnectionBackend {
 
     func read() async throws -> ByteBuffer? { try await inbound.next() }
 
+    func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        try await inbound.next(deadline: deadline).map { TransportMessage(.binary, $0) }
+    }
+
     func write(_ buffer: ByteBuffer) async throws {
         if central.withLock({ $0.ended }) {
             throw TransportError(.disconnected, "\(describing): the central unsubscribed or disconnected")

@@ -10,12 +10,6 @@ import TransportKitLinux
 
 /// Accepts LE L2CAP connection-oriented channels on one PSM of one adapter.
 final class LEListener: ListenerBackend {
-    private struct State {
-        var closed = false
-        /// accept() calls inside a readiness wait or accept(2) on the socket.
-        var users = 0
-    }
-
     let url: TransportURL
     private let fd: SystemPackage.FileDescriptor
     private let bluez: BlueZ
@@ -27,7 +21,8 @@ final class LEListener: ListenerBackend {
     /// How much each accepted channel may buffer (the listen request's).
     private let buffering: Buffering
     private let advertisement: Advertisement?
-    private let state = AsyncCondition(State())
+    /// accept() calls inside a readiness wait or accept(2) on the socket; closes it once they left.
+    private let gate: DescriptorGate
 
     private init(url: TransportURL, fd: SystemPackage.FileDescriptor, bluez: BlueZ, adapter: BluetoothAdapter, service: String, psm: UInt16,
                  security: BluetoothSocket.Security, buffering: Buffering, advertisement: Advertisement?) {
@@ -35,6 +30,7 @@ final class LEListener: ListenerBackend {
         self.buffering = buffering
         self.url = url
         self.fd = fd
+        gate = DescriptorGate(fd)
         self.bluez = bluez
         self.adapter = adapter
         self.service = service
@@ -83,27 +79,16 @@ final class LEListener: ListenerBackend {
     }
 
     func accept() async throws -> Connection? {
-        guard state.update({ state -> Bool in
-            guard !state.closed else { return false }
-            state.users += 1
-            return true
-        }) else { return nil }
-        defer { state.update { $0.users -= 1 } }
+        guard gate.enter() else { return nil }
+        defer { gate.leave() }
         let describing = url.description
         while true {
-            if state.withLock({ $0.closed }) { return nil }
+            if gate.isClosed { return nil }
             if let accepted = try BluetoothSocket.acceptL2CAP(fd, security: security, describing: describing) {
                 return await connection(accepted.channel, peer: accepted.peer, addressType: accepted.addressType)
             }
             // Readable (a connection waits), or the listener closed, whichever comes first.
-            let fd = self.fd
-            let state = self.state
-            try await withThrowingTaskGroup(of: Void.self) { group in
-                group.addTask { try await fd.wait(until: .readable) }
-                group.addTask { try await state.wait { $0.closed ? () : nil } }
-                _ = try await group.next()
-                group.cancelAll()
-            }
+            try await gate.wait(until: .readable)
         }
     }
 
@@ -127,22 +112,15 @@ final class LEListener: ListenerBackend {
     deinit {
         // Dropped without close(): no accept() can be running (it holds the listener), so the
         // socket is closed here and the advertisement withdrawn in the background.
-        guard !state.withLock({ $0.closed }) else { return }
+        guard !gate.isClosed else { return }
         fd.closeOwned()
         if let advertisement { Task.detached { await advertisement.unregister() } }
     }
 
     /// Stops accepting and advertising; connections accepted before stay open.
     func close() async throws {
-        let first = state.update { state -> Bool in
-            defer { state.closed = true }
-            return !state.closed
-        }
-        guard first else { return }
         // Not cancellable: the descriptor is closed only once no accept() waits on it.
-        let state = self.state
-        await Task.detached { try? await state.wait { $0.users == 0 ? () : nil } }.value
-        fd.closeOwned()
+        guard await gate.close() else { return }
         await advertisement?.unregister()
     }
 }

@@ -3,10 +3,11 @@
 //
 // Facts (shared/PLATFORM-NOTES.md, BlueZ lib/bluetooth/sdp.c): a search of a remote device needs no
 // bluetoothd --compat (that is for local records only). The L2CAP channel to PSM 1 is made here,
-// with the same non-blocking connect and deadline as every other socket; sdp_create() then wraps it,
-// and sdp_service_search_attr_req() sends one request and waits for the answer in select(2) for up
-// to 20 s. That wait runs on a pool thread; a deadline or a cancellation shuts the socket down, which
-// ends the wait at once. The SDP socket stays open until the RFCOMM connect has been made, so the
+// with the same non-blocking connect as every other socket; sdp_create() then wraps it, and
+// sdp_service_search_attr_req() sends one request and waits for the answer in select(2) for up to
+// 20 s. That wait runs on a pool thread; a cancellation (the registry's connect deadline among
+// them: no timer here, so its error is the one timeout reported) shuts the socket down, which ends
+// the wait at once. The SDP socket stays open until the RFCOMM connect has been made, so the
 // link made for SDP carries the RFCOMM channel too (one page of the device, not two).
 
 import CBlueZ
@@ -25,9 +26,8 @@ enum ServiceDiscovery {
     /// `use(channel)`, run while the SDP channel still holds the link up (the RFCOMM connect: no
     /// second page, and the SDP channel is released while the link has another user).
     static func withRFCOMMChannel<Result: Sendable>(adapter: BluetoothAddress, device: BluetoothAddress, service: String, describing: String,
-                                                    deadline: ContinuousClock.Instant?,
                                                     _ use: (UInt8) async throws -> Result) async throws -> Result {
-        let fd = try await BluetoothSocket.connectClassicL2CAP(adapter: adapter, device: device, psm: 1, describing: describing, deadline: deadline)
+        let fd = try await BluetoothSocket.connectClassicL2CAP(adapter: adapter, device: device, psm: 1, describing: describing)
         // libbluetooth waits for the answer with select(2), which cannot watch a descriptor at or above FD_SETSIZE.
         guard fd.rawValue < 1024 else {
             fd.closeOwned()
@@ -36,26 +36,16 @@ enum ServiceDiscovery {
         }
         let session = Session(fd: fd)
         defer { session.close() }
-        let timer = Task {
-            guard let deadline else { return }
-            try await Task.sleep(until: deadline, clock: .continuous)
-            session.interrupt(because: .timedOut)
-        }
-        defer { timer.cancel() }
         let found: Int32
         do {
             found = try await withTaskCancellationHandler {
                 try await Blocking.run { try session.search(service, describing: describing) }
             } onCancel: {
-                session.interrupt(because: .cancelled)
+                session.interrupt()
             }
         } catch {
-            switch session.interruption {
-            case .cancelled?: throw CancellationError()
-            case .timedOut?:
-                throw TransportError(.timedOut, "\(describing): \(device) did not answer the SDP search for service \(BluetoothUUID.short(service)) in time")
-            case nil: throw error
-            }
+            if session.interrupted { throw CancellationError() }
+            throw error
         }
         guard (1...30).contains(found) else {
             throw TransportError(.notFound, "\(describing): \(device) publishes no RFCOMM service \(BluetoothUUID.short(service)) in SDP: is the server "
@@ -68,11 +58,10 @@ enum ServiceDiscovery {
     /// One SDP session on a connected L2CAP socket. The lock orders a shutdown from another task
     /// before sdp_close(), never after (the descriptor number could be reused by then).
     private final class Session: Sendable {
-        enum Interruption: Sendable { case timedOut, cancelled }
         private struct State {
             var fd: Int32
             var open = true
-            var interruption: Interruption?
+            var interrupted = false
         }
         private let state: Mutex<State>
 
@@ -80,13 +69,14 @@ enum ServiceDiscovery {
             state = Mutex(State(fd: fd.rawValue))
         }
 
-        var interruption: Interruption? { state.withLock { $0.interruption } }
+        /// The search was ended by ``interrupt()`` (the connect was cancelled).
+        var interrupted: Bool { state.withLock { $0.interrupted } }
 
         /// Ends a search in progress: the socket shut down, select(2) in libbluetooth returns.
-        func interrupt(because reason: Interruption) {
+        func interrupt() {
             state.withLock { state in
                 guard state.open else { return }
-                state.interruption = state.interruption ?? reason
+                state.interrupted = true
                 _ = shutdown(state.fd, Int32(SHUT_RDWR))
             }
         }

@@ -103,6 +103,10 @@ final class LoopBackend: ConnectionBackend {
         try await inbound.next()
     }
 
+    func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        try await inbound.next(deadline: deadline).map { TransportMessage(.binary, $0) }
+    }
+
     func write(_ buffer: ByteBuffer) async throws {
         let id = turn.withLock { turn in
             turn.nextID += 1

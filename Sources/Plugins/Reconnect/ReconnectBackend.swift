@@ -347,7 +347,7 @@ final class ArrivalWatch: Sendable {
     /// Returns after `delay`, or at an arrival, or when the task is cancelled.
     func wait(upTo delay: Duration) async {
         let arrived = arrived
-        _ = try? await withTimeout(delay, TransportError(.timedOut, "no arrival")) {
+        _ = try? await withTimeout(delay) {
             try await arrived.wait { state -> Void? in
                 guard state else { return nil }
                 state = false

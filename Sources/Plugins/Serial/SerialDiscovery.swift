@@ -273,13 +273,10 @@ enum SerialDiscovery {
         let limit = ConnectRequest.searchLimit(before: deadline, from: started)
         while access(path, F_OK) != 0 {
             if let limit, ContinuousClock.now >= limit { throw TTYMonitor.notPluggedIn("no device at \(path)", since: started, timeout: timeout) }
-            try await withThrowingTaskGroup(of: Void.self) { group in
-                group.addTask { _ = try await monitor.next() }
-                let poll = ContinuousClock.now + .milliseconds(250)
-                group.addTask { try await Task.sleep(until: limit.map { min($0, poll) } ?? poll, clock: .continuous) }
-                try await group.next()
-                group.cancelAll()
-            }
+            // A uevent, or 250 ms (at most until the limit) to look again.
+            let poll = ContinuousClock.now + .milliseconds(250)
+            let wake: ContinuousClock.Instant = limit.map { min($0, poll) } ?? poll
+            _ = try await withDeadline(wake) { _ = try await monitor.next() }
         }
     }
 

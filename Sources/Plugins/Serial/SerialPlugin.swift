@@ -9,7 +9,7 @@
 //   tty://usb[:BAUD]/VID:PID[?serial=S&interface=N&location=BUS-PORT&OPTIONS]
 //     a USB adapter by identity, resolved through discovery at connect time
 //   pty://[?link=PATH&OPTIONS]
-//     a new pseudo-terminal; the connection is its master side and metadata.extra["peer"] names
+//     a new pseudo-terminal; the connection is its master side and metadata.peerPath names
 //     the node (/dev/pts/N) another program opens as if it were a serial port. The peer side is
 //     held open while the connection lives, so programs can open and close it repeatedly.
 // Options: tty: baud, dataBits, parity, stopBits, flowControl, dtr, rts, exclusive, lowLatency,
@@ -156,6 +156,15 @@ final class SerialBackend: ConnectionBackend, SerialControlling {
         do {
             guard let buffer = try await channel.read() else { throw gone(errno: nil, syscall: nil) }
             return buffer
+        } catch let error as TransportError where error.kind == .disconnected {
+            throw gone(errno: error.errno, syscall: error.syscall)
+        }
+    }
+
+    func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        do {
+            guard let message = try await channel.readMessage(deadline: deadline) else { throw gone(errno: nil, syscall: nil) }
+            return message
         } catch let error as TransportError where error.kind == .disconnected {
             throw gone(errno: error.errno, syscall: error.syscall)
         }

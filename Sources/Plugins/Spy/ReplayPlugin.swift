@@ -289,6 +289,9 @@ protocol ReplayingBackend: ConnectionBackend {
 extension ReplayingBackend {
     var supportsHalfClose: Bool { false }
     func read() async throws -> ByteBuffer? { try await core.inbound.next() }
+    func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        try await core.inbound.next(deadline: deadline).map { TransportMessage(.binary, $0) }
+    }
     func write(_ buffer: ByteBuffer) async throws { try core.write(buffer) }
     func closeWrite() async throws { throw TransportError(.unsupported, "replay:// has no half-close; call close() when done") }
     func close() async throws { await core.close() }

@@ -473,12 +473,8 @@ final class USBTransferEngine: @unchecked Sendable {
         guard !closed.exchange(true, ordering: .acquiringAndReleasing) else { return }
         let outs = outTransfers.count
         if drain {
-            _ = try? await withThrowingTaskGroup(of: Void.self) { group in
-                group.addTask { try await self.state.wait { $0.freeOut.count == outs || $0.failure != nil ? () : nil } }
-                group.addTask { try await Task.sleep(for: .seconds(2)) }
-                try await group.next()
-                group.cancelAll()
-            }
+            let transfers = state
+            _ = try? await withTimeout(.seconds(2)) { try await transfers.wait { $0.freeOut.count == outs || $0.failure != nil ? () : nil } }
         }
         state.update { $0.closing = true }
         cancelAll()

@@ -296,43 +296,13 @@ public final class Connection: Sendable {
         }
     }
 
-    private enum TimedRead: Sendable {
-        case chunk(TransportMessage?)
-        case timerFired
-    }
-
-    /// Races a backend read against a timer. If both finish, the bytes win: a read that completed
-    /// is never dropped for a timeout.
+    /// The backend's next chunk, or a ``TransportError/Kind/timedOut`` error when `timeout`
+    /// passes first. If both happen, the bytes win: a read that completed is never dropped.
     private func readWithTimeout(_ timeout: Duration) async throws -> TransportMessage? {
-        try await withThrowingTaskGroup(of: TimedRead.self) { group in
-            group.addTask { .chunk(try await self.readBackend()) }
-            group.addTask {
-                try await Task.sleep(for: timeout)
-                return .timerFired
-            }
-            var chunk: TransportMessage??
-            var failure: (any Error)?
-            var timerFired = false
-            while let result = await group.nextResult() {
-                switch result {
-                case .success(.chunk(let received)):
-                    chunk = .some(received)
-                    group.cancelAll()
-                case .success(.timerFired):
-                    timerFired = true
-                    group.cancelAll()
-                case .failure(let error):
-                    // The read failed: the timer has nothing left to wait for.
-                    if !(error is CancellationError), failure == nil { failure = error }
-                    group.cancelAll()
-                }
-            }
-            if let chunk { return chunk }
-            if let failure { throw failure }
-            if timerFired && !Task.isCancelled {
-                throw TransportError(.timedOut, "no data from \(url.shown) within \(timeout.secondsText)")
-            }
-            throw CancellationError()
+        do {
+            return try await backend.readMessage(deadline: .now + timeout)
+        } catch is ReadDeadlinePassed {
+            throw TransportError(.timedOut, "no data from \(url.shown) within \(timeout.secondsText)")
         }
     }
 

@@ -63,6 +63,23 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     func readMessage() async throws -> TransportMessage?
     /// Sends one message with its kind; the default sends the payload with ``write(_:)``.
     func writeMessage(_ message: TransportMessage) async throws
+    /// ``readMessage()``, waiting at most until `deadline`: throws ``ReadDeadlinePassed`` when it
+    /// passes with nothing read, and then nothing is consumed (bytes that arrive later go to the
+    /// next read). The default races ``readMessage()`` against a timer in a task group; a backend
+    /// that parks its reader itself (``InboundQueue/next(deadline:)``) does it without a task.
+    func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage?
+}
+
+/// What ``ConnectionBackend/readMessage(deadline:)`` throws when the deadline passed with nothing
+/// read; ``Connection/read(maxBytes:timeout:)`` turns it into a ``TransportError/Kind/timedOut``
+/// error that names the connection.
+///
+/// ```swift
+/// do { _ = try await backend.readMessage(deadline: .now + .seconds(1)) } catch is ReadDeadlinePassed { /* nothing came */ }
+/// ```
+public struct ReadDeadlinePassed: Error, Sendable {
+    /// The error.
+    public init() {}
 }
 
 extension ConnectionBackend {
@@ -76,6 +93,14 @@ extension ConnectionBackend {
     }
     public func writeMessage(_ message: TransportMessage) async throws {
         try await write(message.payload)
+    }
+
+    public func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        // resultWins: a message that arrived as the timer fired is returned, never dropped.
+        guard let message = try await withDeadline(deadline, resultWins: true, { try await self.readMessage() }) else {
+            throw ReadDeadlinePassed()
+        }
+        return message
     }
 }
 
@@ -153,7 +178,8 @@ extension WrappingBackend {
 }
 
 /// What a transport knows about the other end, like CornucopiaStreams' `CC_meta`.
-/// Every field is optional; `extra` holds transport-specific facts (a pty's peer path, …).
+/// Every field is optional; `extra` holds transport-specific facts (a port's `lowLatency`, …),
+/// and the common ones also have a typed accessor (``peerPath``: a pty's peer node).
 public struct ConnectionMetadata: Sendable, Equatable, Codable {
     /// A name for the peer: a product, a host, a path.
     public var name: String?
@@ -171,7 +197,7 @@ public struct ConnectionMetadata: Sendable, Equatable, Codable {
     public var localAddress: String?
     /// The other end's address (a socket address, a device node, a Bluetooth address).
     public var remoteAddress: String?
-    /// Transport-specific facts, by name (a pty's `peer`, a port's `lowLatency`).
+    /// Transport-specific facts, by name (a pty's `peer`, also ``peerPath``; a port's `lowLatency`).
     public var extra: [String: String]
 
     /// Metadata; every field is optional.
@@ -191,5 +217,33 @@ public struct ConnectionMetadata: Sendable, Equatable, Codable {
         self.localAddress = localAddress
         self.remoteAddress = remoteAddress
         self.extra = extra
+    }
+}
+
+extension ConnectionMetadata {
+    /// The node another program opens to reach the other side of this connection: a `pty://`
+    /// connection's peer, such as `/dev/pts/3`; `nil` for transports without one. The same value
+    /// as `extra["peer"]`, which stays for code written before this property.
+    ///
+    /// ```swift
+    /// let device = try await Transport.connect(to: "pty://?baud=115200")
+    /// guard let peer = device.metadata.peerPath else { return }
+    /// print("point the program under test at \(peer)")   // "/dev/pts/3"
+    /// ```
+    public var peerPath: String? {
+        get { extra["peer"] }
+        set { extra["peer"] = newValue }
+    }
+
+    /// The symbolic link made to ``peerPath`` (`pty://?link=/tmp/ttyFAKE0`), removed when the
+    /// connection closes; `nil` when none was asked for. The same value as `extra["link"]`.
+    ///
+    /// ```swift
+    /// let device = try await Transport.connect(to: "pty://?link=/tmp/ttyFAKE0")
+    /// print(device.metadata.peerLink ?? "-")   // "/tmp/ttyFAKE0"
+    /// ```
+    public var peerLink: String? {
+        get { extra["link"] }
+        set { extra["link"] = newValue }
     }
 }

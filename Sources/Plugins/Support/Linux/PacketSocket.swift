@@ -7,7 +7,7 @@
 //
 // Readiness comes from FileDescriptor.wait(until:) (no thread parked). Closing shuts the socket down
 // first, so a read or write waiting for readiness wakes and leaves, and closes the descriptor only
-// once nothing waits on it.
+// once nothing waits on it (DescriptorGate).
 
 import Glibc
 import NIOCore
@@ -33,8 +33,8 @@ public final class PacketSocketBackend: ConnectionBackend {
     private let inbound: InboundQueue
     /// `true` while the reader may take records from the socket (false once the queue asked it to pause).
     private let producing = AsyncCondition(true)
-    /// Reads and writes inside a readiness wait or a system call on `fd`, and whether it was closed.
-    private let users = AsyncCondition<(count: Int, closed: Bool)>((0, false))
+    /// Reads and writes inside a readiness wait or a system call on `fd`; closes it once they left.
+    private let gate: DescriptorGate
     private let reader = AsyncCondition<Task<Void, Never>?>(nil)
     private let hangUp: @Sendable (Errno?) -> TransportError
     /// The socket is AF_UNIX (read once, at adoption).
@@ -52,6 +52,7 @@ public final class PacketSocketBackend: ConnectionBackend {
     public init(adopting fd: SystemPackage.FileDescriptor, describing: String, receiveSize: Int, maximumWriteSize: Int?,
                 watermarks: InboundQueue.Watermarks = .standard, hangUp: @escaping @Sendable (Errno?) -> TransportError) {
         self.fd = fd
+        gate = DescriptorGate(fd)
         self.describing = describing
         self.receiveSize = max(receiveSize, 1)
         self.maximumWriteSize = maximumWriteSize
@@ -70,22 +71,26 @@ public final class PacketSocketBackend: ConnectionBackend {
 
     public func read() async throws -> ByteBuffer? { try await inbound.next() }
 
+    public func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        try await inbound.next(deadline: deadline).map { TransportMessage(.binary, $0) }
+    }
+
     /// For an AF_UNIX socket, the bytes sent that its peer has not received yet (SIOCOUTQ, unix(7)),
     /// and 0 once it is closed (AF_UNIX keeps what was sent in the receiver's queue, so closing
     /// drops nothing); `nil` for other families, whose SIOCOUTQ means something else (Bluetooth's
     /// reports the free space) or nothing.
     public var unsentByteCount: Int? {
         guard isUnixSocket else { return nil }
-        guard enter() else { return 0 }
-        defer { leave() }
+        guard gate.enter() else { return 0 }
+        defer { gate.leave() }
         var queued: Int32 = 0
         guard ioctl(fd.rawValue, UInt(TIOCOUTQ), &queued) == 0 else { return nil }
         return Int(queued)
     }
 
     public func write(_ buffer: ByteBuffer) async throws {
-        guard enter() else { throw TransportError(.misuse, "\(describing) is closed") }
-        defer { leave() }
+        guard gate.enter() else { throw TransportError(.misuse, "\(describing) is closed") }
+        defer { gate.leave() }
         let bytes = Array(buffer.readableBytesView)
         while true {
             let result = Syscall.attempt { bytes.withUnsafeBytes { send(fd.rawValue, $0.baseAddress, $0.count, Int32(MSG_NOSIGNAL | MSG_DONTWAIT)) } }
@@ -93,7 +98,7 @@ public final class PacketSocketBackend: ConnectionBackend {
             case .success: return
             case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
                 try await fd.wait(until: .writable)
-                if users.withLock({ $0.closed }) { throw TransportError(.misuse, "\(describing) was closed during a write") }
+                if gate.isClosed { throw TransportError(.misuse, "\(describing) was closed during a write") }
             case .failure(.messageTooLong):
                 throw TransportError.posix("send", errno: .messageTooLong, what: describing,
                                            hint: "a write of \(bytes.count) bytes is larger than the peer accepts (\(maximumWriteSize.map(String.init) ?? "?") bytes)")
@@ -116,8 +121,8 @@ public final class PacketSocketBackend: ConnectionBackend {
     /// Ends reading as if the peer had hung up (after the records already received), for an owner
     /// that learns of the end another way (bluetoothd reporting the link down) before the socket does.
     public func endReading() {
-        guard enter() else { return }
-        defer { leave() }
+        guard gate.enter() else { return }
+        defer { gate.leave() }
         _ = Glibc.shutdown(fd.rawValue, Int32(SHUT_RD))
     }
 
@@ -133,15 +138,15 @@ public final class PacketSocketBackend: ConnectionBackend {
             } catch {
                 return   // cancelled: closing
             }
-            guard enter() else { return }
+            guard gate.enter() else { return }
             let result = Syscall.attempt { buffer.withUnsafeMutableBytes { recv(fd.rawValue, $0.baseAddress, $0.count, Int32(MSG_DONTWAIT)) } }
             switch result {
             case .success(0):
-                leave()
+                gate.leave()
                 inbound.fail(hangUp(nil))
                 return
             case .success(let count):
-                leave()
+                gate.leave()
                 if inbound.append(ByteBuffer(bytes: buffer.prefix(count))) == .pause {
                     producing.update { $0 = false }
                     // The reader may have drained the queue (and called onResume) before the line
@@ -151,46 +156,29 @@ public final class PacketSocketBackend: ConnectionBackend {
             case .failure(.resourceTemporarilyUnavailable):
                 do {
                     try await fd.wait(until: .readable)
-                    leave()
+                    gate.leave()
                 } catch {
-                    leave()
+                    gate.leave()
                     return
                 }
             case .failure(let errno):
-                leave()
-                if users.withLock({ $0.closed }) { return }
+                gate.leave()
+                if gate.isClosed { return }
                 inbound.fail(Self.hangUps.contains(errno) ? hangUp(errno) : TransportError.posix("recv", errno: errno, what: describing))
                 return
             }
         }
     }
 
-    /// Counts a user of the descriptor; false once it is being closed.
-    private func enter() -> Bool {
-        users.update { state in
-            guard !state.closed else { return false }
-            state.count += 1
-            return true
-        }
-    }
-
-    private func leave() { users.update { $0.count -= 1 } }
-
     private func shutDown() async {
-        let first = users.update { state in
-            defer { state.closed = true }
-            return !state.closed
+        // The descriptor is closed once no read or write is inside a wait or a call on it.
+        let closed = await gate.close {
+            // Wakes every readiness wait on the socket (it becomes readable and writable with an error).
+            _ = Glibc.shutdown(fd.rawValue, Int32(SHUT_RDWR))
+            let task = reader.withLock { $0 }
+            task?.cancel()
+            await task?.value
         }
-        guard first else { return }
-        // Wakes every readiness wait on the socket (it becomes readable and writable with an error).
-        _ = Glibc.shutdown(fd.rawValue, Int32(SHUT_RDWR))
-        let task = reader.withLock { $0 }
-        task?.cancel()
-        await task?.value
-        // Not cancellable: the descriptor must not be closed under a readiness wait.
-        let users = self.users
-        await Task.detached { try? await users.wait { $0.count == 0 ? () : nil } }.value
-        fd.closeOwned()
-        inbound.finish()
+        if closed { inbound.finish() }
     }
 }

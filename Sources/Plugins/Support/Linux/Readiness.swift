@@ -56,8 +56,8 @@ extension FileDescriptor {
             failure = error
         }
         source.cancel()
-        // Not cancellable: awaiting a detached task's value does not pass the cancellation on.
-        await Task.detached { try? await cancelled.wait { $0 ? () : nil } }.value
+        // Not cancellable: the descriptor may be closed once this returns.
+        await uncancellable { _ = try? await cancelled.wait { $0 ? () : nil } }
         if let failure { throw failure }
     }
 }

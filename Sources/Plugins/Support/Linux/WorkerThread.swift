@@ -81,16 +81,11 @@ public final class WorkerThread: Sendable {
             defer { stopping = true }
             return !stopping
         }
-        // Not cancellable: the thread must be joined, or it would leak. (Awaiting a detached task's
-        // value does not pass this task's cancellation on.)
+        if first { interrupt() }
+        // Not cancellable: the thread must be joined, or it would leak.
         let ended = self.ended
-        let waitForEnd = Task.detached { try? await ended.wait { $0 ? () : nil } }
-        guard first else {
-            await waitForEnd.value
-            return
-        }
-        interrupt()
-        await waitForEnd.value
+        await uncancellable { _ = try? await ended.wait { $0 ? () : nil } }
+        guard first else { return }
         // The body has returned; the thread only has its return left, so this join is immediate.
         _ = pthread_join(thread, nil)
     }

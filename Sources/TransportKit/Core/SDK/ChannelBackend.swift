@@ -137,7 +137,16 @@ public final class ChannelBackend: ConnectionBackend {
 
     /// The next message with its kind (``TransportMessage/Kind/binary`` without `messageKinds`).
     public func readMessage() async throws -> TransportMessage? {
-        guard let payload = try await inbound.next() else { return nil }
+        message(try await inbound.next())
+    }
+
+    /// ``readMessage()`` until `deadline`, parked in the calling task (``InboundQueue/next(deadline:)``).
+    public func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        message(try await inbound.next(deadline: deadline))
+    }
+
+    private func message(_ payload: ByteBuffer?) -> TransportMessage? {
+        guard let payload else { return nil }
         guard carriesMessageKinds else { return TransportMessage(.binary, payload) }
         return TransportMessage(inboundKinds.kinds.withLock { $0.popFirst() } ?? .binary, payload)
     }
@@ -215,11 +224,10 @@ public final class ChannelBackend: ConnectionBackend {
     /// byte is in flight, whichever writer wrote it, in whatever order their bookkeeping ran.
     public func flushPendingWrites() async {
         // Ends early when the channel ended (its pending writes then fail). Not cancellable, as
-        // close() must not cut its own flush short: awaiting a detached task's value does not pass
-        // the cancellation on.
-        await Task.detached { [self] in
+        // close() must not cut its own flush short.
+        await uncancellable { [self] in
             try? await writers.wait { [self] in inFlight.load(ordering: .relaxed) == 0 }
-        }.value
+        }
     }
 
     /// Waits for the bytes in flight, then shuts down the sending direction.

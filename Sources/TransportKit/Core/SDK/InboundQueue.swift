@@ -229,13 +229,46 @@ public final class InboundQueue: Sendable {
                 park(continuation, id: id)
             }
         } onCancel: {
-            state.withLock { state -> UnsafeContinuation<ByteBuffer?, any Error>? in
-                // Only this call's own reader: another task may be the one parked.
-                guard let reader = state.reader, reader.id == id else { return nil }
-                state.reader = nil
-                return reader.continuation
-            }?.resume(throwing: CancellationError())
+            // Only this call's own reader: another task may be the one parked.
+            resumeParked(id, throwing: CancellationError())
         }
+    }
+
+    /// ``next()``, waiting at most until `deadline`: throws ``ReadDeadlinePassed`` when it passes
+    /// with nothing taken (nothing is consumed; what arrives later goes to the next call). The
+    /// reader parks in the calling task, with a timer task beside it, not in a task group.
+    ///
+    /// ```swift
+    /// let chunk = try await queue.next(deadline: .now + .seconds(2))
+    /// ```
+    public func next(deadline: ContinuousClock.Instant) async throws -> ByteBuffer? {
+        let id: UInt64
+        switch try take() {
+        case .ready(let element): return element
+        case .wait(let number): id = number
+        }
+        let timer = Task { [self] in
+            try await Task.sleep(until: deadline, clock: .continuous)
+            resumeParked(id, throwing: ReadDeadlinePassed())
+        }
+        defer { timer.cancel() }
+        return try await withTaskCancellationHandler {
+            try await withUnsafeThrowingContinuation { (continuation: UnsafeContinuation<ByteBuffer?, any Error>) in
+                park(continuation, id: id)
+            }
+        } onCancel: {
+            resumeParked(id, throwing: CancellationError())
+        }
+    }
+
+    /// Resumes the reader parked under `id` with `error`, if it is still parked; any other reader
+    /// (a later call's) is left alone.
+    private func resumeParked(_ id: UInt64, throwing error: any Error) {
+        state.withLock { state -> UnsafeContinuation<ByteBuffer?, any Error>? in
+            guard let reader = state.reader, reader.id == id else { return nil }
+            state.reader = nil
+            return reader.continuation
+        }?.resume(throwing: error)
     }
 
     private enum Taken {

@@ -45,17 +45,15 @@ extension ConnectRequest {
     /// ```
     public static func first<Result: Sendable>(of searches: [@Sendable () async throws -> Result?],
                                                until limit: ContinuousClock.Instant?) async throws -> Result? {
-        try await withThrowingTaskGroup(of: Result?.self) { group in
-            for search in searches { group.addTask { try await search() } }
-            if let limit {
-                group.addTask {
-                    try await Task.sleep(until: limit, clock: .continuous)
-                    return nil
-                }
+        // withDeadline's nil: the limit passed first.
+        let found: Result?? = try await withDeadline(limit) {
+            try await withThrowingTaskGroup(of: Result?.self) { group in
+                for search in searches { group.addTask { try await search() } }
+                let first = try await group.next() ?? nil
+                group.cancelAll()
+                return first
             }
-            let first = try await group.next() ?? nil
-            group.cancelAll()
-            return first
         }
+        return found ?? nil
     }
 }

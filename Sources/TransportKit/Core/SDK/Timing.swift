@@ -1,5 +1,6 @@
-/// The SDK's two waiting primitives: a race with a deadline and a wait that cancellation cannot
-/// cut short. Handshakes, pings and closing handshakes use them; write no private copy.
+/// The SDK's two waiting primitives: a race with a deadline (throwing an error, or giving nil, when
+/// the deadline comes first) and a wait that cancellation cannot cut short. Handshakes, pings,
+/// closing handshakes, searches and drains use them; write no private copy.
 
 /// Runs `operation` and returns its result, or throws `error` when `deadline` passes first. The
 /// operation is then cancelled and awaited, so this returns on time only if it honours
@@ -17,6 +18,34 @@ public func withDeadline<T: Sendable>(
     _ error: @autoclosure @escaping @Sendable () -> TransportError,
     _ operation: @escaping @Sendable () async throws -> T
 ) async throws -> T {
+    guard let value = try await withDeadline(deadline, operation) else { throw error() }
+    return value
+}
+
+/// Like ``withDeadline(_:_:_:)``, but `nil` when `deadline` passes first instead of an error: for
+/// a caller that goes on either way (a poll that an event may wake early, a drain given up after a
+/// while) or that words its own error. What the operation throws, and cancellation, is rethrown.
+///
+/// By default the first to finish decides, as there: a result that comes after the deadline passed
+/// is dropped. With `resultWins`, what the operation gives once cancelled at the deadline still wins
+/// over the timer (its result, or an error other than `CancellationError`): for a read whose bytes
+/// must not be lost because a timer fired at the same moment. `nil` then means the operation ended
+/// by the cancellation alone; a cancelled caller gets `CancellationError`.
+///
+/// ```swift
+/// // Woken by a uevent, or after 250 ms to look again.
+/// _ = try await withDeadline(.now + .milliseconds(250)) { try await monitor.next() }
+///
+/// // A chunk that arrived as the timer fired is returned, not dropped.
+/// guard let chunk = try await withDeadline(.now + .seconds(1), resultWins: true, { try await backend.read() }) else {
+///     throw TransportError(.timedOut, "no data within 1 s")
+/// }
+/// ```
+public func withDeadline<T: Sendable>(
+    _ deadline: ContinuousClock.Instant?,
+    resultWins: Bool = false,
+    _ operation: @escaping @Sendable () async throws -> T
+) async throws -> T? {
     guard let deadline else { return try await operation() }
     return try await withThrowingTaskGroup(of: T?.self) { group in
         group.addTask { try await operation() }
@@ -26,8 +55,20 @@ public func withDeadline<T: Sendable>(
         }
         defer { group.cancelAll() }
         // The first to finish decides; nil is the timer's.
-        guard let first = try await group.next(), let value = first else { throw error() }
-        return value
+        guard resultWins else { return try await group.next() ?? nil }
+        // Both are awaited: the operation's result or its own error wins, whichever finished first.
+        var timedOut = false
+        while let finished = await group.nextResult() {
+            group.cancelAll()
+            switch finished {
+            case .success(let value?): return value
+            case .success(nil): timedOut = true
+            case .failure(let error) where !(error is CancellationError): throw error
+            case .failure: break
+            }
+        }
+        guard timedOut, !Task.isCancelled else { throw CancellationError() }
+        return nil
     }
 }
 
@@ -46,6 +87,19 @@ public func withTimeout<T: Sendable>(
     _ operation: @escaping @Sendable () async throws -> T
 ) async throws -> T {
     try await withDeadline(limit.map { ContinuousClock.now + $0 }, error(), operation)
+}
+
+/// Like ``withDeadline(_:resultWins:_:)`` with a duration from now: the result, or `nil` after `limit`.
+///
+/// ```swift
+/// // Give the last writes up to 2 s to reach the device, then close all the same.
+/// _ = try? await withTimeout(.seconds(2)) { try await drained.wait { $0 ? () : nil } }
+/// ```
+public func withTimeout<T: Sendable>(
+    _ limit: Duration?,
+    _ operation: @escaping @Sendable () async throws -> T
+) async throws -> T? {
+    try await withDeadline(limit.map { ContinuousClock.now + $0 }, operation)
 }
 
 /// Runs `operation` to its end even if the calling task is cancelled meanwhile: for what must not

@@ -1,0 +1,89 @@
+// DescriptorGate.swift: closing a descriptor only once no task is inside a readiness wait or a
+// system call on it. Closed under such a use, the number could be reused by another file meanwhile
+// (and libdispatch would still watch it, or recv(2) read the other file's bytes).
+
+import SystemPackage
+import TransportKitCore
+
+/// Counts the tasks using a descriptor (a readiness wait, a system call), and closes it only once
+/// the last has left: closing marks the gate closed, after which no use begins, wakes the uses
+/// under way, waits for them to leave and then closes the descriptor.
+///
+/// ```swift
+/// let gate = DescriptorGate(fd)
+///
+/// // A use: accept(2) until a connection comes, or the gate closes.
+/// guard gate.enter() else { return nil }        // closed: do not touch the descriptor
+/// defer { gate.leave() }
+/// while !gate.isClosed {
+///     if let accepted = try acceptOne(fd) { return accepted }
+///     try await gate.wait(until: .readable)       // readable, or the gate closed
+/// }
+/// return nil
+///
+/// // Closing (the first call closes; later ones return false at once):
+/// await gate.close(waking: { _ = shutdown(fd.rawValue, Int32(SHUT_RDWR)) })
+/// ```
+public final class DescriptorGate: Sendable {
+    private struct State: Sendable {
+        /// Uses inside a readiness wait or a system call on the descriptor.
+        var users = 0
+        var closed = false
+    }
+
+    private let fd: FileDescriptor
+    private let state = AsyncCondition(State())
+
+    /// A gate for `fd`, which it closes in ``close(waking:)`` (the caller owns it until then).
+    public init(_ fd: FileDescriptor) {
+        self.fd = fd
+    }
+
+    /// Counts a use of the descriptor; `false` once closing began (then leave the descriptor
+    /// alone). Pair every `true` with ``leave()``.
+    public func enter() -> Bool {
+        state.update { state in
+            guard !state.closed else { return false }
+            state.users += 1
+            return true
+        }
+    }
+
+    /// Ends a use counted by ``enter()``.
+    public func leave() {
+        state.update { $0.users -= 1 }
+    }
+
+    /// Closing began (``close(waking:)`` was called).
+    public var isClosed: Bool { state.withLock { $0.closed } }
+
+    /// Suspends, inside a use, until the descriptor is ready or the gate closes, whichever comes
+    /// first; check ``isClosed`` after it. Cancelling the task ends the wait with `CancellationError`.
+    public func wait(until readiness: FileDescriptor.Readiness) async throws {
+        let (fd, state) = (fd, state)
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { try await fd.wait(until: readiness) }
+            group.addTask { try await state.wait { $0.closed ? () : nil } }
+            _ = try await group.next()
+            group.cancelAll()
+        }
+    }
+
+    /// Closes the descriptor, once: marks the gate closed (no use begins after this, and
+    /// ``wait(until:)`` returns), runs `wake` to end the uses that do not watch the gate (shut a
+    /// socket down, cancel a reader), waits until every use has left and closes the descriptor.
+    /// Not cancellable. Returns `false`, at once, when the gate was closed already.
+    @discardableResult
+    public func close(waking wake: () async -> Void = {}) async -> Bool {
+        let first = state.update { state -> Bool in
+            defer { state.closed = true }
+            return !state.closed
+        }
+        guard first else { return false }
+        await wake()
+        let uses = state
+        await uncancellable { _ = try? await uses.wait { $0.users == 0 ? () : nil } }
+        fd.closeOwned()
+        return true
+    }
+}
