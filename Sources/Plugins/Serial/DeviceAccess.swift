@@ -26,8 +26,7 @@ enum DeviceAccess {
                 do {
                     try await lockBriefly(fd, path: path)
                 } catch let error as TransportError where error.errno == .wouldBlock {
-                    throw TransportError(.busy, "\(path) is busy: \(DeviceNode.lockHolder(path: path) ?? DeviceNode.openers(of: path) ?? "another program (not visible to this user)") holds it exclusively. Close that program, or open with ?exclusive=false to share the port (bytes then go to whichever reader is first)",
-                                         errno: error.errno, syscall: "flock")
+                    throw lockedError(path: path, errno: error.errno)
                 }
                 try Syscall.run("ioctl(TIOCEXCL)", on: path) { ioctl(fd.rawValue, UInt(TIOCEXCL)) }
             }
@@ -76,8 +75,12 @@ enum DeviceAccess {
         case .permissionDenied, .notPermitted:
             return TransportError(.permissionDenied, permissionMessage(path: path), errno: errno, syscall: "open")
         case .resourceBusy:
-            // EBUSY from open(2) on a tty: another process set TIOCEXCL on it.
+            // EBUSY from open(2) on a tty: a descriptor has TIOCEXCL set on it, this process's
+            // own (another connection to the port) or another program's.
             let holder = DeviceNode.openers(of: path)
+            if holder == nil, DeviceNode.isOpenInThisProcess(path) {
+                return TransportError(.busy, alreadyOpenHere(path) + " (it set TIOCEXCL)", errno: errno, syscall: "open")
+            }
             return TransportError(.busy, "\(path) is busy: \(holder ?? "another program (not visible to this user)") opened it exclusively (TIOCEXCL). Close that program first",
                                   errno: errno, syscall: "open")
         default:
@@ -85,11 +88,54 @@ enum DeviceAccess {
         }
     }
 
-    /// "permission denied on /dev/ttyUSB0: owned by root:dialout, mode crw-rw----; this process
-    /// (uid 1000) is not in group dialout. Fix: …"
-    static func permissionMessage(path: String) -> String {
-        DeviceNode.permissionMessage(path: path) { group in
-            #"SUBSYSTEM=="tty", ATTRS{idVendor}=="VID", ATTRS{idProduct}=="PID", MODE="0660", GROUP="\#(group)""#
+    /// The `.busy` error for a port whose flock(2) is held: by this process (another connection
+    /// to the port still open) or by another program, named where /proc shows it.
+    static func lockedError(path: String, errno: Errno?) -> TransportError {
+        let pid = DeviceNode.lockHolderPID(path: path)
+        if pid == Int(getpid()) {
+            return TransportError(.busy, alreadyOpenHere(path), errno: errno, syscall: "flock")
         }
+        let holder = pid.map(DeviceNode.describeProcess) ?? DeviceNode.openers(of: path) ?? "another program (not visible to this user)"
+        return TransportError(.busy, "\(path) is busy: \(holder) holds it exclusively. Close that program, or open with ?exclusive=false to share "
+                              + "the port (bytes then go to whichever reader is first)", errno: errno, syscall: "flock")
+    }
+
+    /// "/dev/ttyUSB0 is already open in this process (1234): …": the holder is the caller itself.
+    static func alreadyOpenHere(_ path: String) -> String {
+        "\(path) is already open in this process (\(getpid())): another connection to it is still open and holds it exclusively. "
+            + "Close that connection first, or open both with ?exclusive=false to share the port (bytes then go to whichever reader is first)"
+    }
+
+    /// "permission denied on /dev/ttyUSB0: owned by root:dialout, mode crw-rw----; this process
+    /// (uid 1000) is not in group dialout. Fix: …". The udev rule suggested matches the port the
+    /// way udev can: by the adapter's USB vendor and product when the port is on USB (its sysfs
+    /// device has a USB ancestor), else by the kernel's name for it (ttyS0, ttyAMA0). A node of
+    /// group root gets the group dialout in the rule, the serial ports' group on Debian, Ubuntu
+    /// and Fedora.
+    static func permissionMessage(path: String) -> String {
+        let record = SerialDiscovery.record(forNode: path)
+        let usb: (vendor: String, product: String)? = if let record, record.location != nil, let vendor = record.vendorId, let product = record.productId {
+            (vendor: vendor, product: product)
+        } else {
+            nil
+        }
+        let kernelName = record?.name ?? resolvedName(path)
+        return DeviceNode.permissionMessage(path: path, ruleGroup: "dialout") { group in
+            if let usb {
+                #"SUBSYSTEM=="tty", ATTRS{idVendor}=="\#(usb.vendor)", ATTRS{idProduct}=="\#(usb.product)", MODE="0660", GROUP="\#(group)""#
+            } else {
+                #"SUBSYSTEM=="tty", KERNEL=="\#(kernelName)", MODE="0660", GROUP="\#(group)""#
+            }
+        }
+    }
+
+    /// The node's name with links resolved (`/dev/serial/by-path/…` → `ttyS0`), or the path's last part.
+    private static func resolvedName(_ path: String) -> String {
+        var name = path
+        if let resolved = realpath(path, nil) {
+            name = String(cString: resolved)
+            free(resolved)
+        }
+        return name.split(separator: "/").last.map(String.init) ?? name
     }
 }

@@ -37,7 +37,7 @@ final class ModemLineWatches: Sendable {
                                  + "stopped; read modemLines() now and then instead")
         }
         let (own, initial) = try device.withDescriptor { fd in
-            let initial = try TTYLines(fd: fd, path: path).get().intersection(.inputs)
+            let initial = try TTYLines(fd: fd, path: path).get(askedBy: .method("modemLineChanges()")).intersection(.inputs)
             let own = try Syscall.run("fcntl(F_DUPFD_CLOEXEC)", on: path) { fcntl(fd.rawValue, F_DUPFD_CLOEXEC, 0) }
             return (own, initial)
         }

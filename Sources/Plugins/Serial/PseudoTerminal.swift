@@ -46,11 +46,13 @@ enum PseudoTerminal {
             cleanup()
             throw error
         }
-        var extra = ["peer": peerPath]
-        if let link { extra["link"] = link.path }
+        // metadata.peerPath and peerLink (extra["peer"] and extra["link"]).
+        var metadata = ConnectionMetadata(name: "pseudo-terminal", remoteAddress: peerPath)
+        metadata.peerPath = peerPath
+        metadata.peerLink = link?.path
         return Connection(url: request.url,
                           backend: SerialBackend(device: device, channel: channel, describing: "the pty \(peerPath)", cleanup: cleanup),
-                          metadata: ConnectionMetadata(name: "pseudo-terminal", remoteAddress: peerPath, extra: extra))
+                          metadata: metadata)
     }
 
     /// symlink(2) with an explanation for the ways it fails; the link as made, to be removed

@@ -1,5 +1,6 @@
 // SerialPort.swift: run-time control of an open tty — break (TIOCSBRK/TIOCCBRK), flush
-// (tcflush(3)), output queue (TIOCOUTQ), drain (tcdrain(3)) — and the descriptor's owner,
+// (tcflush(3)), input and output queues (TIOCINQ, TIOCOUTQ), drain (tcdrain(3)), RS-485
+// (TIOCGRS485/TIOCSRS485, RS485.swift) — and the descriptor's owner,
 // TTYDevice (TIOCNXCL, close). Man pages: ioctl_tty(2), termios(3). Line settings are in
 // Termios.swift, modem lines (TIOCM*) and low latency in TTYConnector.swift, opening and exclusive
 // use (O_NOCTTY, flock, TIOCEXCL) in DeviceAccess.swift. Every control call goes through
@@ -77,14 +78,14 @@ public struct SerialPort: SerialControl {
     /// Throws `.unsupported` on a device without modem lines, such as a pty.
     public func modemLines() async throws -> ModemLines {
         try connection.performControl(ControlOperation("modem lines?"), describe: { $0.description }) {
-            try TTYLines(fd: device.descriptor(), path: path).get()
+            try TTYLines(fd: device.descriptor(), path: path).get(askedBy: .method("modemLines()"))
         }
     }
 
     /// Raises (`on`) or lowers the given output lines.
     public func setLines(_ lines: ModemLines, _ on: Bool) async throws {
         try connection.performControl(ControlOperation(lines.description, on ? "on" : "off")) {
-            try TTYLines(fd: device.descriptor(), path: path).set(lines, on)
+            try TTYLines(fd: device.descriptor(), path: path).set(lines, on, askedBy: TTYLines.setter(for: lines))
         }
     }
 
@@ -111,11 +112,28 @@ public struct SerialPort: SerialControl {
     // MARK: Break, flush, drain
 
     /// Starts (`on`) or ends a break: TIOCSBRK and TIOCCBRK. Closing the port ends a break too.
+    ///
+    /// The break comes after every byte written before it: starting one first waits until
+    /// TransportKit's own buffer is handed to the driver, then the kernel's TIOCSBRK waits until
+    /// the driver has sent its output queue (on a thread of SwiftNIO's pool, as ``drain()``, since
+    /// that wait blocks; with flow control holding the output it lasts until the peer lets it go).
+    /// Ending one does not wait.
+    ///
+    /// ```swift
+    /// try await port.setBreak(true)      // DMX512: the break before each frame …
+    /// try await Task.sleep(for: .microseconds(100))
+    /// try await port.setBreak(false)     // … then the mark after break and the slots
+    /// try await connection.write([0x00] + levels)
+    /// ```
     public func setBreak(_ on: Bool) async throws {
-        try connection.performControl(ControlOperation("break", on ? "on" : "off")) {
+        try await connection.performControl(ControlOperation("break", on ? "on" : "off")) {
             let fd = try device.descriptor()
+            let path = self.path
             if on {
-                try Syscall.run("ioctl(TIOCSBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCSBRK)) }
+                await backend.channel.flushPendingWrites()
+                try await Blocking.run {
+                    try Syscall.run("ioctl(TIOCSBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCSBRK)) }
+                }
             } else {
                 try Syscall.run("ioctl(TIOCCBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCCBRK)) }
             }
@@ -137,6 +155,26 @@ public struct SerialPort: SerialControl {
                 backend.channel.discardBufferedInbound()
                 connection.discardUnreadInput()
             }
+        }
+    }
+
+    /// Bytes received that the driver holds and TransportKit has not read from it yet (TIOCINQ,
+    /// the same as FIONREAD). Bytes TransportKit already read and holds for the application (up
+    /// to the connection's inbound buffer, `Buffering`) are not counted: TransportKit reads
+    /// from the driver as bytes arrive, so this is 0 unless the application stopped reading long
+    /// enough for that buffer to fill.
+    ///
+    /// ```swift
+    /// if let port = connection.ttyPort, try port.inputQueueBytes() > 0 {
+    ///     print("the driver is holding bytes: read faster")
+    /// }
+    /// ```
+    public func inputQueueBytes() throws -> Int {
+        try connection.performControl(ControlOperation("input queue?"), describe: { "\($0) bytes" }) {
+            let fd = try device.descriptor()
+            var count: Int32 = 0
+            try Syscall.run("ioctl(TIOCINQ)", on: path) { ioctl(fd.rawValue, UInt(FIONREAD), &count) }
+            return Int(count)
         }
     }
 

@@ -27,8 +27,8 @@ enum TTYConnector {
         do {
             try Termios.apply(settings, over: original, to: fd, path: path)
             let port = TTYLines(fd: fd, path: path)
-            if let dtr = request[SerialPlugin.dtr] { try port.set(.dtr, dtr) }
-            if let rts = request[SerialPlugin.rts] { try port.set(.rts, rts) }
+            if let dtr = request[SerialPlugin.dtr] { try port.set(.dtr, dtr, askedBy: .urlOption("dtr")) }
+            if let rts = request[SerialPlugin.rts] { try port.set(.rts, rts, askedBy: .urlOption("rts")) }
             if request[SerialPlugin.lowLatency] {
                 notes["lowLatency"] = LowLatency.enable(fd: fd, path: path)
             }
@@ -118,23 +118,49 @@ struct TTYLines {
     let fd: FileDescriptor
     let path: String
 
-    func get() throws -> ModemLines {
+    /// What asked for the lines, so that a port without them gets advice that fits: a URL option
+    /// to drop, or a method call to leave out.
+    enum Asker {
+        /// `dtr=` or `rts=` in the URL (the option's name).
+        case urlOption(String)
+        /// A `SerialPort` method, as written in Swift (`setDTR(_:)`, `modemLines()`).
+        case method(String)
+
+        var advice: String {
+            switch self {
+            case .urlOption(let name): "drop \(name)= from the URL for it"
+            case .method(let name): "leave the \(name) call out for it"
+            }
+        }
+    }
+
+    func get(askedBy asker: Asker = .method("modemLines()")) throws -> ModemLines {
         var bits: Int32 = 0
-        try call("ioctl(TIOCMGET)") { ioctl(fd.rawValue, UInt(TIOCMGET), &bits) }
+        try call("ioctl(TIOCMGET)", asker) { ioctl(fd.rawValue, UInt(TIOCMGET), &bits) }
         return ModemLines(rawValue: bits)
     }
 
-    func set(_ lines: ModemLines, _ on: Bool) throws {
+    func set(_ lines: ModemLines, _ on: Bool, askedBy asker: Asker) throws {
         var bits = lines.rawValue
-        try call(on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)") { ioctl(fd.rawValue, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) }
+        try call(on ? "ioctl(TIOCMBIS)" : "ioctl(TIOCMBIC)", asker) { ioctl(fd.rawValue, UInt(on ? TIOCMBIS : TIOCMBIC), &bits) }
     }
 
-    private func call(_ name: String, _ body: () -> Int32) throws {
+    /// The method a `setLines(_:_:)` call most likely came through: `setDTR(_:)` and `setRTS(_:)`
+    /// are built on it.
+    static func setter(for lines: ModemLines) -> Asker {
+        switch lines {
+        case .dtr: .method("setDTR(_:)")
+        case .rts: .method("setRTS(_:)")
+        default: .method("setLines(_:_:)")
+        }
+    }
+
+    private func call(_ name: String, _ asker: Asker, _ body: () -> Int32) throws {
         do {
             try Syscall.run(name, on: path, body)
         } catch let error as TransportError where error.errno == .inappropriateIOCTLForDevice || error.errno == .invalidArgument {
             // ENOTTY/EINVAL: the driver has no tiocmget/tiocmset (ptys, some virtual ports).
-            throw TransportError(.unsupported, "\(path) has no modem control lines (DTR, RTS, CTS, DSR, RI, CD): a pty or virtual port cannot do this; drop dtr=/rts= for it",
+            throw TransportError(.unsupported, "\(path) has no modem control lines (DTR, RTS, CTS, DSR, RI, CD): a pty or virtual port cannot do this; \(asker.advice)",
                                  errno: error.errno, syscall: error.syscall)
         }
     }

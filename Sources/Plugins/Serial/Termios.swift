@@ -71,10 +71,15 @@ enum Termios {
     }
 
     /// Sets `settings` in raw mode on top of `current` and reads the result back: a driver that
-    /// keeps other framing than asked for (a pty forces 8 data bits without parity; an adapter may
-    /// lack mark parity or 5 data bits) is an error that names what it kept, never a setting
-    /// silently not applied. The bit rate is not compared: drivers round it to what they can make.
+    /// keeps other framing than asked for (an adapter may lack mark parity or 5 data bits) is an
+    /// error that names what it kept, never a setting silently not applied. The bit rate is not
+    /// compared: drivers round it to what they can make. A pseudo-terminal, whose driver clears
+    /// PARENB and forces CS8 whatever is asked, is refused parity and 5 to 7 data bits before
+    /// anything is changed, with an error that says why.
     static func apply(_ settings: SerialSettings, over current: KernelTermios2, to fd: FileDescriptor, path: String) throws {
+        if settings.parity != .none || settings.dataBits != 8, isPseudoTerminal(fd) {
+            throw pseudoTerminalFraming(settings, path: path)
+        }
         var tio = current
         configure(&tio, settings)
         try set(fd, tio, path: path)
@@ -82,8 +87,31 @@ enum Termios {
         kept.baudRate = settings.baudRate
         guard kept == settings else {
             throw TransportError(.unsupported, "the driver of \(TransportError.printable(path)) does not do \(settings.summary); it kept \(kept.summary). "
-                                 + "Ask for what the device and its driver support (a pseudo-terminal carries 8 data bits without parity)")
+                                 + "Ask for what the device and its driver support (adapters differ in mark and space parity and in 5 or 6 data bits)")
         }
+    }
+
+    /// Whether `fd` is either side of a pseudo-terminal: a Unix 98 slave (`/dev/pts/N`, majors
+    /// 136–143), a master opened through the multiplexer (it reports `/dev/ptmx`, 5:2), or a
+    /// BSD-style pty (majors 2 and 3). Documentation/admin-guide/devices.txt.
+    static func isPseudoTerminal(_ fd: FileDescriptor) -> Bool {
+        var info = stat()
+        guard fstat(fd.rawValue, &info) == 0, info.st_mode & S_IFMT == S_IFCHR else { return false }
+        let (major, minor) = DeviceNode.numbers(of: info.st_rdev)
+        return (136...143).contains(major) || (major == 5 && minor == 2) || major == 2 || major == 3
+    }
+
+    /// The kernel's pty driver (drivers/tty/pty.c, pty_set_termios) clears PARENB and sets CS8 on
+    /// every change, so parity and other data bits would be dropped without a word.
+    static func pseudoTerminalFraming(_ settings: SerialSettings, path: String) -> TransportError {
+        let lacks = switch (settings.parity != .none, settings.dataBits != 8) {
+        case (true, true): "has no parity bit and carries only 8 data bits"
+        case (true, false): "has no parity bit"
+        default: "carries only 8 data bits"
+        }
+        return TransportError(.unsupported, "\(TransportError.printable(path)) is a pseudo-terminal, which \(lacks) (the kernel's pty driver clears "
+                              + "PARENB and forces CS8 whatever is asked), so it cannot do \(settings.summary); nothing was changed. "
+                              + "Ask a pty for 8 data bits without parity (8N1, 8N2); parity and 5 to 7 data bits need a real serial port")
     }
 
     private static func checkLayout() throws {

@@ -4,14 +4,15 @@
 // another machine. The types here carry no kernel constants but the TIOCM_* bit values, which are
 // Linux's ABI (include/uapi/asm-generic/termios.h) and stay the raw values of ModemLines.
 
-/// Line settings of a serial port.
+/// Line settings of a serial port. They print as the URL options read: `115200 8N1, flow none`.
 ///
 /// ```swift
 /// var settings = SerialSettings(baudRate: 115_200)
 /// settings.parity = .even
 /// try await connection.serialPort?.apply(settings)
+/// print(settings)   // "115200 8E1, flow none"
 /// ```
-public struct SerialSettings: Sendable, Equatable, Codable {
+public struct SerialSettings: Sendable, Equatable, Codable, CustomStringConvertible {
     /// The parity bit.
     public enum Parity: String, Sendable, Codable, CaseIterable {
         /// No parity bit.
@@ -59,8 +60,21 @@ public struct SerialSettings: Sendable, Equatable, Codable {
 
     /// "115200 8N1", with the flow control when there is one ("9600 7E2 rtscts").
     public var summary: String {
-        let parityLetter = parity.rawValue.prefix(1).uppercased()
-        return "\(baudRate) \(dataBits)\(parity == .none ? "N" : parityLetter)\(stopBits)" + (flowControl == .none ? "" : " \(flowControl.rawValue)")
+        "\(baudRate) \(frame)" + (flowControl == .none ? "" : " \(flowControl.rawValue)")
+    }
+
+    /// "115200 8N1, flow none": the bit rate, data bits, parity (N, E, O, M, S) and stop bits, and
+    /// the flow control (`none`, `rtscts`, `xonxoff`, as the `flowControl` option spells it).
+    ///
+    /// ```swift
+    /// print(SerialSettings(baudRate: 9600, dataBits: 7, parity: .even, stopBits: 2, flowControl: .rtscts))
+    /// // 9600 7E2, flow rtscts
+    /// ```
+    public var description: String { "\(baudRate) \(frame), flow \(flowControl.rawValue)" }
+
+    /// "8N1": data bits, the parity's letter, stop bits.
+    private var frame: String {
+        "\(dataBits)\(parity.rawValue.prefix(1).uppercased())\(stopBits)"
     }
 
     /// The highest bit rate taken (the `baud` option's bound): 20 Mbit/s, above the fastest USB

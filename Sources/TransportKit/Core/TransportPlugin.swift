@@ -432,6 +432,36 @@ public struct DeviceRecord: Sendable, Equatable, Hashable, Codable {
     }
 }
 
+extension DeviceRecord: CustomStringConvertible {
+    /// The URL, then what `transportkit list` shows of the device in its columns (DEVICE,
+    /// PRODUCT, ID, SERIAL, DRIVER), each where known and not already in the URL:
+    /// `tty://usb/0403:6001?serial=A50285BI (/dev/ttyUSB0, FTDI FT232R USB UART, serial A50285BI, driver ftdi_sio)`.
+    ///
+    /// ```swift
+    /// for device in await Transport.devices().devices { print(device) }
+    /// ```
+    public var description: String {
+        var facts: [String] = []
+        if let devnode {
+            if url != "\(scheme)://\(devnode)" { facts.append(devnode) }
+        } else if let name, !url.contains(name) {
+            facts.append(name)
+        }
+        let maker = manufacturer.flatMap { $0.isEmpty ? nil : $0 }
+        switch (maker, product) {
+        case let (maker?, product?) where !product.lowercased().hasPrefix(maker.lowercased()): facts.append("\(maker) \(product)")
+        case let (_, product?): facts.append(product)
+        case let (maker?, nil): facts.append(maker)
+        case (nil, nil): break
+        }
+        if let vendorId, let productId, !url.contains("\(vendorId):\(productId)") { facts.append("\(vendorId):\(productId)") }
+        if let interface, !url.contains("interface=") { facts.append("interface \(interface)") }
+        if let serialNumber, !serialNumber.isEmpty { facts.append("serial \(serialNumber)") }
+        if let driver { facts.append("driver \(driver)") }
+        return facts.isEmpty ? url : "\(url) (\(facts.joined(separator: ", ")))"
+    }
+}
+
 /// A hot-plug event.
 public struct DeviceEvent: Sendable, Equatable, Codable {
     /// What happened to the device: it arrived, went away, or changed (a listing caught it half-made).

@@ -12,18 +12,34 @@ public enum DeviceNode {
     /// "permission denied opening /dev/ttyUSB0: owned by root:dialout, mode crw-rw----; this process
     /// (uid 1000) is not in group dialout. Fixes: …", ending with `udevRule` as the rule to install.
     ///
+    /// Joining the node's group is advised only where it helps: not for group root (a node such
+    /// as `crw------- root:root`), nor for a group the mode gives no access. Then the fixes are
+    /// running as root, or a udev rule that gives `ruleGroup` access and joining that group.
+    ///
     /// ```swift
-    /// DeviceNode.permissionMessage(path: "/dev/bus/usb/001/004") { group in
+    /// DeviceNode.permissionMessage(path: "/dev/bus/usb/001/004", ruleGroup: "plugdev") { group in
     ///     #"SUBSYSTEM=="usb", ATTR{idVendor}=="1d6b", ATTR{idProduct}=="0104", MODE="0660", GROUP="\#(group)""#
     /// }
     /// ```
-    public static func permissionMessage(path: String, udevRule: (_ group: String) -> String) -> String {
+    public static func permissionMessage(path: String, ruleGroup: String = "plugdev", udevRule: (_ group: String) -> String) -> String {
         var message = "permission denied opening \(path)"
         var info = stat()
         guard stat(path, &info) == 0 else { return message + ": check its permissions" }
         let owner = userName(info.st_uid)
         let group = groupName(info.st_gid)
         message += ": owned by \(owner):\(group), mode \(modeString(info.st_mode))"
+        let groupAccess = info.st_mode & (S_IRGRP | S_IWGRP) == (S_IRGRP | S_IWGRP)
+        guard info.st_gid != 0, groupAccess else {
+            // Group root, or a group without read and write: joining it would not help.
+            let target = info.st_gid == 0 ? ruleGroup : group
+            let users = owner == "root" ? "root" : owner + " and root"
+            message += info.st_gid == 0
+                ? "; only \(users) may use it (this process is uid \(geteuid()))"
+                : "; its group \(group) may not read and write it either (this process is uid \(geteuid()))"
+            message += ". Fixes: run the program as root (sudo), or install a udev rule that gives a group access, such as "
+                + "\(udevRule(target)) in /etc/udev/rules.d/, then add the user to that group (`sudo usermod -aG \(target) $USER`) and log in again"
+            return message
+        }
         let member = getegid() == info.st_gid || supplementaryGroups().contains(info.st_gid)
         message += member
             ? "; this process (uid \(geteuid())) is in group \(group), so something else refuses access (an LSM policy, or a group added after login: log in again)"
@@ -46,6 +62,17 @@ public enum DeviceNode {
 
     /// "process 1234 (minicom)" when /proc/locks shows who holds a flock(2) on the node.
     public static func lockHolder(path: String) -> String? {
+        lockHolderPID(path: path).map(describeProcess)
+    }
+
+    /// The process that holds a flock(2) on the node, as /proc/locks shows it; compare it with
+    /// `getpid()` to tell a lock of this very process (another descriptor it opened) from another
+    /// program's.
+    ///
+    /// ```swift
+    /// if DeviceNode.lockHolderPID(path: "/dev/ttyUSB0") == Int(getpid()) { … }
+    /// ```
+    public static func lockHolderPID(path: String) -> Int? {
         var info = stat()
         guard stat(path, &info) == 0, let locks = readText("/proc/locks") else { return nil }
         // Lines look like "1: FLOCK  ADVISORY  WRITE 1234 00:05:87 0 EOF" (device as major:minor in hex).
@@ -54,9 +81,28 @@ public enum DeviceNode {
         for line in locks.split(separator: "\n") {
             let fields = line.split(separator: " ", omittingEmptySubsequences: true)
             guard fields.count >= 6, fields[1] == "FLOCK", fields[5] == device, let pid = Int(fields[4]) else { continue }
-            return describeProcess(pid)
+            return pid
         }
         return nil
+    }
+
+    /// Whether this process has a descriptor open on `path` (the same device or file, through any
+    /// name), found through /proc/self/fd.
+    ///
+    /// ```swift
+    /// if DeviceNode.isOpenInThisProcess("/dev/ttyUSB0") { print("close the other connection first") }
+    /// ```
+    public static func isOpenInThisProcess(_ path: String) -> Bool {
+        var info = stat()
+        guard stat(path, &info) == 0, let fds = opendir("/proc/self/fd") else { return false }
+        defer { closedir(fds) }
+        while let fd = readdir(fds) {
+            let number = withUnsafeBytes(of: fd.pointee.d_name) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+            guard Int(number) != nil, let link = readLink("/proc/self/fd/\(number)"), link.hasPrefix("/") else { continue }
+            var target = stat()
+            if stat(link, &target) == 0, target.st_dev == info.st_dev, target.st_ino == info.st_ino { return true }
+        }
+        return false
     }
 
     /// The processes other than this one with a descriptor open on `path` (found through the
