@@ -21,7 +21,8 @@ let logging: Target.Dependency = .product(name: "Logging", package: "swift-log")
 
 let package = Package(
     name: "TransportKit",
-    platforms: [.macOS(.v15)],
+    // Linux only: no `platforms` entry, as no Apple platform can build it (the transports are
+    // Linux kernel interfaces: termios2, AF_BLUETOOTH, usbfs, udev).
     products: [
         // Applications: every built-in scheme.
         .library(name: "TransportKit", targets: ["TransportKit"]),

@@ -6,7 +6,6 @@ import PackageDescription
 
 let package = Package(
     name: "ThirdPartyPlugin",
-    platforms: [.macOS(.v15)],
     products: [
         .library(name: "ReverseScheme", targets: ["ReverseScheme"]),
         .executable(name: "reverse-demo", targets: ["reverse-demo"]),
