@@ -231,10 +231,9 @@ struct CommandSessionTests {
 
     @Test func theEchoIsStrippedAndAStaleEchoedAnswerSkipped() async throws {
         try await withFakeELM327(echo: true) { (connection: Connection) async throws in
-            let echoing = CommandSession(connection)
-            #expect(try await echoing.send("ATRV") == "ATRV\n12.6V", "without stripsEcho the echo is the first line")
-            var elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: nil)
-            elm.stripsEcho = true
+            let echoing = CommandSession(connection, echo: .keep)
+            #expect(try await echoing.send("ATRV") == "ATRV\n12.6V", "with echo: .keep the echo is the first line")
+            let elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: nil)   // echo: .strip, the default
             #expect(try await elm.send("ATZ") == "ELM327 v1.5")
             _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }
             try await Task.sleep(for: .milliseconds(3000))
@@ -251,8 +250,7 @@ struct CommandSessionTests {
         try await withFakeELM327(echo: true, slowDelay: .milliseconds(4000)) { (connection: Connection) async throws in
             // The late answer comes after the next command's wait for it gave up (0.2 s): its echo
             // still marks it as SLOW's.
-            var elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: .milliseconds(200))
-            elm.stripsEcho = true
+            let elm = CommandSession(connection, timeout: .seconds(1), lateAnswerWait: .milliseconds(200))
             _ = await expectTransportError(.timedOut) { try await elm.send("SLOW") }
             // The fake device answers in turn: ATRV waits behind SLOW and times out too.
             _ = await expectTransportError(.timedOut) { try await elm.send("ATRV") }
@@ -262,9 +260,9 @@ struct CommandSessionTests {
         }
     }
 
-    @Test func stripsEchoLeavesAResponseWithoutEchoAlone() async throws {
+    @Test func echoStrippingLeavesAResponseWithoutEchoAlone() async throws {
         try await withFakeELM327(echo: false) { (connection: Connection) async throws in
-            let elm = CommandSession(connection, stripsEcho: true)   // a device after ATE0
+            let elm = CommandSession(connection, echo: .strip)   // a device after ATE0
             #expect(try await elm.send("ATRV") == "12.6V")
             #expect(try await elm.send("ATZ") == "ELM327 v1.5")
         }

@@ -275,151 +275,271 @@ extension ByteBufferView {
 /// Sends commands to a prompt-driven device and reads each response up to its prompt, such as the
 /// `>` of ELM327 OBD-II adapters or a modem's `OK`.
 ///
-/// A command that times out leaves its answer on the way. The session remembers that: before the
-/// next command it waits up to ``lateAnswerWait`` for that late answer's prompt and drops it, so
-/// the next response is the next command's, not the previous one's. With ``stripsEcho`` the echo
-/// of the command (ELM327 adapters echo by default, `ATE1`) is removed from each response, and a
-/// response that starts with an earlier command's echo is known to be stale and is skipped, even
-/// when it comes later than ``lateAnswerWait``.
-///
 /// ```swift
-/// var elm = CommandSession(connection, terminator: ">", lineEnding: "\r")
-/// elm.stripsEcho = true
-/// _ = try await elm.send("ATZ")                 // reset
-/// let voltage = try await elm.send("ATRV")      // "12.6V"
+/// let elm = CommandSession(try await Transport.connect(to: "tcp://192.168.0.10:35000"), terminator: ">")
+/// _ = try await elm.send("ATZ", timeout: .seconds(10))   // reset: slower than other commands
+/// let voltage = try await elm.send("ATRV")                // "12.6V", without the echo "ATRV"
 /// ```
+///
+/// **The echo.** Devices such as ELM327 adapters echo each command before its answer (`ATE1`,
+/// the adapter's default). By default (``EchoHandling/strip``) the session removes a first line
+/// that is exactly the command as sent, with its line ending, so ``send(_:timeout:)`` returns just
+/// the answer. A response without that line (a device that does not echo, or an ELM327 after
+/// `ATE0`) is returned as is. With `echo: .keep` the response is returned as the device sent it,
+/// echo included.
+///
+/// **Timeouts and late answers.** Each command waits ``timeout`` for its prompt, or the `timeout`
+/// given to ``send(_:timeout:)``. A command that times out, or whose task is cancelled, leaves its
+/// answer on the way: the device still owes it. The session counts these owed answers, and three rules keep a command from
+/// reading an earlier command's answer:
+///
+/// 1. Before a command is sent, every complete response that has already arrived is dropped: a
+///    response received before the command was sent is not its answer (a late answer, or a power-up
+///    banner). An owed answer among them is paid.
+/// 2. Then the session waits up to ``lateAnswerWait`` (1 s by default) for each answer still
+///    owed, and drops it. An owed answer that has not come by then is taken as lost, and the
+///    command is sent. (An ELM327 stops what it is doing when a byte arrives; waiting for its
+///    prompt first spares the next command a `STOPPED`.)
+/// 3. With ``EchoHandling/strip``, a response that starts with the echo of a command that timed
+///    out, not the one being sent, is that command's late answer however late it comes: it is
+///    dropped and the session reads on for the right one.
+///
+/// With a device that echoes, an answer is never taken for another command's, however late it
+/// is. Two cases remain, both bounded to one answer:
+///
+/// - A device that does not echo and answers a timed-out command after ``lateAnswerWait``: the
+///   late answer is read as the next command's. The answer it displaced, once arrived, is dropped
+///   by rule 1 before the command after that, so the session is back in step. Give such a device a
+///   longer ``lateAnswerWait``, or leave its echo on.
+/// - The same command sent again after it timed out: the echo cannot tell its late answer from the
+///   new one. The session returns the first (the same question's answer, older), and drops the
+///   other before a later command (rule 1, or rule 3 for another command).
+///
+/// `lateAnswerWait: nil` turns rules 1 and 2 off: every response is then read in turn, a late one
+/// as the next command's.
 public struct CommandSession: Sendable {
+    /// What the session does with a device's echo of each command; see ``CommandSession/echo``.
+    public enum EchoHandling: Sendable, Equatable {
+        /// Remove a first line that is exactly the command as sent (and the line ending after
+        /// it), and drop a response that starts with the echo of a command that timed out (its
+        /// late answer). A response without the echo is returned as is. The default.
+        case strip
+        /// Return each response as the device sent it, echo included. Late answers are then
+        /// recognised by time only (``CommandSession/lateAnswerWait``).
+        case keep
+    }
+
     /// The device's connection.
     public let connection: Connection
     /// The prompt that ends every response, such as `>`.
     public var terminator: [UInt8]
     /// What ends every command, such as `\r`.
     public var lineEnding: String
-    /// How long a response may take.
+    /// How long a response may take, unless ``send(_:timeout:)`` is given a timeout of its own.
     public var timeout: Duration
-    /// Drop every byte that is already buffered (anything unasked) before each command.
+    /// Drop every byte that is already buffered before each command, a partial response too.
     public var discardStaleInput: Bool
-    /// After a timed-out command: how long the next command first waits for the late answer's
-    /// prompt, dropping everything up to it. `nil` turns this off (the late answer is then read as
-    /// the next command's response). Default 1 second.
+    /// After a timed-out command: how long the next command first waits for that late answer's
+    /// prompt, dropping everything up to it. `nil` turns resynchronisation off (a late answer is
+    /// then read as the next command's response, and responses that arrived unasked are not
+    /// dropped). Default 1 second. See ``CommandSession`` for the rules.
     public var lateAnswerWait: Duration?
-    /// Remove the echo of the command (its whole first line) from the start of each response, and
-    /// skip a response that starts with the echo of an earlier command (its late answer). For
-    /// devices that echo, such as ELM327 adapters after reset; a response without an echo is
-    /// returned as is.
-    public var stripsEcho: Bool
-    /// Late answers still owed by the device, shared by copies of this session.
+    /// What to do with the device's echo of each command: ``EchoHandling/strip`` (the default)
+    /// removes it and recognises late answers by it, ``EchoHandling/keep`` returns it.
+    public var echo: EchoHandling
+    /// Answers still owed by the device, shared by copies of this session.
     private let pending: PendingAnswers
 
     /// A session on `connection` whose responses end with `terminator`.
+    ///
+    /// ```swift
+    /// let elm = CommandSession(connection, terminator: ">")                 // echo removed
+    /// let raw = CommandSession(connection, terminator: ">", echo: .keep)    // "ATRV\n12.6V"
+    /// ```
     public init(_ connection: Connection, terminator: String = ">", lineEnding: String = "\r",
                 timeout: Duration = .seconds(5), discardStaleInput: Bool = false,
-                lateAnswerWait: Duration? = .seconds(1), stripsEcho: Bool = false) {
+                lateAnswerWait: Duration? = .seconds(1), echo: EchoHandling = .strip) {
         self.connection = connection
         self.terminator = Array(terminator.utf8)
         self.lineEnding = lineEnding
         self.timeout = timeout
         self.discardStaleInput = discardStaleInput
         self.lateAnswerWait = lateAnswerWait
-        self.stripsEcho = stripsEcho
+        self.echo = echo
         pending = PendingAnswers()
     }
 
-    /// Sends `command` plus the line ending and returns the response text before the prompt:
-    /// runs of CR/LF become single newlines and surrounding blank space is trimmed. A device that
-    /// echoes commands returns the echo as the first line unless ``stripsEcho`` is set.
-    public func send(_ command: String) async throws -> String {
-        let response = try await request(Array((command + lineEnding).utf8))
+    /// A session that removes the echo when `stripsEcho` is set, and returns it otherwise.
+    @available(*, deprecated, message: "use echo: .strip (now the default) or echo: .keep")
+    public init(_ connection: Connection, terminator: String = ">", lineEnding: String = "\r",
+                timeout: Duration = .seconds(5), discardStaleInput: Bool = false,
+                lateAnswerWait: Duration? = .seconds(1), stripsEcho: Bool) {
+        self.init(connection, terminator: terminator, lineEnding: lineEnding, timeout: timeout,
+                  discardStaleInput: discardStaleInput, lateAnswerWait: lateAnswerWait, echo: stripsEcho ? .strip : .keep)
+    }
+
+    /// `true` when ``echo`` is ``EchoHandling/strip``.
+    @available(*, deprecated, message: "use echo: .strip (now the default) or echo: .keep")
+    public var stripsEcho: Bool {
+        get { echo == .strip }
+        set { echo = newValue ? .strip : .keep }
+    }
+
+    /// Sends `command` plus ``lineEnding`` and returns the response text before the prompt,
+    /// without the command's echo (see ``echo``): runs of CR/LF become single newlines, and blank
+    /// space around the text is trimmed.
+    ///
+    /// ```swift
+    /// let voltage = try await elm.send("ATRV")                            // the session's timeout
+    /// let pids = try await elm.send("0100", timeout: .seconds(10))        // this command's own
+    /// ```
+    ///
+    /// - Parameters:
+    ///   - command: the command without its line ending, such as `"ATRV"`.
+    ///   - timeout: how long this command's response may take; `nil` (the default) takes the
+    ///     session's ``timeout``. The wait for an earlier command's late answer
+    ///     (``lateAnswerWait``) comes before this one and is not part of it.
+    /// - Throws: `.timedOut` when the prompt does not come in time (the session then expects the
+    ///   answer late, see ``CommandSession``); `.disconnected` when the device closes first.
+    public func send(_ command: String, timeout: Duration? = nil) async throws -> String {
+        let response = try await request(Array((command + lineEnding).utf8), timeout: timeout)
         let text = String(decoding: response, as: UTF8.self)
             .split(omittingEmptySubsequences: true) { $0 == "\r" || $0 == "\n" || $0 == "\r\n" }
             .joined(separator: "\n")
         return text.trimmingBlanks()
     }
 
-    /// Writes `bytes` and returns what arrives before the terminator (not included).
-    /// Throws `.timedOut` when the prompt does not come within ``timeout``; the session then
-    /// expects that answer late (see ``lateAnswerWait``).
-    public func request(_ bytes: [UInt8]) async throws -> [UInt8] {
-        try await dropLateAnswers()
+    /// Writes `bytes` and returns what arrives before the terminator (not included), without the
+    /// echo of `bytes` (their trailing CR/LF removed) when ``echo`` is ``EchoHandling/strip``.
+    ///
+    /// ```swift
+    /// let reply = try await elm.request(Array("ATRV\r".utf8), timeout: .seconds(2))   // "12.6V\r\r"
+    /// ```
+    ///
+    /// - Parameter timeout: how long the response may take; `nil` takes the session's ``timeout``.
+    /// - Throws: `.timedOut` when the prompt does not come in time; the session then expects that
+    ///   answer late (see ``lateAnswerWait``).
+    public func request(_ bytes: [UInt8], timeout: Duration? = nil) async throws -> [UInt8] {
+        let timeout = timeout ?? self.timeout
+        try await resynchronise()
         if discardStaleInput {
             while let stale = try? await connection.readBuffer(timeout: .milliseconds(1)), stale.readableBytes > 0 {}
         }
         try await connection.write(bytes)
-        let echo = Self.echo(of: bytes)
-        let earlier = pending.sent(Array(echo))
+        let sent = Array(Self.commandEcho(of: bytes))
+        let matchesEcho = echo == .strip && !sent.isEmpty
         let clock = ContinuousClock()
         let deadline = clock.now.advanced(by: timeout)
         do {
             while true {
                 let remaining = clock.now.duration(to: deadline)
-                guard remaining > .zero else { throw TransportError(.timedOut, "skipping stale answers took the whole timeout") }
+                guard remaining > .zero else { throw TransportError(.timedOut, "skipping late answers took the whole timeout") }
                 guard let response = try await connection.readFrame(.delimiter(terminator), timeout: remaining) else {
                     throw TransportError(.disconnected, "\(connection.url.shown) closed before answering")
                 }
-                guard stripsEcho, !echo.isEmpty else { return response }
+                guard matchesEcho else { return response }
                 // The echo is the whole first line: "01" does not echo "010C".
                 let start = response.drop { $0 == 0x0D || $0 == 0x0A }
                 let firstLine = start.prefix { $0 != 0x0D && $0 != 0x0A }
-                if firstLine.elementsEqual(echo) {
-                    return Array(start.dropFirst(echo.count).drop { $0 == 0x0D || $0 == 0x0A })
+                if firstLine.elementsEqual(sent) {
+                    return Array(start.dropFirst(sent.count).drop { $0 == 0x0D || $0 == 0x0A })
                 }
-                // The echo of an earlier command: that command's late answer. Skip it.
+                // The echo of a command that timed out: its late answer, dropped (rule 3).
                 // Anything else is returned as is: a device that does not echo (ELM327 after ATE0).
-                guard earlier.contains(where: { firstLine.elementsEqual($0) }) else { return response }
-                pending.settle(1)
+                guard pending.isLateAnswer(firstLine: Array(firstLine), sending: sent) else { return response }
             }
         } catch let error as TransportError where error.kind == .timedOut {
-            pending.add()
+            pending.owe(sent)
             throw TransportError(.timedOut, "\(connection.url.shown) did not answer with '\(String(decoding: terminator, as: UTF8.self))' within \(timeout.secondsText); is the device on and at the right bit rate?")
+        } catch let error as CancellationError {
+            // The command went out: its answer is still coming.
+            pending.owe(sent)
+            throw error
         }
     }
 
-    /// Reads and drops late answers owed by the device, waiting up to ``lateAnswerWait`` for each.
-    /// An answer that does not come by then is taken as never coming.
-    private func dropLateAnswers() async throws {
+    /// Rules 1 and 2 (see ``CommandSession``): drops the responses that have already arrived, then
+    /// waits up to ``lateAnswerWait`` for each answer still owed and drops it. Bytes of a response
+    /// not yet complete stay unread, for the late-answer check of the next read.
+    private func resynchronise() async throws {
         guard let wait = lateAnswerWait else { return }
-        while pending.count > 0 {
+        // A bound for a device that talks without end (an ELM327 in monitor mode).
+        for _ in 0..<256 {
+            let owed = pending.awaited > 0
+            let look: Duration = owed ? wait : .milliseconds(1)
+            let response: [UInt8]?
             do {
-                guard try await connection.readFrame(.delimiter(terminator), timeout: wait) != nil else {
-                    throw TransportError(.disconnected, "\(connection.url.shown) closed before answering")
-                }
-                pending.settle(1)
+                response = try await connection.readFrame(.delimiter(terminator), timeout: look)
             } catch let error as TransportError where error.kind == .timedOut {
-                pending.settle(pending.count)
+                // Nothing more has arrived; an owed answer that has not come is taken as lost.
+                if owed { pending.giveUp() }
+                return
             }
+            // The stream ended: the write or the read of the command reports it.
+            guard let response else { return }
+            let start = response.drop { $0 == 0x0D || $0 == 0x0A }
+            pending.dropped(firstLine: Array(start.prefix { $0 != 0x0D && $0 != 0x0A }))
         }
     }
 
     /// The command as a device echoes it: the bytes sent without the trailing line ending.
-    private static func echo(of bytes: [UInt8]) -> ArraySlice<UInt8> {
+    private static func commandEcho(of bytes: [UInt8]) -> ArraySlice<UInt8> {
         var end = bytes.endIndex
         while end > bytes.startIndex, bytes[end - 1] == 0x0D || bytes[end - 1] == 0x0A { end -= 1 }
         return bytes[..<end]
     }
 }
 
-/// What a ``CommandSession`` remembers between commands: the answers it still expects late, and
-/// the echoes of the last commands sent (to recognise a late answer by its echo).
+/// What a ``CommandSession`` remembers between commands: how many owed answers the next command
+/// waits for, and the echoes of the commands that timed out (to recognise their late answers).
 private final class PendingAnswers: Sendable {
     private struct State {
-        var late = 0
-        var echoes: [[UInt8]] = []
+        /// Owed answers the next command waits for (rule 2), up to `lateAnswerWait` each.
+        var awaited = 0
+        /// The echoes of timed-out commands whose answers have not been seen, oldest first, at
+        /// most 16. Kept after the wait for them gives up, so a later answer is still known (rule 3).
+        var late: [[UInt8]] = []
     }
     /// Guards the state; a session is used by one task at a time, copies share it.
     private let state = Mutex(State())
 
-    var count: Int { state.withLock { $0.late } }
-    func add() { state.withLock { $0.late += 1 } }
-    func settle(_ answers: Int) { state.withLock { $0.late = max(0, $0.late - answers) } }
+    var awaited: Int { state.withLock { $0.awaited } }
 
-    /// Records `echo` as sent and returns the echoes of up to 16 earlier commands that differ
-    /// from it (a repeated command's late answer cannot be told from its own).
-    func sent(_ echo: [UInt8]) -> [[UInt8]] {
+    /// The command that echoes `echo` was sent and its answer did not come in time. An empty
+    /// command has no echo to recognise its answer by.
+    func owe(_ echo: [UInt8]) {
         state.withLock { state in
-            let earlier = state.echoes.filter { $0 != echo }
-            state.echoes.append(echo)
-            if state.echoes.count > 16 { state.echoes.removeFirst() }
-            return earlier
+            state.awaited += 1
+            guard !echo.isEmpty else { return }
+            state.late.append(echo)
+            if state.late.count > 16 { state.late.removeFirst() }
+        }
+    }
+
+    /// The answers awaited did not come within `lateAnswerWait`: taken as lost, and not waited for
+    /// again. Their echoes are kept.
+    func giveUp() { state.withLock { $0.awaited = 0 } }
+
+    /// A response dropped before a command was sent, whose first line is `firstLine`: it pays for
+    /// an awaited answer (answers come in turn), and forgets the echo it starts with. An echo is
+    /// forgotten only when seen, so a late answer is still known after a response without echo.
+    func dropped(firstLine: [UInt8]) {
+        state.withLock { state in
+            if let index = state.late.firstIndex(of: firstLine) { state.late.remove(at: index) }
+            state.awaited = max(0, state.awaited - 1)
+        }
+    }
+
+    /// Whether a response whose first line is `firstLine`, read for the command that echoes
+    /// `sending`, is the late answer of another command that timed out; if so it is paid for.
+    /// The command's own echo is never late: a repeated command's late answer is taken as its own.
+    func isLateAnswer(firstLine: [UInt8], sending: [UInt8]) -> Bool {
+        guard firstLine != sending else { return false }
+        return state.withLock { state in
+            guard let index = state.late.firstIndex(of: firstLine) else { return false }
+            state.late.remove(at: index)
+            state.awaited = max(0, state.awaited - 1)
+            return true
         }
     }
 }
