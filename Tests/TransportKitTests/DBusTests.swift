@@ -10,12 +10,42 @@ final class PrivateBus: Sendable {
     /// Guards the process: started in init, stopped once.
     private let process: Mutex<Process?>
     let address: String
+    /// The configuration and service files of a bus with `activatable` names; removed in stop().
+    private let directory: URL?
 
-    init() throws {
+    /// A session bus; with `activatable` (bus name to the program its activation file starts),
+    /// one of its own whose service directory offers those names for D-Bus activation.
+    init(activatable: [String: String] = [:]) throws {
         let process = Process()
         let output = Pipe()
         process.executableURL = URL(fileURLWithPath: "/usr/bin/dbus-daemon")
         process.arguments = ["--session", "--nofork", "--print-address=1"]
+        var made: URL?
+        if !activatable.isEmpty {
+            let directory = FileManager.default.temporaryDirectory.appendingPathComponent("tk-bus-\(getpid())-\(UInt32.random(in: 0...UInt32.max))")
+            try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+            made = directory
+            for (name, program) in activatable {
+                try "[D-BUS Service]\nName=\(name)\nExec=\(program)\n".write(to: directory.appendingPathComponent("\(name).service"), atomically: true, encoding: .utf8)
+            }
+            let config = directory.appendingPathComponent("bus.conf")
+            try """
+                <!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+                 "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+                <busconfig>
+                  <type>session</type>
+                  <listen>unix:tmpdir=/tmp</listen>
+                  <servicedir>\(directory.path)</servicedir>
+                  <policy context="default"><allow send_destination="*"/><allow receive_sender="*"/><allow own="*"/></policy>
+                </busconfig>
+                """.write(to: config, atomically: true, encoding: .utf8)
+            // Through python3, which clears the signal mask before it execs dbus-daemon: Process
+            // passes on the calling thread's mask, and a daemon with SIGCHLD blocked never learns
+            // that the program it activated failed (the call then waits 25 s for the activation).
+            process.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
+            process.arguments = ["-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); os.execv(sys.argv[1], sys.argv[1:])",
+                                 "/usr/bin/dbus-daemon", "--config-file=\(config.path)", "--nofork", "--print-address=1"]
+        }
         process.standardOutput = output
         process.standardError = FileHandle.nullDevice
         try process.run()
@@ -27,6 +57,7 @@ final class PrivateBus: Sendable {
         }
         address = String(decoding: line, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
         self.process = Mutex(process)
+        directory = made
     }
 
     func stop() {
@@ -34,6 +65,7 @@ final class PrivateBus: Sendable {
         // dbus-daemon --session does not end on SIGTERM here: kill it.
         kill(process.processIdentifier, SIGKILL)
         process.waitUntilExit()
+        if let directory { try? FileManager.default.removeItem(at: directory) }
     }
 
     deinit { stop() }
@@ -68,6 +100,19 @@ struct DBusTests {
         }
         #expect(error?.message.contains("org.freedesktop.DBus.Error.ServiceUnknown") == true, "\(String(describing: error))")
         #expect(error?.message.contains("start bluetoothd") == true)
+        await bus.close()
+    }
+
+    /// An activation file whose program is missing (bluez removed, its service file left): the
+    /// daemon answers Spawn.*, which reads as "not running", with what to install.
+    @Test func aServiceThatActivationCannotStartSaysInstallBluez() async throws {
+        let daemon = try PrivateBus(activatable: ["org.bluez": "/nonexistent/bluetoothd"])
+        let bus = try DBusConnection(.address(daemon.address))
+        let error = await expectTransportError(.notFound) {
+            try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
+        }
+        #expect(error?.code?.hasPrefix("org.freedesktop.DBus.Error.Spawn.") == true, "\(String(describing: error))")
+        #expect(error?.message.contains("install bluez") == true, "\(String(describing: error))")
         await bus.close()
     }
 

@@ -193,7 +193,10 @@ struct OptionTests {
     }
 
     @Test("bad options fail before I/O with the grammar", arguments: [
-        ("tcp://localhost:1?color=red", "unknown option 'color'"),
+        ("tcp://localhost:1?color=red", "unknown option 'color' (tcp accepts:"),
+        // A Swift property's spelling, or a typo, is answered with the option it meant.
+        ("tty:///dev/ttyS0?baudRate=9600", "unknown option 'baudRate'; did you mean 'baud'?"),
+        ("tcp://localhost:1?nodelay2=on", "unknown option 'nodelay2'; did you mean 'noDelay'?"),
         ("tcp://localhost:1?noDelay=maybe", "expected true or false"),
         ("tcp://localhost:1?keepAliveIdle=0", "0 is outside 1…32767"),
         ("tcp://localhost:1?keepAliveIdle=x", "expected a number"),

@@ -44,6 +44,9 @@ public struct BluetoothAdvertising: Sendable, Hashable {
     /// Whether the transmit power is included.
     public var includesTxPower: Bool
 
+    /// An advertisement with the given fields; every parameter is the property of the same name.
+    /// Nothing is checked here: a ``GATTServer`` refuses data that does not fit in 31 bytes, or an
+    /// interval without `--experimental`, when it registers the advertisement.
     public init(localName: String? = nil, serviceUUIDs: [String]? = nil, manufacturerData: [UInt16: [UInt8]] = [:], serviceData: [String: [UInt8]] = [:],
                 appearance: UInt16? = nil, connectable: Bool = true, discoverable: Bool = true, interval: ClosedRange<Duration>? = nil,
                 includesTxPower: Bool = false) {

@@ -4,9 +4,11 @@
 // not know it yet), and errors a person can act on. Data never goes through D-Bus: it flows
 // through kernel sockets (BluetoothSocket.swift) or descriptors BlueZ hands out.
 
+import Glibc
 import Synchronization
 import TransportKitCore
 import TransportKitDBus
+import TransportKitLinux
 
 /// A Bluetooth controller as bluetoothd reports it (org.bluez.Adapter1).
 public struct BluetoothAdapter: Sendable, Hashable, Codable {
@@ -168,27 +170,72 @@ final class BlueZ: Sendable {
         }
     }
 
-    /// One client per bus (the system bus, or the one a host app or test gave the plugin).
-    private static let clients = Mutex<[String: BlueZ]>([:])
+    /// One client per bus (the system bus, or the one a host app or test gave the plugin): open,
+    /// or being opened by a task that every caller meanwhile waits for.
+    private static let clients = Mutex<[String: Client]>([:])
 
-    /// The shared client for `bus`.
+    private enum Client: Sendable {
+        case open(BlueZ)
+        case opening(Task<BlueZ, any Error>)
+    }
+
+    /// The shared client for `bus`, opened at the first call (and again once the connection was
+    /// lost). Opening it (connect(2) and the bus thread's start) runs on `Blocking`'s pool, never
+    /// on the caller's thread and never under the lock; callers that come meanwhile wait for that
+    /// one open. The wait is short and not cancellable; a failed open is tried again at the next call.
     ///
     /// - Throws: `.notFound` when there is no such bus (no dbus-daemon), `.permissionDenied` when
     ///   this user may not connect to it.
-    static func shared(_ bus: DBusConnection.Bus) throws -> BlueZ {
-        try clients.withLock { clients in
-            if let client = clients[bus.description], client.bus.isConnected { return client }
-            let connection: DBusConnection
-            do {
-                connection = try DBusConnection(bus)
-            } catch let error as TransportError {
-                throw TransportError(error.kind, "Bluetooth goes through bluetoothd on the system D-Bus, and that failed: \(error.message)",
-                                     errno: error.errno, syscall: error.syscall)
+    static func shared(_ bus: DBusConnection.Bus) async throws -> BlueZ {
+        let key = bus.description
+        let opening = clients.withLock { clients -> Client in
+            if case .open(let client)? = clients[key], client.bus.isConnected { return .open(client) }
+            if case .opening(let task)? = clients[key] { return .opening(task) }
+            let task = Task<BlueZ, any Error> {
+                do {
+                    return BlueZ(bus: try await Blocking.run { try DBusConnection(bus) })
+                } catch let error as TransportError {
+                    throw TransportError(error.kind, "Bluetooth goes through bluetoothd on the system D-Bus, and that failed: \(error.message)",
+                                         errno: error.errno, syscall: error.syscall)
+                }
             }
-            let client = BlueZ(bus: connection)
-            clients[bus.description] = client
-            return client
+            clients[key] = .opening(task)
+            return .opening(task)
         }
+        let task: Task<BlueZ, any Error>
+        switch opening {
+        case .open(let client): return client
+        case .opening(let pending): task = pending
+        }
+        let result = await task.result
+        clients.withLock { clients in
+            // Only the open this call waited for is replaced (a newer one may have begun since).
+            guard case .opening(let current)? = clients[key], current == task else { return }
+            switch result {
+            case .success(let client): clients[key] = .open(client)
+            case .failure: clients[key] = nil
+            }
+        }
+        return try result.get()
+    }
+
+    /// `false` only when `bus` certainly is not there: its address names socket files and none
+    /// exists (no dbus-daemon). A check that answers at once, without connecting, for APIs that
+    /// must decide on the spot (`deviceEvents`).
+    static func mayBeReachable(_ bus: DBusConnection.Bus) -> Bool {
+        let address: String
+        switch bus {
+        case .system: address = getenv("DBUS_SYSTEM_BUS_ADDRESS").map { String(cString: $0) } ?? "unix:path=/run/dbus/system_bus_socket"
+        case .address(let given): address = given
+        }
+        // Addresses separated by ';' are tried in turn: any one may answer.
+        for entry in address.split(separator: ";") {
+            guard entry.hasPrefix("unix:"),
+                  let value = entry.dropFirst("unix:".count).split(separator: ",").first(where: { $0.hasPrefix("path=") }),
+                  !value.contains("%") else { return true }   // abstract, TCP, escaped: cannot tell
+            if access(String(value.dropFirst("path=".count)), F_OK) == 0 { return true }
+        }
+        return false
     }
 
     /// Calls a BlueZ method, with BlueZ's errors turned into ones a person can act on.

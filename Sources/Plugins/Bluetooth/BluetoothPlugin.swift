@@ -81,6 +81,7 @@ public struct BluetoothPlugin: TransportPlugin {
         case bluez, `public`, random
     }
 
+    /// The `rfcomm` and `ble` schemes (both able to listen), and `ea`, which Linux refuses.
     public var schemes: [Scheme] {
         [
             Scheme(SchemeDescriptor(
@@ -153,10 +154,13 @@ public struct BluetoothPlugin: TransportPlugin {
     }
 
     /// Adapters arriving and going away (a USB dongle plugged in, a controller removed), from
-    /// bluetoothd's InterfacesAdded and InterfacesRemoved. `nil` when there is no system bus.
+    /// bluetoothd's InterfacesAdded and InterfacesRemoved. `nil` when there is no system bus (its
+    /// socket file is missing); the sequence ends at once, without an error, when the bus is there
+    /// but cannot be connected to (the connection is opened by the sequence's task, off the
+    /// caller's thread).
     public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
-        guard let bluez = try? BlueZ.shared(bus) else { return nil }
-        return AdapterEvents.stream(bluez)
+        guard BlueZ.mayBeReachable(bus) else { return nil }
+        return AdapterEvents.stream(bus)
     }
 
     static func record(_ adapter: BluetoothAdapter) -> DeviceRecord {
@@ -170,9 +174,16 @@ public struct BluetoothPlugin: TransportPlugin {
 
 /// Adapter arrivals and removals.
 enum AdapterEvents {
-    static func stream(_ bluez: BlueZ) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream()
+    /// Events unread before the sequence ends with an error (as many as the signals it reads).
+    static let limit = BlueZ.objectSignalLimit
+
+    static func stream(_ bus: DBusConnection.Bus) -> AsyncThrowingStream<DeviceEvent, any Error> {
+        // Bounded: a reader that falls `limit` events behind gets an error, not a growing queue.
+        let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream(bufferingPolicy: .bufferingOldest(limit))
+        let overflow = TransportError(.io, "the reader of Bluetooth adapter events fell \(limit) events behind; list the adapters again")
         let task = Task {
+            // No bus to be had: no events to offer, as `devices` lists none.
+            guard let bluez = try? await BlueZ.shared(bus) else { return continuation.finish() }
             do {
                 // Every object bluetoothd adds or removes (a scan's devices too), read as they come.
                 let signals = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
@@ -189,13 +200,13 @@ enum AdapterEvents {
                         guard let properties = signal.values.dropFirst().first?.dictionary?[BlueZ.adapterInterface]?.dictionary else { continue }
                         let adapter = BlueZ.adapter(path: path, properties)
                         known[path] = adapter
-                        continuation.yield(DeviceEvent(.added, BluetoothPlugin.record(adapter)))
+                        if case .dropped = continuation.yield(DeviceEvent(.added, BluetoothPlugin.record(adapter))) { throw overflow }
                     case "InterfacesRemoved":
                         guard signal.values.dropFirst().first?.strings?.contains(BlueZ.adapterInterface) == true else { continue }
                         let adapter = known.removeValue(forKey: path) ?? BluetoothAdapter(
                             path: path, name: String(path.split(separator: "/").last ?? ""), index: nil, address: "",
                             alias: nil, powered: false, discoverable: false, discovering: false)
-                        continuation.yield(DeviceEvent(.removed, BluetoothPlugin.record(adapter)))
+                        if case .dropped = continuation.yield(DeviceEvent(.removed, BluetoothPlugin.record(adapter))) { throw overflow }
                     default:
                         continue
                     }
@@ -287,7 +298,7 @@ enum BluetoothConnector {
         let device = try deviceAddress(request.host, request)
         let service = url.port == nil ? try serviceUUID(request) : ServiceDiscovery.serialPort
         let security = request[BluetoothPlugin.security]
-        let (adapter, local, known, _) = try await resolve(request, bluez: try BlueZ.shared(bus), device: device)
+        let (adapter, local, known, _) = try await resolve(request, bluez: try await BlueZ.shared(bus), device: device)
         let describing = url.description
         let channel: Int
         let fd: SystemPackage.FileDescriptor
@@ -337,7 +348,7 @@ enum BluetoothConnector {
         guard let psm = url.port else {
             return try await GattSerial.connect(request, bus: bus, device: device)
         }
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         let (adapter, local, seen, _) = try await resolve(request, bluez: bluez, device: device)
         var known = seen
         let addressType: String

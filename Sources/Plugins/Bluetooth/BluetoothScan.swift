@@ -96,7 +96,7 @@ public struct BluetoothScan: Sendable {
         case `continue`
         /// Do not report it, now or later in this scan.
         case ignore
-        /// Report it and end the scan: the device to connect to (``BluetoothPeripheral/connect(to:adapter:timeout:bus:)``).
+        /// Report it and end the scan: the device to connect to (``BluetoothPeripheral/connect(to:adapter:timeout:reconnect:bus:)``).
         case stop
     }
 
@@ -135,6 +135,7 @@ public struct BluetoothDiscovery: Sendable, Hashable, Codable {
     public var address: String
     /// `public` or `random` for LE; `public` for classic.
     public var addressType: String
+    /// The device's name as BlueZ reports it (`Name`, else `Alias`); nil when it reports neither.
     public var name: String?
     /// The signal strength of the last sighting, in dBm.
     public var rssi: Int?
@@ -203,6 +204,7 @@ extension BluetoothPlugin {
 /// The events of a scan (``BluetoothPlugin/scan(_:)``), in order, with a device's unread update
 /// replaced by its newer one. Ending the iteration (or cancelling its task) stops the scan.
 public struct BluetoothScanEvents: AsyncSequence, Sendable {
+    /// A discovery, an update or an expiry.
     public typealias Element = BluetoothScan.Event
     let feed = Feed()
     /// Held by the sequence and its iterator: when both are gone, the scan stops.
@@ -210,11 +212,15 @@ public struct BluetoothScanEvents: AsyncSequence, Sendable {
 
     init() { lifetime = Lifetime(feed) }
 
+    /// Reads the next event on each call.
     public struct AsyncIterator: AsyncIteratorProtocol {
         fileprivate let lifetime: Lifetime
+        /// The next event; `nil` once the scan has ended (its `end` reached). Throws the error
+        /// that ended the scan (`TransportError`: no bus, no bluetoothd, no powered adapter).
         public mutating func next() async throws -> BluetoothScan.Event? { try await lifetime.feed.next() }
     }
 
+    /// An iterator over the events; use one per scan.
     public func makeAsyncIterator() -> AsyncIterator { AsyncIterator(lifetime: lifetime) }
 
     fileprivate final class Lifetime: Sendable {
@@ -323,8 +329,11 @@ private struct Scanner {
             }
             services.append(uuid)
         }
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         let adapter = try BlueZ.adapter(named: scan.adapter, among: try await bluez.adapters())
+        // Unbounded, and need not be: the loop in run(inputs:…) waits for nothing but the next
+        // input (never for the application: Feed keeps a device's newest update), so this holds
+        // only what arrives while it handles one.
         let (inputs, feed) = AsyncStream<Input>.makeStream()
         let manager = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
                                                   buffering: .all(limit: BlueZ.objectSignalLimit))

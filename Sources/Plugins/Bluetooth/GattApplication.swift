@@ -45,10 +45,14 @@ import TransportKitDBus
 public final class GATTServer: Sendable {
     /// A primary (or included) service and its characteristics.
     public struct Service: Sendable {
+        /// The service's UUID in any form BlueZ takes (`180f`, `0000180f`, 128-bit).
         public var uuid: String
+        /// Whether it is a primary service (the default, and what is advertised) or a secondary one.
         public var primary: Bool
+        /// Its characteristics; a service may have none.
         public var characteristics: [Characteristic]
 
+        /// A service with the given UUID and characteristics; primary unless `primary` is false.
         public init(uuid: String, primary: Bool = true, characteristics: [Characteristic]) {
             self.uuid = uuid
             self.primary = primary
@@ -58,12 +62,19 @@ public final class GATTServer: Sendable {
 
     /// What centrals may do with a characteristic.
     public struct Properties: OptionSet, Sendable, Hashable {
+        /// The bits: 1 read, 2 write, 4 write without response, 8 notify, 16 indicate.
         public let rawValue: Int
+        /// The properties whose bits are set in `rawValue`.
         public init(rawValue: Int) { self.rawValue = rawValue }
+        /// Centrals may read the value (answered by `onRead`, or with the stored value).
         public static let read = Properties(rawValue: 1)
+        /// Centrals may write the value with a response (Write Request).
         public static let write = Properties(rawValue: 2)
+        /// Centrals may write the value without a response (Write Command); a refusal never reaches them.
         public static let writeWithoutResponse = Properties(rawValue: 4)
+        /// Centrals may subscribe to notifications (``GATTServer/notify(_:to:service:)``).
         public static let notify = Properties(rawValue: 8)
+        /// Centrals may subscribe to indications, which they confirm (``GATTServer/Event/indicationConfirmed(characteristic:)``).
         public static let indicate = Properties(rawValue: 16)
     }
 
@@ -95,9 +106,13 @@ public final class GATTServer: Sendable {
     /// centrals. Without `onRead`, reads get the value last set (``GATTServer/notify(_:to:service:)``,
     /// ``GATTServer/setValue(_:of:service:)`` or a write); without `onWrite`, writes set it.
     public struct Characteristic: Sendable {
+        /// The characteristic's UUID in any form BlueZ takes (`2a19`, 128-bit).
         public var uuid: String
+        /// What centrals may do with it; at least one.
         public var properties: Properties
+        /// The link its value needs, for reads, writes and subscriptions alike (`.none` by default).
         public var security: Security
+        /// Descriptors besides 2902 and 2900, which bluetoothd adds itself (giving one is refused).
         public var descriptors: [Descriptor]
         /// The value before anything sets it (at most 512 bytes).
         public var value: [UInt8]
@@ -111,6 +126,8 @@ public final class GATTServer: Sendable {
         /// hears of it. Publish the two kinds of write on separate characteristics when refusals matter.
         public var onWrite: (@Sendable (WriteRequest) async throws -> Void)?
 
+        /// A characteristic; each parameter is the property of the same name. It is checked when
+        /// published (``GATTServer/publish(_:advertising:adapter:bus:)``), not here.
         public init(uuid: String, properties: Properties, security: Security = .none, descriptors: [Descriptor] = [], value: [UInt8] = [],
                     onRead: (@Sendable (ReadRequest) async throws -> [UInt8])? = nil, onWrite: (@Sendable (WriteRequest) async throws -> Void)? = nil) {
             self.uuid = uuid
@@ -126,11 +143,16 @@ public final class GATTServer: Sendable {
     /// A descriptor with a value centrals read (and, when `writable`, write): a User Description
     /// (2901), a Presentation Format (2904), one of the app's own.
     public struct Descriptor: Sendable, Hashable {
+        /// The descriptor's UUID (`2901`, 128-bit); not 2902 or 2900.
         public var uuid: String
+        /// The value centrals read; a write by a central replaces it.
         public var value: [UInt8]
+        /// Whether centrals may write it; a write to one that is not gets Write Not Permitted.
         public var writable: Bool
+        /// The link reading (and writing) it needs.
         public var security: Security
 
+        /// A descriptor; readable always, writable only when `writable`.
         public init(uuid: String, value: [UInt8], writable: Bool = false, security: Security = .none) {
             self.uuid = uuid
             self.value = value
@@ -156,12 +178,15 @@ public final class GATTServer: Sendable {
 
     /// A central's write, as bluetoothd passed it on.
     public struct WriteRequest: Sendable, Hashable {
+        /// The characteristic's UUID in BlueZ's form (`00002a19-0000-1000-8000-00805f9b34fb`).
         public var characteristic: String
         /// The bytes written.
         public var value: [UInt8]
         /// Where in the characteristic's value they go.
         public var offset: Int
+        /// The link's ATT MTU, when bluetoothd said.
         public var mtu: Int?
+        /// The central's address, when bluetoothd said.
         public var central: String?
     }
 
@@ -199,6 +224,7 @@ public final class GATTServer: Sendable {
         /// A central connected to the adapter (BlueZ 5.66 does not say in which role: a link this
         /// adapter made as a central shows here too).
         case centralConnected(address: String)
+        /// A device's link to the adapter dropped (in whichever role, as for ``centralConnected(address:)``).
         case centralDisconnected(address: String)
         /// A central enabled notifications or indications of the characteristic (bluetoothd calls
         /// StartNotify for each central's enabling; it does not say which central).
@@ -212,8 +238,9 @@ public final class GATTServer: Sendable {
         case stopped(reason: String)
     }
 
-    /// The adapter's name (`hci0`) and address.
+    /// The adapter's name (`hci0`).
     public let adapter: String
+    /// The adapter's Bluetooth address (`00:AA:01:00:00:23`), which centrals connect to.
     public let address: String
     private let core: Core
     private let bus: DBusConnection
@@ -240,7 +267,7 @@ public final class GATTServer: Sendable {
     ///   bluetoothd would ignore, `.busy` when no advertising slot is left, and BlueZ's refusals explained.
     public static func publish(_ services: [Service], advertising: BluetoothAdvertising? = BluetoothAdvertising(), adapter: String? = nil,
                                bus: DBusConnection.Bus = .system) async throws -> GATTServer {
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         let root = BlueZ.exportPath("app")
         let core = try Core(services: services, root: root)
         let adapter = try BlueZ.adapter(named: adapter, among: try await bluez.adapters())
@@ -331,7 +358,7 @@ public final class GATTServer: Sendable {
     deinit {
         // Dropped without close(): withdrawn in the background.
         guard let stop = stopping.withLock({ stop in defer { stop = nil }; return stop }) else { return }
-        Task.detached(operation: stop)
+        startCleanup(stop)
     }
 }
 

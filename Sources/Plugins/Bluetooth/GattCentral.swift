@@ -52,7 +52,7 @@ struct GattSession: Sendable {
     /// (GetAll) are asked for, after subscribing to their changes.
     static func open(bus: DBusConnection.Bus, address: BluetoothAddress, adapterName: String?, deadline: ContinuousClock.Instant?,
                      timeout: Duration?, what: String) async throws -> GattSession {
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         var steps: [GATTConnectStep] = []
         var mark = ContinuousClock.now
         func step(_ name: String) {
@@ -178,6 +178,7 @@ struct GattSession: Sendable {
 public struct GATTConnectStep: Sendable, Hashable {
     /// `discovery`, `Connect`, `services resolved`, …
     public let name: String
+    /// How long the step took, measured with the continuous clock.
     public let duration: Duration
 }
 
@@ -217,13 +218,17 @@ public struct GATTCharacteristic: Sendable, Hashable, Encodable {
     /// BlueZ's flags (the characteristic's properties and permissions): `read`, `write`,
     /// `write-without-response`, `notify`, `indicate`, `encrypt-read`, …
     public var flags: [String]
+    /// Its descriptors, as bluetoothd found them.
     public var descriptors: [GATTDescriptor]
     let path: String
 
     private enum CodingKeys: String, CodingKey { case uuid, service, flags, descriptors }
 
+    /// Whether the flags include `read` (plain: an `encrypt-read` alone does not count).
     public var canRead: Bool { flags.contains("read") }
+    /// Whether the flags include `write` (a write with response).
     public var canWrite: Bool { flags.contains("write") }
+    /// Whether the flags include `write-without-response`.
     public var canWriteWithoutResponse: Bool { flags.contains("write-without-response") }
     /// Notifies or indicates.
     public var canNotify: Bool { flags.contains("notify") || flags.contains("indicate") }
@@ -235,7 +240,9 @@ public struct GATTCharacteristic: Sendable, Hashable, Encodable {
 public struct GATTService: Sendable, Hashable, Encodable {
     /// 128-bit, lower case.
     public var uuid: String
+    /// Whether it is a primary service (BlueZ's `Primary`); false for a secondary one.
     public var isPrimary: Bool
+    /// Its characteristics, as bluetoothd resolved them.
     public var characteristics: [GATTCharacteristic]
     let path: String
 
@@ -260,6 +267,7 @@ public enum GATTCollect: Sendable, Hashable, CustomStringConvertible {
     /// Once these bytes arrived; what came up to and including them is returned.
     case delimiter([UInt8])
 
+    /// `12 bytes`, or `the delimiter 0D 0A`, as timeout messages say it.
     public var description: String {
         switch self {
         case .count(let count): "\(count) bytes"
@@ -313,10 +321,13 @@ public final class BluetoothPeripheral: Sendable {
         public var attempts: Int?
         /// The wait before the first attempt, doubled after each failed one up to `maximumDelay`.
         public var delay: Duration
+        /// The longest wait between attempts (30 s by default).
         public var maximumDelay: Duration
         /// The limit for each attempt (finding the device, connecting, reading the services).
         public var timeout: Duration
 
+        /// A policy; by default it tries for ever, after 1 s, then 2 s, 4 s, … up to 30 s apart,
+        /// allowing each attempt 20 s.
         public init(attempts: Int? = nil, delay: Duration = .seconds(1), maximumDelay: Duration = .seconds(30), timeout: Duration = .seconds(20)) {
             self.attempts = attempts
             self.delay = delay
@@ -564,7 +575,7 @@ public final class BluetoothPeripheral: Sendable {
         continuation.onTermination = { [weak self] _ in
             feeder.cancel()
             _ = self?.state.withLock { $0.subscriptions.removeValue(forKey: id) }
-            Task { await bluez.notifySessions.stop(bluez, path: found.path) }
+            startCleanup { await bluez.notifySessions.stop(bluez, path: found.path) }
         }
         return stream
     }
@@ -641,7 +652,7 @@ public final class BluetoothPeripheral: Sendable {
             listeners.finish(with: nil)
             let dropped = TransportError(.disconnected, "\(describing): the BluetoothPeripheral was dropped without disconnect()")
             for subscription in subscriptions { subscription.continuation.finish(throwing: dropped) }
-            Task.detached { await link.release() }
+            startCleanup { await link.release() }
         }
     }
 

@@ -469,6 +469,6 @@ final class GattBackend: ConnectionBackend {
     }
 
     func connectionDropped() {
-        Task { try? await self.close() }
+        startCleanup { try? await self.close() }
     }
 }

@@ -76,7 +76,7 @@ final class GattServerListener: ListenerBackend {
             throw TransportError(.invalidURL, "\(url.shown): a listener takes no device; choose the adapter with adapter=hciN: ble://\(request.host)")
         }
         let (service, notify, write) = try characteristics(request)
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         let adapter = try BlueZ.adapter(named: try BluetoothConnector.adapterName(request), among: try await bluez.adapters())
         let root = BlueZ.exportPath("gatt")
         let security = request[BluetoothPlugin.security]
@@ -263,7 +263,7 @@ final class GattServerListener: ListenerBackend {
     deinit {
         // Dropped without close(): the connections end, the service is withdrawn in the background.
         guard let withdraw = stop() else { return }
-        Task.detached(operation: withdraw)
+        startCleanup(withdraw)
     }
 
     /// Marks the listener closed and ends its connections, once; returns what withdraws the

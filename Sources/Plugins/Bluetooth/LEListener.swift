@@ -57,7 +57,7 @@ final class LEListener: ListenerBackend {
         let service = try GattSerial.service(request).uuid
         let security = request[BluetoothPlugin.security]
         let name = try BluetoothConnector.adapterName(request)
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         let adapter = try BlueZ.adapter(named: name, among: try await bluez.objects().adapters)
         let local = try BluetoothConnector.localAddress(of: adapter, request)
         let describing = url.description
@@ -114,7 +114,7 @@ final class LEListener: ListenerBackend {
         // socket is closed here and the advertisement withdrawn in the background.
         guard !gate.isClosed else { return }
         fd.closeOwned()
-        if let advertisement { Task.detached { await advertisement.unregister() } }
+        if let advertisement { startCleanup { await advertisement.unregister() } }
     }
 
     /// Stops accepting and advertising; connections accepted before stay open.

@@ -34,9 +34,16 @@ public enum BluetoothPairingRequest: Sendable, Hashable {
 
 /// A pairing agent's answer.
 public enum BluetoothPairingAnswer: Sendable, Hashable {
+    /// Yes: the passkeys match, the device may pair or use the service, the passkey was shown.
+    /// To an `enterPasskey` or `enterPinCode` request it is a rejection.
     case accept
+    /// No: bluetoothd gets `org.bluez.Error.Rejected` and the pairing fails.
     case reject
+    /// The passkey the person read off the device (0 to 999999), for ``BluetoothPairingRequest/enterPasskey(device:)``;
+    /// to any other request it is a rejection.
     case passkey(UInt32)
+    /// The PIN code (1 to 16 characters), for ``BluetoothPairingRequest/enterPinCode(device:)``;
+    /// to any other request it is a rejection.
     case pinCode(String)
 }
 
@@ -60,9 +67,11 @@ public final class BluetoothPairingAgent: Sendable {
     public enum Capability: String, Sendable, CaseIterable {
         /// Just Works only (no MITM protection: `security=high` is not reached).
         case noInputNoOutput = "NoInputNoOutput"
+        /// Shows a passkey (``BluetoothPairingRequest/displayPasskey(device:passkey:)``) but takes no input.
         case displayOnly = "DisplayOnly"
         /// Numeric comparison.
         case displayYesNo = "DisplayYesNo"
+        /// Passkey entry (``BluetoothPairingRequest/enterPasskey(device:)``), with nothing to show.
         case keyboardOnly = "KeyboardOnly"
         /// Passkey entry and numeric comparison.
         case keyboardDisplay = "KeyboardDisplay"
@@ -99,7 +108,7 @@ public final class BluetoothPairingAgent: Sendable {
     public static func register(capability: Capability = .noInputNoOutput, asDefault: Bool = true, bus: DBusConnection.Bus = .system,
                                 answer: @escaping @Sendable (BluetoothPairingRequest) async -> BluetoothPairingAnswer = { _ in .accept })
         async throws -> BluetoothPairingAgent {
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         let path = BlueZ.exportPath("agent")
         let export = try await bluez.bus.export(path: path, answering: { call in
             guard call.interface == "org.bluez.Agent1" else { return .notHandled }
@@ -200,7 +209,7 @@ extension BluetoothPeripheral {
         guard let parsed = BluetoothAddress(address) else {
             throw TransportError(.invalidURL, "'\(TransportError.printable(address, limit: 40))' is not a Bluetooth address (six hex pairs: E3:2E:44:66:A2:4A)")
         }
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         let chosen = try BlueZ.adapter(named: adapter, among: try await bluez.adapters())
         do {
             _ = try await bluez.call(chosen.path, BlueZ.adapterInterface, "RemoveDevice", [.objectPath(BlueZ.devicePath(on: chosen, address: parsed.description))],

@@ -116,7 +116,7 @@ final class RFCOMMListener: ListenerBackend {
         let service = try BluetoothConnector.serviceUUID(request)
         let security = try security(request)
         let option = try BluetoothConnector.adapterName(request)
-        let bluez = try BlueZ.shared(bus)
+        let bluez = try await BlueZ.shared(bus)
         let adapters = try await bluez.objects().adapters
         let named: String?
         if every {
@@ -316,7 +316,7 @@ final class RFCOMMListener: ListenerBackend {
         guard let left else { return }
         Self.refuse(left.waiting)
         let (bluez, path, exported, ownerLeft) = (bluez, path, export.withLock { $0 }, left.ownerLeft)
-        Task.detached {
+        startCleanup {
             if !ownerLeft { await Self.unpublish(path, on: bluez, about: "unpublishing") }
             await exported?.remove()
         }

@@ -39,7 +39,8 @@ enum ServiceDiscovery {
         let found: Int32
         do {
             found = try await withTaskCancellationHandler {
-                try await Blocking.run { try session.search(service, describing: describing) }
+                // On a thread of its own: the peer decides how long the search waits.
+                try await Blocking.runOnThread("tk sdp search") { try session.search(service, describing: describing) }
             } onCancel: {
                 session.interrupt()
             }

@@ -134,6 +134,8 @@ struct TelnetOutbound {
     }
 
     private(set) var suspended = false
+    /// Bounded without a limit of its own: a held write's promise stays pending, and the
+    /// connection's writer stops at ChannelBackend's in-flight cap; commands are few per call.
     private var held: [Held] = []
 
     /// `buffer` with its IACs doubled to write now, or nil when it is held.

@@ -51,7 +51,7 @@ final class ModemLineWatches: Sendable {
         // Set before the thread starts: a watch that ends at once is still joined at once.
         continuation.onTermination = { [weak self] _ in
             guard let thread = self?.state.withLock({ $0.running.removeValue(forKey: key) }) else { return }
-            Task { await thread.stop() }
+            startCleanup { await thread.stop() }
         }
         let thread: WorkerThread
         do {
@@ -103,7 +103,7 @@ final class ModemLineWatches: Sendable {
             if !state.closed { state.running[key] = thread }
             return state.closed
         }
-        if closed { Task { await thread.stop() } }
+        if closed { startCleanup { await thread.stop() } }
         return stream
     }
 
@@ -115,7 +115,7 @@ final class ModemLineWatches: Sendable {
     /// Stops every watch without waiting (the connection was dropped).
     func stopSoon() {
         let threads = closeAndTake()
-        if !threads.isEmpty { Task { for thread in threads { await thread.stop() } } }
+        if !threads.isEmpty { startCleanup { for thread in threads { await thread.stop() } } }
     }
 
     /// No watch starts from now on; the running ones, to stop.

@@ -5,6 +5,7 @@
 
 import Glibc
 import TransportKitCore
+import TransportKitLinux
 import TransportKitUdev
 
 /// What one tty device looks like to discovery (the same record for listings and events).
@@ -158,6 +159,7 @@ typealias TTYMonitor = UdevMonitor<TTYDeviceInfo>
 
 enum SerialDiscovery {
     /// The serial ports of this machine. Without `includeAll`, only ports backed by hardware.
+    /// Walks every tty in sysfs: async callers run it through `Blocking.run`.
     static func list(includeAll: Bool) throws -> [DeviceRecord] {
         sortedNaturally(try TTYDeviceInfo.all().filter { includeAll || $0.isReal }).map(record)
     }
@@ -168,11 +170,25 @@ enum SerialDiscovery {
         return devices.indices.sorted { keys[$0] < keys[$1] }.map { devices[$0] }
     }
 
-    /// The record of the device behind a node or link, if discovery finds it.
+    /// The record of the device behind a node or link, if discovery finds it. Only that device's
+    /// entry is read, never every tty's (a connect to one port must not walk a thousand): the tty
+    /// named as the node is (/sys/class/tty/NAME, after resolving links), else the device sysfs
+    /// lists under the node's numbers (/sys/dev/char/MAJOR:MINOR). A few short reads, on the
+    /// caller's thread. Nil for a node sysfs does not know (a pty's /dev/pts/N).
     static func record(forNode path: String) -> DeviceRecord? {
         let resolved = resolvingLinks(path)
-        return (try? TTYDeviceInfo.all())?.first { $0.devnode == resolved || $0.devnode == path || $0.links.contains(path) }
-            .map(record)
+        func found(_ name: Substring?) -> TTYDeviceInfo? {
+            guard let name, !name.isEmpty, let info = TTYDeviceInfo.named(String(name)),
+                  info.devnode == resolved || info.devnode == path || info.links.contains(path) else { return nil }
+            return info
+        }
+        if let info = found(resolved.split(separator: "/").last) ?? found(path.split(separator: "/").last) {
+            return record(info)
+        }
+        var node = stat()
+        guard stat(resolved, &node) == 0, node.st_mode & S_IFMT == S_IFCHR else { return nil }
+        let (major, minor) = DeviceNode.numbers(of: node.st_rdev)
+        return found(Sysfs.readLink("/sys/dev/char/\(major):\(minor)")?.split(separator: "/").last).map(record)
     }
 
     /// `path` with its symbolic links resolved (realpath(3)), or as given when it cannot be.
@@ -241,8 +257,11 @@ enum SerialDiscovery {
     static func resolve(_ selector: USBSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil,
                         timeout: Duration? = nil) async throws -> DeviceRecord {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
-        let monitor = wait ? try monitor(include: { $0.isReal }) : nil
-        let present = try monitor?.knownDevices ?? TTYDeviceInfo.all()
+        // Either way every tty is read: on Blocking's pool, not on the caller's thread.
+        let (monitor, present) = try await Blocking.run { () throws -> (TTYMonitor?, [TTYDeviceInfo]) in
+            let subscribed = wait ? try Self.monitor(include: { $0.isReal }) : nil
+            return (subscribed, try subscribed?.knownDevices ?? TTYDeviceInfo.all())
+        }
         if let found = try choose(selector, among: present) { return record(found) }
         guard let monitor else {
             throw TransportError(.notFound, "no serial port matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")
@@ -268,7 +287,8 @@ enum SerialDiscovery {
     /// Waits until a device node (or a link to one) exists: woken by tty uevents, and re-checked
     /// every 250 ms for paths no uevent announces (a pty's link, a node made by hand).
     static func waitForNode(_ path: String, deadline: ContinuousClock.Instant? = nil, timeout: Duration? = nil) async throws {
-        let monitor = try monitor(include: { _ in true })
+        // Subscribing lists every tty: on Blocking's pool.
+        let monitor = try await Blocking.run { try Self.monitor(include: { _ in true }) }
         let started = ContinuousClock.now
         let limit = ConnectRequest.searchLimit(before: deadline, from: started)
         while access(path, F_OK) != 0 {

@@ -84,8 +84,9 @@ public struct SerialPlugin: TransportPlugin {
     }
 
     /// The serial ports of this machine, each with an identity URL; without `includeAll` only those backed by hardware.
+    /// The walk of sysfs runs on `Blocking`'s pool, not on the caller's thread.
     public func devices(includeAll: Bool) async throws -> [DeviceRecord] {
-        try SerialDiscovery.list(includeAll: includeAll)
+        try await Blocking.run { try SerialDiscovery.list(includeAll: includeAll) }
     }
 
     /// Arrivals and removals of serial ports, subscribed before this returns.
@@ -97,7 +98,7 @@ public struct SerialPlugin: TransportPlugin {
 extension Connection {
     /// The local port of a `tty://` or `pty://` connection (also through wrappers such as
     /// `spy+tty://`), with what only a local port has; `nil` for other transports.
-    /// ``Connection/serialPort`` is the same port as `any SerialControl`.
+    /// `Connection.serialPort` is the same port as `any SerialControl`.
     ///
     /// ```swift
     /// connection.ttyPort?.restoresSettingsOnClose = true
@@ -189,15 +190,19 @@ final class SerialBackend: ConnectionBackend, SerialControlling {
 
     func close() async throws {
         await modemWatches.stopAll()
-        defer {
-            device.close()
-            cleanup()
-        }
+        var failure: (any Error)?
         do {
             try await channel.close()
         } catch let error as TransportError where error.kind == .disconnected {
             // Closing a port that is already gone is not an error.
+        } catch {
+            failure = error
         }
+        // The last descriptor: its close(2) waits until the driver has sent what was written
+        // (up to closing_wait), on a thread of its own (TTYDevice.drainAndClose).
+        await device.drainAndClose()
+        cleanup()
+        if let failure { throw failure }
     }
 
     func connectionDropped() {

@@ -12,7 +12,7 @@ import SystemPackage
 @_spi(Plugins) import TransportKitCore
 import TransportKitLinux
 
-/// Run-time control of a `tty://` or `pty://` connection: the local ``SerialControl``, with what
+/// Run-time control of a `tty://` or `pty://` connection: the local `SerialControl`, with what
 /// only a local port has (its path, restoring its settings on close, the driver's output queue).
 /// `connection.serialPort` gives it as `any SerialControl`; `connection.ttyPort` as this type.
 ///
@@ -115,9 +115,10 @@ public struct SerialPort: SerialControl {
     ///
     /// The break comes after every byte written before it: starting one first waits until
     /// TransportKit's own buffer is handed to the driver, then the kernel's TIOCSBRK waits until
-    /// the driver has sent its output queue (on a thread of SwiftNIO's pool, as ``drain()``, since
-    /// that wait blocks; with flow control holding the output it lasts until the peer lets it go).
-    /// Ending one does not wait.
+    /// the driver has sent its output queue (on a thread started for it, as ``drain()``, since
+    /// that wait blocks; with flow control holding the output it lasts until the peer lets it go,
+    /// and cancelling the task does not end it: aborting the connection does). Ending one does not
+    /// wait.
     ///
     /// ```swift
     /// try await port.setBreak(true)      // DMX512: the break before each frame …
@@ -131,7 +132,7 @@ public struct SerialPort: SerialControl {
             let path = self.path
             if on {
                 await backend.channel.flushPendingWrites()
-                try await Blocking.run {
+                try await Blocking.runOnThread("tk break") {
                     try Syscall.run("ioctl(TIOCSBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCSBRK)) }
                 }
             } else {
@@ -189,14 +190,15 @@ public struct SerialPort: SerialControl {
     }
 
     /// Waits until every byte written so far has left: first TransportKit's own buffer, then the
-    /// driver's (tcdrain, on a thread of SwiftNIO's pool because it blocks). On a pty this waits for
-    /// the other side to read.
+    /// driver's (tcdrain, on a thread started for it because it blocks, as long as flow control
+    /// holds the output; cancelling the task does not end it, aborting the connection does). On a
+    /// pty this waits for the other side to read.
     public func drain() async throws {
         try await connection.performControl(ControlOperation("drain")) {
             await backend.channel.flushPendingWrites()
             let fd = try device.descriptor()
             let path = self.path
-            try await Blocking.run {
+            try await Blocking.runOnThread("tk tcdrain") {
                 try Syscall.run("tcdrain", on: path) { tcdrain(fd.rawValue) }
             }
         }
@@ -205,6 +207,13 @@ public struct SerialPort: SerialControl {
 
 /// A tty descriptor and who owns it: this object, which closes it once (on connection close, or
 /// when released).
+///
+/// The last close(2) of a tty waits in the kernel until the driver has sent its output queue (up
+/// to the port's closing_wait, 30 s by default; flow control holding the output makes it last
+/// that long), and restoring the settings polls that queue for up to half a second. So a close
+/// that keeps what was written (``drainAndClose()``) runs on a thread started for it, never on the
+/// caller's; one that discards it (``close(discardingOutput:)`` with `true`: an abort, a dropped
+/// connection, a device released without close) flushes the queue first and does not wait.
 final class TTYDevice: Sendable {
     let path: String
     private let fd: Mutex<FileDescriptor?>
@@ -239,17 +248,47 @@ final class TTYDevice: Sendable {
         if let fd = fd.withLock({ $0 }) { _ = tcflush(fd.rawValue, TCOFLUSH) }
     }
 
-    /// Releases the exclusive lock and closes the descriptor. Idempotent. With
-    /// `discardingOutput` (an abort, a dropped connection) the driver's output queue is flushed
-    /// first (tcflush TCOFLUSH): close(2) on a tty otherwise waits for it to drain, up to the
-    /// port's closing_wait (30 s by default), which flow control can make forever.
+    /// Releases the exclusive lock and closes the descriptor on the calling thread. Idempotent.
+    /// With `discardingOutput` (an abort, a dropped connection) the driver's output queue is
+    /// flushed first (tcflush TCOFLUSH), so nothing waits for it. Without, close(2) on a tty waits
+    /// for that queue to drain, up to the port's closing_wait (30 s by default): only for a port
+    /// nothing was written to (a connect that failed), or a pty master, whose close does not wait;
+    /// ``drainAndClose()`` otherwise.
     func close(discardingOutput: Bool = false) {
-        let fd = self.fd.withLock { fd in
+        guard let fd = take() else { return }
+        if discardingOutput { _ = tcflush(fd.rawValue, TCOFLUSH) }
+        finishClosing(fd)
+    }
+
+    /// Closes keeping what was written: returns once the driver has sent its output queue (or the
+    /// port's closing_wait passed) and the descriptor is closed. The waiting runs on a thread
+    /// started for it, never on the caller's (a cooperative-pool thread, or the connection's event
+    /// loop); it is not cancellable, since the descriptor is already out of this object's hands.
+    /// Idempotent; a ``close(discardingOutput:)`` that comes first wins.
+    func drainAndClose() async {
+        guard let fd = take() else { return }
+        let finish: @Sendable () -> Void = { [self] in finishClosing(fd) }
+        await uncancellable {
+            do {
+                try await Blocking.runOnThread("tk tty close", finish)
+            } catch {
+                // No thread to be had: close here rather than leak the port.
+                finish()
+            }
+        }
+    }
+
+    /// The descriptor, taken out under the lock (nil once closed): no call under the lock sees it
+    /// from now on.
+    private func take() -> FileDescriptor? {
+        fd.withLock { fd in
             defer { fd = nil }
             return fd
         }
-        guard let fd else { return }
-        if discardingOutput { _ = tcflush(fd.rawValue, TCOFLUSH) }
+    }
+
+    /// The settings restored (with `restore`), TIOCNXCL, close(2): the part that may wait.
+    private func finishClosing(_ fd: FileDescriptor) {
         if let original, restoresOnClose.load(ordering: .relaxed) {
             // TCSETS2 applies at once: let the driver send what it holds at the old rate first
             // (TIOCOUTQ, up to half a second; flow control may hold bytes forever). Best effort:
@@ -264,5 +303,6 @@ final class TTYDevice: Sendable {
         fd.closeOwned()  // also releases the flock(2) lock held through this descriptor
     }
 
-    deinit { close() }
+    // Released without close(): nothing may wait in a deinit, so the output queue is dropped.
+    deinit { close(discardingOutput: true) }
 }

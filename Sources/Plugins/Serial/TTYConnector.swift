@@ -36,7 +36,7 @@ enum TTYConnector {
         } catch {
             // A connect that failed hands nothing over: the port gets its settings back.
             device.restoresOnClose.store(true, ordering: .relaxed)
-            device.close()
+            await device.drainAndClose()
             throw error
         }
         if let record {

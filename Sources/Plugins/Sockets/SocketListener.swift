@@ -26,6 +26,8 @@ final class SocketListener: ListenerBackend {
         var staged: [ObjectIdentifier: (connection: Connection, steps: [ProtocolLayer.ReadyStep])] = [:]
         /// Accepted channels whose layers' handshakes are under way; closed with the listener.
         var handshaking: [ObjectIdentifier: any Channel] = [:]
+        /// Bounded without a limit of its own: the server socket is read only for a waiting
+        /// accept() (with nothing ready) or a free handshake slot (`handshakeLimit`).
         var ready: [Connection] = []
         var closed = false
         var closeCalled = false
@@ -130,7 +132,7 @@ final class SocketListener: ListenerBackend {
                 state.ready.append(connection)
                 return false
             }
-            if refused { Task { try? await connection.close() } }
+            if refused { startCleanup { try? await connection.close() } }
         }
     }
 

@@ -35,7 +35,7 @@ public enum TCPSocket {
     /// Connects to `host:port` and runs `layers` over the TCP channel (the first nearest the
     /// wire), each ready step (a TLS handshake, a WebSocket upgrade) inside the connect and within
     /// the request's deadline: a failed handshake is this call's error. The layers' metadata joins
-    /// the connection's ``ConnectionMetadata/extra``.
+    /// the connection's `ConnectionMetadata.extra`.
     ///
     /// ```swift
     /// // In a plugin's connect handler: TLS over TCP.
@@ -145,7 +145,7 @@ public enum TCPSocket {
     /// fails its handshake, or does not finish it within `handshakeTimeout`, is closed and never
     /// seen by `accept()`, and does not hold up the clients behind it. Accepted connections' URLs
     /// use `peerScheme`; `authenticated` says that the layers make every client prove who it is
-    /// (TLS with required client certificates), for ``ListenerExposure``.
+    /// (TLS with required client certificates), for `ListenerExposure`.
     ///
     /// ```swift
     /// // In a plugin's listen handler:

@@ -20,13 +20,12 @@
 // spy.file (UserPath.openForAppending): never follows a symbolic link at its last component,
 // never truncates (a trace is appended to; several connections can share one file, each record
 // whole), creates a new file owner-only (0600), and refuses what is not a regular file of this
-// user or a character device (/dev/null). The records are written by a queue of their own, so a
-// slow disk never holds the connection; a trace that cannot be written is reported once on
+// user or a character device (/dev/null). The records are written by a thread of their own, so
+// a slow disk never holds the connection; a trace that cannot be written is reported once on
 // standard error and the connection goes on.
 // The wrapped connection stays reachable: metadata, preferredExecutor and connection.serialPort
 // work through spy, and `transportkit connect spy+…` keeps standard output byte-exact.
 
-import Dispatch
 import Glibc
 import NIOCore
 import Synchronization
@@ -88,7 +87,7 @@ public struct SpyPlugin: TransportPlugin {
             let settings = try Settings(request)
             // The trace and the recording first: a path that cannot be written fails before any I/O.
             if let record = settings.record { try Recorder.checkNew(record) }
-            let sink: TraceSink? = if let file = settings.file { try await TraceSink.open(file) } else if settings.record == nil { TraceSink.standardError } else { nil }
+            let sink: TraceSink? = if let file = settings.file { try await TraceSink.open(file) } else if settings.record == nil { try TraceSink.standardError() } else { nil }
             let recording: TraceSink?
             let inner: Connection
             do {
@@ -335,12 +334,17 @@ final class Tracer: Sendable {
 }
 
 /// Where a trace goes: standard error, or a file this sink owns. Records are written in order by
-/// a serial queue of the sink's own (Dispatch, not the cooperative pool), so a slow disk never
-/// holds a connection; at most ``pendingLimit`` bytes wait, and records beyond are dropped and
-/// counted. The first failure to write (a full disk, /dev/full) is reported once on standard error.
+/// a thread of the sink's own (a `JobThread`: neither the cooperative pool nor dispatch's worker
+/// threads, which other code shares), so a slow disk or a full pipe never holds a connection or
+/// anyone else's work. The queue is bounded: at most ``pendingLimit`` bytes wait, each record
+/// counted with ``recordOverhead`` more (so a flood of tiny records is bounded too); records
+/// beyond are dropped and counted. The first failure to write (a full disk, /dev/full) is
+/// reported once on standard error.
 final class TraceSink: Sendable {
-    /// Records wait for the queue up to this many bytes; more are dropped (and reported).
+    /// Records wait for the writer up to this many bytes; more are dropped (and reported).
     static let pendingLimit = 4 << 20
+    /// What a waiting record costs beyond its bytes (its job and array), counted against the limit.
+    static let recordOverhead = 64
 
     private struct State {
         /// The descriptor, or nil once closed.
@@ -355,55 +359,71 @@ final class TraceSink: Sendable {
     private let describing: String
     /// What is written at close when records were dropped (a recording's `lost N` line).
     private let droppedNote: @Sendable (Int) -> String
-    private let queue: DispatchQueue
-    /// Guards the descriptor and the counts; the queue does the writing.
+    /// Writes the records, in order, then closes the descriptor; joined by ``close()``.
+    private let writer: JobThread
+    /// Guards the descriptor and the counts; the writer thread does the writing.
     private let state: Mutex<State>
 
+    /// Throws when the system refuses the writer thread (the descriptor stays the caller's).
     private init(_ output: SystemPackage.FileDescriptor, owned: Bool, describing: String,
-                 droppedNote: @escaping @Sendable (Int) -> String = { "spy: \($0) records were dropped: the trace could not be written as fast as the connection ran\n" }) {
+                 droppedNote: @escaping @Sendable (Int) -> String = { "spy: \($0) records were dropped: the trace could not be written as fast as the connection ran\n" }) throws {
         ownsDescriptor = owned
         self.describing = describing
         self.droppedNote = droppedNote
         state = Mutex(State(output: output))
-        queue = DispatchQueue(label: "spy trace \(describing)")
+        writer = try JobThread(name: "tk spy trace")
     }
 
     /// The trace on standard error (not owned: never closed).
-    static var standardError: TraceSink { TraceSink(.standardError, owned: false, describing: "standard error") }
+    static func standardError() throws -> TraceSink {
+        try TraceSink(.standardError, owned: false, describing: "standard error")
+    }
 
     /// A trace appended to `path`; see `UserPath.openForAppending`.
     static func open(_ path: String) async throws -> TraceSink {
         let fd = try await UserPath.openForAppending(path, purpose: "the trace file (spy.file=)")
-        return TraceSink(fd, owned: true, describing: TransportError.printable(path))
+        do {
+            return try TraceSink(fd, owned: true, describing: TransportError.printable(path))
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
     }
 
     /// A recording written to `path` (spy.record=): records it had to drop are marked at close
     /// with a `lost N` line, which replay refuses.
     static func openRecording(_ path: String) async throws -> TraceSink {
         let fd = try await UserPath.openForAppending(path, purpose: "the recording (spy.record=)")
-        return TraceSink(fd, owned: true, describing: TransportError.printable(path), droppedNote: Recorder.lostNote)
+        do {
+            return try TraceSink(fd, owned: true, describing: TransportError.printable(path), droppedNote: Recorder.lostNote)
+        } catch {
+            fd.closeOwned()
+            throw error
+        }
     }
 
     /// Queues `bytes` (one whole record) for writing.
     func write(_ bytes: [UInt8]) {
+        guard !bytes.isEmpty else { return }
+        let cost = bytes.count + Self.recordOverhead
         let taken = state.withLock { state -> Bool in
             guard state.output != nil, !state.closing else { return false }
-            guard state.pending + bytes.count <= Self.pendingLimit else {
+            guard state.pending + cost <= Self.pendingLimit else {
                 state.dropped += 1
                 return false
             }
-            state.pending += bytes.count
+            state.pending += cost
             return true
         }
         guard taken else { return }
-        queue.async { [self] in
+        let queued = writer.submit { [self] in
             let output = state.withLock { $0.output }
             // A trace that cannot be written (a full disk, a closed pipe, a device that cannot
             // take it now) must not break the connection it watches: the record is dropped.
             var failure: Errno?
             if let output { failure = Self.writeAll(bytes, to: output) }
             let report = state.withLock { state -> Bool in
-                state.pending -= bytes.count
+                state.pending -= cost
                 guard failure != nil, !state.failed else { return false }
                 state.failed = true
                 return true
@@ -413,6 +433,8 @@ final class TraceSink: Sendable {
                 _ = Self.writeAll(Array(line.utf8), to: .standardError)
             }
         }
+        // Refused only by a close that came meanwhile: the record goes with the rest.
+        if !queued { state.withLock { $0.pending -= cost } }
     }
 
     /// write(2) until done (EINTR retried); a descriptor that is not ready now (a device,
@@ -426,30 +448,31 @@ final class TraceSink: Sendable {
         }
     }
 
-    /// Writes what is queued, then closes the file (standard error stays open).
+    /// Writes what is queued, then closes the file (standard error stays open), and returns once
+    /// the writer thread has ended. A second call waits for the first one's end as well.
     func close() async {
-        await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
-            closeLater { continuation.resume() }
+        state.withLock { current in
+            guard !current.closing else { return }
+            current.closing = true
+            // Queued under the lock that marks the sink closing: no record queued after this
+            // one is written, and no close can end the writer before this job is in.
+            writer.submit { [self] in
+                let (output, dropped) = state.withLock { state in
+                    defer { state.output = nil }
+                    return (state.output, state.dropped)
+                }
+                if dropped > 0, let output {
+                    _ = Self.writeAll(Array(droppedNote(dropped).utf8), to: output)
+                }
+                if ownsDescriptor { output?.closeOwned() }
+            }
         }
+        await writer.finish()
     }
 
-    /// ``close()`` without waiting for it.
-    func closeLater(then done: @escaping @Sendable () -> Void = {}) {
-        let first = state.withLock { state -> Bool in
-            defer { state.closing = true }
-            return !state.closing
-        }
-        guard first else { return done() }
-        queue.async { [self] in
-            let (output, dropped) = state.withLock { state in
-                defer { state.output = nil }
-                return (state.output, state.dropped)
-            }
-            if dropped > 0, let output {
-                _ = Self.writeAll(Array(droppedNote(dropped).utf8), to: output)
-            }
-            if ownsDescriptor { output?.closeOwned() }
-            done()
-        }
+    /// ``close()`` without waiting for it (a dropped connection); counted by
+    /// `waitForAbandonedConnects()` until the trace is written and closed.
+    func closeLater() {
+        startCleanup { [self] in await close() }
     }
 }

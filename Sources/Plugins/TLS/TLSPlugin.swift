@@ -187,8 +187,9 @@ public struct TLSPlugin: TransportPlugin {
     }
 
     /// The TLS client layer for a plugin that runs its protocol over TLS (wss://, https://): the
-    /// options of ``clientOptions`` read from `request`, the server's name from `serverName=` or
-    /// `host` (an IP address is not sent as a name), `alpn` used when the URL gives none.
+    /// client options (`ca`, `cert`, `key`, `serverName`, `alpn`, `minVersion`, `insecure`, `pin`)
+    /// read from `request`, the server's name from `serverName=` or `host` (an IP address is not
+    /// sent as a name), `alpn` used when the URL gives none.
     ///
     /// ```swift
     /// let tls = try TLSPlugin.clientLayer(for: request, host: request.host, alpn: ["http/1.1"])

@@ -4,6 +4,7 @@
 // uevents of usb_device nodes.
 
 import TransportKitCore
+import TransportKitLinux
 import TransportKitUdev
 
 /// Which USB device a usb:// URL names.
@@ -113,8 +114,11 @@ enum USBDiscovery {
     static func resolve(_ selector: USBDeviceSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil,
                         timeout: Duration? = nil) async throws -> USBDeviceInfo {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
-        let monitor = wait ? try monitor(includeAll: false) : nil
-        let present = try monitor?.knownDevices ?? USBDevices.all()
+        // Either way every USB device is read: on Blocking's pool, not on the caller's thread.
+        let (monitor, present) = try await Blocking.run { () throws -> (USBMonitor?, [USBDeviceInfo]) in
+            let subscribed = wait ? try Self.monitor(includeAll: false) : nil
+            return (subscribed, try subscribed?.knownDevices ?? USBDevices.all())
+        }
         if let found = try choose(selector, among: present) { return found }
         guard let monitor else {
             throw TransportError(.notFound, "no USB device matches \(selector): is it plugged in? `transportkit list` shows what is there; add ?wait=true to wait for it")

@@ -10,6 +10,7 @@
 // See Docs/Schemes.md.
 
 @_spi(Plugins) import TransportKitCore
+import TransportKitLinux
 import TransportKitUdev
 
 /// The `usb` scheme, USB device listing and hot-plug events.
@@ -114,7 +115,8 @@ public struct USBPlugin: TransportPlugin {
 
     /// The USB devices of this machine, each with an identity URL; hubs only with `includeAll`.
     public func devices(includeAll: Bool) async throws -> [DeviceRecord] {
-        try USBDiscovery.list(includeAll: includeAll)
+        // The walk of sysfs runs on Blocking's pool, not on the caller's thread.
+        try await Blocking.run { try USBDiscovery.list(includeAll: includeAll) }
     }
 
     /// Arrivals and removals of USB devices (each once, an arrival once the device is configured),

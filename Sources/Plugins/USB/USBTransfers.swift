@@ -517,6 +517,6 @@ final class USBBackend: ConnectionBackend {
     func connectionDropped() {
         // Released without waiting for written data (the contract of connectionDropped).
         let engine = engine
-        Task { await engine.close(drain: false) }
+        startCleanup { await engine.close(drain: false) }
     }
 }

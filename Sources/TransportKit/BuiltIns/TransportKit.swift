@@ -55,6 +55,17 @@ public enum Transport {
         try await registry.connect(to: url)
     }
 
+    /// Connects to a parsed `url`; see `TransportRegistry.connect`. The same call as
+    /// `connect(to:)` with a `String`, for a URL built or parsed before (a device record's `url`).
+    ///
+    /// ```swift
+    /// let url = try TransportURL("tcp://127.0.0.1:4000")
+    /// let connection = try await Transport.connect(to: url)
+    /// ```
+    public static func connect(to url: TransportURL) async throws -> Connection {
+        try await registry.connect(to: url)
+    }
+
     /// Connects, runs `body` (on the caller's actor), and always closes; see
     /// `TransportRegistry.withConnection`.
     public static func withConnection<Result>(
@@ -67,6 +78,15 @@ public enum Transport {
 
     /// Starts listening on `url`; see `TransportRegistry.listen`.
     public static func listen(on url: String) async throws -> Listener {
+        try await registry.listen(on: url)
+    }
+
+    /// Starts listening on a parsed `url`; see `TransportRegistry.listen`.
+    ///
+    /// ```swift
+    /// let listener = try await Transport.listen(on: TransportURL("tcp://127.0.0.1:0"))
+    /// ```
+    public static func listen(on url: TransportURL) async throws -> Listener {
         try await registry.listen(on: url)
     }
 

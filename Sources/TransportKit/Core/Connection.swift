@@ -4,7 +4,7 @@ import Synchronization
 
 /// A connected, bidirectional byte stream (or message stream, where the transport has messages).
 ///
-/// Get one from ``TransportRegistry/connect(to:)-(String)`` (or `Transport.connect(to:)` in the
+/// Get one from ``TransportRegistry/connect(to:buffering:)-(String,_)`` (or `Transport.connect(to:)` in the
 /// `TransportKit` module). Read with ``read(maxBytes:timeout:)`` or iterate ``inbound``; write with
 /// ``write(_:)-(Sequence<UInt8>)``; finish with ``close()``. Writes suspend while the peer is slow:
 /// nothing in between buffers without bound.

@@ -83,18 +83,27 @@ public struct ReadDeadlinePassed: Error, Sendable {
 }
 
 extension ConnectionBackend {
+    /// `nil` by default: tasks run on the global concurrent executor.
     public var preferredExecutor: (any TaskExecutor)? { nil }
+    /// `false` by default: a byte stream.
     public var carriesMessages: Bool { false }
+    /// `nil` by default: no limit, the connection hands over each write whole.
     public var maximumWriteSize: Int? { nil }
+    /// Does nothing by default; a backend that holds resources releases them here.
     public func connectionDropped() {}
+    /// `nil` by default: the backend cannot tell.
     public var unsentByteCount: Int? { nil }
+    /// By default the next ``read()`` chunk as a ``TransportMessage/Kind/binary`` message; `nil` at the end.
     public func readMessage() async throws -> TransportMessage? {
         try await read().map { TransportMessage(.binary, $0) }
     }
+    /// By default writes the payload with ``write(_:)``, dropping the kind.
     public func writeMessage(_ message: TransportMessage) async throws {
         try await write(message.payload)
     }
 
+    /// By default races ``readMessage()`` against a timer; a message that arrives as the timer
+    /// fires is returned, never dropped. Throws ``ReadDeadlinePassed`` when nothing came.
     public func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
         // resultWins: a message that arrived as the timer fired is returned, never dropped.
         guard let message = try await withDeadline(deadline, resultWins: true, { try await self.readMessage() }) else {
@@ -165,15 +174,20 @@ public protocol WrappingBackend: ConnectionBackend {
 }
 
 extension WrappingBackend {
+    /// The wrapped connection's.
     public var supportsHalfClose: Bool { wrapped.supportsHalfClose }
+    /// The wrapped connection's: the wrapper's tasks run where the transport does its I/O.
     public var preferredExecutor: (any TaskExecutor)? { wrapped.preferredExecutor }
+    /// The wrapped connection's.
     public var carriesMessages: Bool { wrapped.carriesMessages }
     /// The wrapped connection's limit: the outer connection chunks, so each chunk passes through
     /// the wrapper as it will go out.
     public var maximumWriteSize: Int? { wrapped.maximumWriteSize }
     /// The wrapped connection's: a wrapper that queues bytes of its own says so itself.
     public var unsentByteCount: Int? { wrapped.unsentByteCount }
+    /// Does nothing by default.
     public func willPerform(_ operation: ControlOperation) {}
+    /// Does nothing by default.
     public func didPerform(_ operation: ControlOperation, outcome: Result<String?, any Error>) {}
 }
 

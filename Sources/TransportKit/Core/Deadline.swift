@@ -6,8 +6,9 @@
 /// not leaked). This is the one timer of a connect: plugins and the URLs they open through the
 /// request share it.
 enum Deadline {
-    /// Operations whose caller gave up on them and that are still running: their late result is
-    /// yet to be discarded. Never below zero; briefly above while a give-up races the result.
+    /// Operations whose caller gave up on them and that are still running (their late result is
+    /// yet to be discarded), plus cleanups started by `startCleanup` that have not finished.
+    /// Never below zero; briefly above while a give-up races the result.
     static let abandoned = AsyncCondition(0)
 
     /// Waits until every abandoned operation has finished and discarded its result.

@@ -416,7 +416,9 @@ public struct CommandSession: Sendable {
     /// let reply = try await elm.request(Array("ATRV\r".utf8), timeout: .seconds(2))   // "12.6V\r\r"
     /// ```
     ///
-    /// - Parameter timeout: how long the response may take; `nil` takes the session's ``timeout``.
+    /// - Parameters:
+    ///   - bytes: the command as the device takes it, line ending included.
+    ///   - timeout: how long the response may take; `nil` takes the session's ``timeout``.
     /// - Throws: `.timedOut` when the prompt does not come in time; the session then expects that
     ///   answer late (see ``lateAnswerWait``).
     public func request(_ bytes: [UInt8], timeout: Duration? = nil) async throws -> [UInt8] {

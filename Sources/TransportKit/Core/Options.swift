@@ -18,6 +18,7 @@
 /// inside their range) and every value before the plugin runs, so a lookup cannot fail, and no
 /// input can overflow a number: each numeric option has a range, checked before conversion.
 public struct URLOption<Value: Sendable>: OptionDeclaration {
+    /// The option's name, kind, range, default and help, as declared.
     public let spec: OptionSpec
     private let read: @Sendable (OptionValue?) -> Value
 
@@ -39,6 +40,7 @@ public protocol OptionDeclaration: Sendable {
 }
 
 extension OptionSpec: OptionDeclaration {
+    /// The spec itself, so a bare spec can be listed among a descriptor's options.
     public var spec: OptionSpec { self }
 }
 

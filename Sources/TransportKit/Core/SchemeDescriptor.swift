@@ -69,7 +69,7 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// `NAME=VALUE` to the server when NAME is also one of the scheme's options.
     public var serverQuery: Bool = false
     /// `true` for a scheme that runs its protocol over a TCP channel and takes layers beneath its
-    /// own (``ConnectRequest/layersBeneath``): a `tls+` wrapper around it then runs TLS under the
+    /// own (`ConnectRequest.layersBeneath`, SPI): a `tls+` wrapper around it then runs TLS under the
     /// protocol (`tls+rfc2217://`: RFC 2217 over TLS), where around any other URL it runs TLS
     /// over that URL's bytes.
     public var layersBeneath: Bool = false
@@ -228,7 +228,8 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
             guard let spec = allOptions.first(where: { URLParser.sameName($0.name, item.name) }) else {
                 if serverQuery { continue }
                 let names = allOptions.map { prefix + $0.name }.joined(separator: ", ")
-                throw reject("unknown option '\(prefix)\(URLParser.printable(item.name, limit: 40))' (\(scheme) accepts: \(names.isEmpty ? "none" : names))")
+                let guess = Self.likelyMeant(item.name, among: allOptions.map(\.name)).map { "; did you mean '\(prefix)\($0)'?" } ?? ""
+                throw reject("unknown option '\(prefix)\(URLParser.printable(item.name, limit: 40))'\(guess) (\(scheme) accepts: \(names.isEmpty ? "none" : names))")
             }
             if let mode, !options(of: mode).contains(where: { $0.key == spec.key }) {
                 let users = effectiveModes.filter { options(of: $0).contains { $0.key == spec.key } }.map(\.phrase)
@@ -270,5 +271,44 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         case (.forbidden, true): throw reject("\(what) is not allowed here")
         default: break
         }
+    }
+}
+
+extension SchemeDescriptor {
+    /// The option a misspelt `name` most likely meant: one whose name starts the other's, letter
+    /// case aside (`baudRate` for `baud`, `dtrOn` for `dtr`), or one at most two edits away
+    /// (`parit` for `parity`); `nil` when none or more than one fits equally.
+    static func likelyMeant(_ name: String, among names: [String]) -> String? {
+        let typed = Array(name.lowercased())
+        guard typed.count >= 3 else { return nil }
+        var best: (name: String, distance: Int)?
+        var tie = false
+        for candidate in names {
+            let known = Array(candidate.lowercased())
+            let distance: Int
+            if known.count >= 3 && (typed.starts(with: known) || known.starts(with: typed)) {
+                distance = 0
+            } else {
+                distance = editDistance(typed, known)
+            }
+            guard distance <= 2 else { continue }
+            if let current = best, current.distance < distance { continue }
+            tie = best?.distance == distance
+            best = (candidate, distance)
+        }
+        return tie ? nil : best?.name
+    }
+
+    /// Levenshtein distance: insertions, deletions and substitutions.
+    private static func editDistance(_ a: [Character], _ b: [Character]) -> Int {
+        var previous = Array(0...b.count)
+        for (i, left) in a.enumerated() {
+            var current = [i + 1]
+            for (j, right) in b.enumerated() {
+                current.append(Swift.min(previous[j + 1] + 1, current[j] + 1, previous[j] + (left == right ? 0 : 1)))
+            }
+            previous = current
+        }
+        return previous[b.count]
     }
 }

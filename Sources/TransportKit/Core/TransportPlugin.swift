@@ -35,8 +35,10 @@ public protocol TransportPlugin: Sendable {
 }
 
 extension TransportPlugin {
+    /// None by default: a plugin without devices to list (`tcp`, `loop`) need not implement it.
     public func devices(includeAll: Bool) async throws -> [DeviceRecord] { [] }
 
+    /// `nil` by default: the plugin reports no arrivals or removals.
     public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? { nil }
 }
 
@@ -178,6 +180,16 @@ public struct ConnectRequest: Sendable {
     /// ```
     public func connect(to url: TransportURL) async throws -> Connection {
         try await registry.connectWithin(url, deadline: deadline, buffering: buffering)
+    }
+
+    /// `connect(to:)` with the URL as text, as `Transport.connect(to:)` takes it;
+    /// throws ``TransportError/Kind/invalidURL`` when it does not parse.
+    ///
+    /// ```swift
+    /// let carrier = try await request.connect(to: "loop://?buffer=65536")
+    /// ```
+    public func connect(to url: String) async throws -> Connection {
+        try await connect(to: TransportURL(url))
     }
 
     /// Opens the URL this wrapper layer wraps (``TransportURL/inner``), with its own options.
@@ -501,7 +513,6 @@ public struct DeviceEvent: Sendable, Equatable, Codable {
 public struct DeviceListing: Sendable {
     /// A plugin whose listing failed.
     public struct Failure: Sendable {
-        /// The schemes of the plugin, such as `["tty", "pty"]`.
         /// The schemes of the plugin, such as `["tty", "pty"]`.
         public var schemes: [String]
         /// Why its listing failed.

@@ -252,9 +252,12 @@ public final class TransportRegistry: Sendable {
     }
 
     /// Waits until every connect that was abandoned, by its timeout or by cancelling the task
-    /// that waited for it, has finished and closed what it made late. Covers the connects of every
-    /// registry. A program that exits right after cancelling a connect (on a signal) calls this
-    /// first, so nothing the connect created, such as a pty's `link=` symlink, outlives it.
+    /// that waited for it, has finished and closed what it made late, and until every cleanup
+    /// started in the background (`startCleanup`: a dropped connection's close, a watch thread's
+    /// stop, a Bluetooth service's withdrawal) has finished. Covers the connects of every
+    /// registry. A program that exits right after cancelling a connect or dropping a connection
+    /// (on a signal) calls this first, so nothing the connect created, such as a pty's `link=`
+    /// symlink, outlives it.
     ///
     /// ```swift
     /// connecting.cancel()

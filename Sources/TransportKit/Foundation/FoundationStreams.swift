@@ -12,7 +12,7 @@ extension Stream {
     /// most `bufferSize` bytes in between. Apple's Foundation has this method and
     /// swift-corelibs-foundation does not; this one takes the same call, so code written after
     /// Apple's "Uploading streams of data" (a streamed `URLSession` upload fed through a bound
-    /// pair) builds and runs on Linux. The pair is a ``Connection/makeStreamPair(bufferSize:)``
+    /// pair) builds and runs on Linux. The pair is a `Connection.makeStreamPair(bufferSize:)`
     /// over an in-memory `loop://` connection: the output's `write` blocks while the buffer is full
     /// and its events say when there is room; the input's `read` blocks until bytes come, and
     /// reads the end once the output is closed. Closing the input (URLSession does when its task
@@ -157,7 +157,7 @@ final class StreamPairOwner: Sendable {
         guard let finished else { return }
         for task in finished { task.cancel() }
         let connection = self.connection
-        Task { try? await connection.close() }
+        startCleanup { try? await connection.close() }
     }
 }
 

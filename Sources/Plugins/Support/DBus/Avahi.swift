@@ -9,27 +9,34 @@ import TransportKitCore
 
 /// A DNS-SD service instance: its name, type and domain (`"Bench port"`, `"_telnetcpcd._tcp"`, `"local"`).
 public struct DNSServiceName: Sendable, Hashable, CustomStringConvertible {
+    /// The instance name people see (`Bench port`); any UTF-8, up to 63 bytes.
     public var name: String
+    /// The service type: `_SERVICE._tcp` or `_SERVICE._udp` (`_telnetcpcd._tcp`).
     public var type: String
+    /// The domain; `local` for multicast DNS.
     public var domain: String
 
+    /// A service name in `domain` (`local` unless given).
     public init(name: String, type: String, domain: String = "local") {
         self.name = name
         self.type = type
         self.domain = domain
     }
 
+    /// `"Bench port" (_telnetcpcd._tcp.local)`.
     public var description: String { "\"\(name)\" (\(type).\(domain))" }
 }
 
 /// A service found on the network and resolved: where it is and what its TXT record says.
 public struct DNSService: Sendable, Equatable {
+    /// Its name, type and domain.
     public var service: DNSServiceName
     /// The host name it is on (`tk-a.local`).
     public var host: String
     /// A numeric address of that host (IPv4 by default; an IPv6 link-local address carries its
     /// `%interface` scope), ready for a URL.
     public var address: String
+    /// The port the service listens on.
     public var port: Int
     /// The TXT record's keys and values, first occurrence of a key winning (RFC 6763 §6.4); a key
     /// without `=` has the value `""`. Keys as published (RFC 6763 compares them case-insensitively).
@@ -39,6 +46,8 @@ public struct DNSService: Sendable, Equatable {
     /// Published by avahi-daemon on this host (by this process or another).
     public var isLocal: Bool
 
+    /// A resolved service; each parameter is the property of the same name (a browse makes these;
+    /// tests and listings may too).
     public init(service: DNSServiceName, host: String, address: String, port: Int, txt: [String: String],
                 interface: String? = nil, isLocal: Bool = false) {
         self.service = service
@@ -97,8 +106,11 @@ public struct Avahi: Sendable {
     /// How long avahi-daemon takes at most to resolve (5 s, resolve-service.c), with a margin.
     static let resolveTimeout: Duration = .seconds(8)
 
+    /// The bus avahi-daemon is reached on (the system bus).
     public let bus: DBusConnection
 
+    /// DNS-SD through avahi-daemon on `bus`; nothing is called until a publish or browse, so a
+    /// missing avahi-daemon shows there.
     public init(bus: DBusConnection) { self.bus = bus }
 
     // MARK: Publishing

@@ -30,6 +30,7 @@ public final class DBusConnection: Sendable {
         /// A bus by its address (`unix:path=/tmp/dbus-…`), as `dbus-daemon --print-address` prints it.
         case address(String)
 
+        /// The bus and its address, for messages (`the D-Bus bus at unix:path=/tmp/dbus-…`).
         public var description: String {
             switch self {
             case .system: "the system bus (\(getenv("DBUS_SYSTEM_BUS_ADDRESS").map { String(cString: $0) } ?? "/run/dbus/system_bus_socket"))"
@@ -42,6 +43,9 @@ public final class DBusConnection: Sendable {
     private let thread: WorkerThread
     /// The bus, for messages.
     public let bus: Bus
+    /// Calls an in-order export (`export(path:subtree:inOrder:answering:)`) keeps waiting for their
+    /// turn; more are refused with `org.freedesktop.DBus.Error.LimitsExceeded`.
+    public static let inOrderCallLimit = 256
 
     /// Connects and authenticates; calls wait until the bus has answered the connection's Hello.
     ///
@@ -217,12 +221,16 @@ public final class DBusConnection: Sendable {
     ///
     /// With `inOrder`, the calls are answered one at a time in the order they came, each handler
     /// returning before the next starts (as a GATT server's writes must be, and as ATT itself
-    /// serves one request at a time); without it each call runs in a task of its own.
+    /// serves one request at a time); without it each call runs in a task of its own. At most
+    /// ``inOrderCallLimit`` calls wait for their turn; one more is answered at once with
+    /// `org.freedesktop.DBus.Error.LimitsExceeded`. Without `inOrder` the calls in progress are as
+    /// many as callers wait for answers, which the bus bounds per peer (dbus-daemon's
+    /// max_replies_per_connection).
     public func export(path: String, subtree: Bool = false, inOrder: Bool = false,
                        answering handler: @escaping @Sendable (DBusMethodCall) async -> DBusMethodResult) async throws -> DBusExport {
         let object: ExportedObject
         if inOrder {
-            let (calls, queue) = AsyncStream<@Sendable () async -> Void>.makeStream()
+            let (calls, queue) = AsyncStream<@Sendable () async -> Void>.makeStream(bufferingPolicy: .bufferingOldest(Self.inOrderCallLimit))
             // One task answers them all; it ends once the object is removed and the queue is empty.
             Task { for await call in calls { await call() } }
             object = ExportedObject(path: path, subtree: subtree, handler: .later(handler, queue: queue), loop: loop, onRemoval: { queue.finish() })
@@ -297,15 +305,25 @@ public final class DBusConnection: Sendable {
 
 /// A match rule for ``DBusConnection/signals(_:buffering:)`` (dbus-specification, "Match Rules").
 public struct DBusMatch: Sendable, CustomStringConvertible {
+    /// The sender's bus name (`org.bluez`); nil for any sender.
     public var sender: String?
+    /// The object path, exactly; nil for any path.
     public var path: String?
     /// Matches the path and every path below it.
     public var pathNamespace: String?
+    /// The signal's interface (`org.freedesktop.DBus.Properties`); nil for any.
     public var interface: String?
+    /// The signal's name (`PropertiesChanged`); nil for any.
     public var member: String?
     /// The first argument, when it is a string (PropertiesChanged's interface name).
     public var arg0: String?
 
+    /// A rule matching signals on every field given; a field left nil matches anything.
+    ///
+    /// ```swift
+    /// let rule = DBusMatch(sender: "org.bluez", pathNamespace: "/org/bluez/hci0",
+    ///                      interface: "org.freedesktop.DBus.Properties", member: "PropertiesChanged")
+    /// ```
     public init(sender: String? = nil, path: String? = nil, pathNamespace: String? = nil, interface: String? = nil,
                 member: String? = nil, arg0: String? = nil) {
         self.sender = sender
@@ -316,6 +334,7 @@ public struct DBusMatch: Sendable, CustomStringConvertible {
         self.arg0 = arg0
     }
 
+    /// The rule in the bus's syntax, as `AddMatch` takes it (`type='signal',sender='org.bluez',…`).
     public var description: String {
         let fields: [(String, String?)] = [("sender", sender), ("path", path), ("path_namespace", pathNamespace),
                                            ("interface", interface), ("member", member), ("arg0", arg0)]
@@ -341,7 +360,7 @@ public enum DBusSignalBuffering: Sendable {
     /// signal says everything (a property's current value).
     case newest(Int)
 
-    /// The ``TransportKitCore/TransportError/code`` of the error that ends an `.all` subscription
+    /// The `TransportError.code` of the error that ends an `.all` subscription
     /// whose reader fell behind.
     public static let overflowCode = "org.transportkit.Error.SignalsOverflowed"
 
@@ -355,9 +374,13 @@ public enum DBusSignalBuffering: Sendable {
 
 /// A signal received through ``DBusConnection/signals(_:buffering:)``.
 public struct DBusSignal: Sendable {
+    /// The sender's unique bus name (`:1.42`), as the bus delivered it.
     public let sender: String
+    /// The object path that emitted it.
     public let path: String
+    /// The signal's interface.
     public let interface: String
+    /// The signal's name (`InterfacesAdded`).
     public let member: String
     /// The values; descriptors among them are the receiver's to close.
     public let values: [DBusValue]
@@ -365,9 +388,13 @@ public struct DBusSignal: Sendable {
 
 /// A method call on an exported object.
 public struct DBusMethodCall: Sendable {
+    /// The caller's unique bus name (`:1.7`).
     public let sender: String
+    /// The object path called: the exported path, or with `subtree`, the path below it that was called.
     public let path: String
+    /// The method's interface.
     public let interface: String
+    /// The method's name (`RequestPasskey`).
     public let member: String
     /// The arguments; descriptors among them (`h`) are the handler's to close or keep.
     public let arguments: [DBusValue]
@@ -386,6 +413,7 @@ public enum DBusMethodResult: Sendable {
 
 /// An object served on the bus by ``DBusConnection/export(path:subtree:_:)``.
 public struct DBusExport: Sendable {
+    /// The object path it is served at (the subtree's root for a subtree export).
     public let path: String
     private let removal: @Sendable () async -> Void
 
@@ -406,6 +434,11 @@ public enum DBusErrors {
         switch name {
         case "org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner":
             return TransportError(.notFound, "\(detail). The service is not running (for Bluetooth: start bluetoothd, `systemctl start bluetooth`)", code: name)
+        case _ where name.hasPrefix("org.freedesktop.DBus.Error.Spawn."):
+            // D-Bus activation could not start the service (Spawn.PermissionsInvalid,
+            // Spawn.ServiceNotFound, Spawn.ExecFailed, …): what it would start is missing or may not run.
+            return TransportError(.notFound, "\(detail). The service is not running and the D-Bus daemon could not start it "
+                                  + "(for Bluetooth: install bluez and start bluetoothd, `systemctl start bluetooth`)", code: name)
         case "org.freedesktop.DBus.Error.AccessDenied":
             return TransportError(.permissionDenied, "\(detail). The D-Bus policy (/etc/dbus-1/system.d/, /usr/share/dbus-1/system.d/) "
                                   + "does not allow this user the call: run as a user the policy names (for BlueZ: a member of group 'bluetooth' on most distributions) or as root",
@@ -896,13 +929,25 @@ private final class ExportedObject: SlotRecord, @unchecked Sendable {
                 }
             }
             if let queue {
-                if case .terminated = queue.yield(answer) {
+                switch queue.yield(answer) {
+                case .enqueued:
+                    break
+                case .terminated:
                     // Removed while this call came: answered as a call to no object.
                     DBusValue.closeDescriptors(in: arguments)
                     if let message = state.release(held: held) { sd_bus_message_unref(message) }
                     return 0
+                case .dropped:
+                    // More calls wait than the queue takes: this one is refused now.
+                    DBusValue.closeDescriptors(in: arguments)
+                    if let message = state.release(held: held) { sd_bus_message_unref(message) }
+                    return sd_bus_error_set(replyError, "org.freedesktop.DBus.Error.LimitsExceeded",
+                                            "more than \(DBusConnection.inOrderCallLimit) calls to \(path) wait for their answer")
+                @unknown default:
+                    break
                 }
             } else {
+                // A task per call: as many as callers wait for answers, which the bus bounds.
                 Task { await answer() }
             }
             return 1

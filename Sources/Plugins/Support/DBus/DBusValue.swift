@@ -18,17 +18,29 @@ import TransportKitCore
 /// reply.first?.dictionary?["Powered"]     // .variant(.bool(true))
 /// ```
 public indirect enum DBusValue: Sendable, Hashable {
+    /// An unsigned 8-bit integer (`y`).
     case byte(UInt8)
+    /// A boolean (`b`).
     case bool(Bool)
+    /// A signed 16-bit integer (`n`).
     case int16(Int16)
+    /// An unsigned 16-bit integer (`q`).
     case uint16(UInt16)
+    /// A signed 32-bit integer (`i`).
     case int32(Int32)
+    /// An unsigned 32-bit integer (`u`).
     case uint32(UInt32)
+    /// A signed 64-bit integer (`x`).
     case int64(Int64)
+    /// An unsigned 64-bit integer (`t`).
     case uint64(UInt64)
+    /// An IEEE 754 double (`d`).
     case double(Double)
+    /// A UTF-8 string (`s`).
     case string(String)
+    /// An object path (`o`: `/org/bluez/hci0`).
     case objectPath(String)
+    /// A type signature (`g`: `a{sv}`).
     case signature(String)
     /// A file descriptor (`h`). Read from a message: a close-on-exec duplicate that the receiver
     /// owns and must close. Passed as a call's argument: borrowed (sd-bus sends a duplicate). In a
@@ -42,7 +54,9 @@ public indirect enum DBusValue: Sendable, Hashable {
     case array(element: String, [DBusValue])
     /// One entry of a dictionary (an array whose element is `{KV}`).
     case dictEntry(DBusValue, DBusValue)
+    /// A structure (`(…)`): its fields in order.
     case structure([DBusValue])
+    /// A variant (`v`): a value that carries its own type.
     case variant(DBusValue)
 
     /// An `a{sv}` dictionary, keys sorted so that messages are reproducible.

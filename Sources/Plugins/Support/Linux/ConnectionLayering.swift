@@ -10,7 +10,7 @@ import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
 
-/// Runs ``ProtocolLayer``s over any ``Connection``.
+/// Runs `ProtocolLayer`s over any `Connection`.
 ///
 /// ```swift
 /// // A wrapper scheme's connect handler: TLS over whatever URL it wraps.

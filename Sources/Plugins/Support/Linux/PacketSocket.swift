@@ -24,8 +24,11 @@ import TransportKitCore
 /// return Connection(url: request.url, backend: backend, metadata: metadata)
 /// ```
 public final class PacketSocketBackend: ConnectionBackend {
+    /// `false`: a SEQPACKET channel has no end-of-stream of its own, so ``closeWrite()`` throws.
     public let supportsHalfClose = false
+    /// `true`: each read is one record, each write is sent as one.
     public let carriesMessages = true
+    /// The largest record the peer accepts (the send MTU), as given at adoption; nil for no limit.
     public let maximumWriteSize: Int?
     private let fd: SystemPackage.FileDescriptor
     private let describing: String
@@ -69,8 +72,12 @@ public final class PacketSocketBackend: ConnectionBackend {
     /// What the kernel reports when the link or the peer is gone (l2cap_chan_del's reasons).
     static let hangUps: [Errno] = [.connectionReset, .socketNotConnected, .hostIsDown, .timedOut, .connectionAbort, .brokenPipe]
 
+    /// The next record; `nil` once the backend is closed. Throws the `hangUp` error when the peer
+    /// goes away (after the records already received), or a `TransportError` naming recv(2) for another failure.
     public func read() async throws -> ByteBuffer? { try await inbound.next() }
 
+    /// The next record as a binary message, waiting at most until `deadline` (then
+    /// `ReadDeadlinePassed`, with nothing consumed); the reader parks in the queue, no task is made.
     public func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
         try await inbound.next(deadline: deadline).map { TransportMessage(.binary, $0) }
     }
@@ -88,6 +95,9 @@ public final class PacketSocketBackend: ConnectionBackend {
         return Int(queued)
     }
 
+    /// Sends `buffer` as one record, waiting while the socket's send buffer is full. Throws `.misuse`
+    /// once closed, the `hangUp` error when the peer is gone, and a `TransportError` with EMSGSIZE
+    /// for a record larger than the peer accepts.
     public func write(_ buffer: ByteBuffer) async throws {
         guard gate.enter() else { throw TransportError(.misuse, "\(describing) is closed") }
         defer { gate.leave() }
@@ -110,10 +120,14 @@ public final class PacketSocketBackend: ConnectionBackend {
         }
     }
 
+    /// Always throws `.unsupported`: close the connection instead.
     public func closeWrite() async throws {
         throw TransportError(.unsupported, "\(describing) cannot half-close (a SEQPACKET channel has no end-of-stream of its own); close the connection instead")
     }
 
+    /// Shuts the socket down, waits for the reader and any write in progress to leave, and
+    /// closes the descriptor; reads then end with `nil`. Records already sent are the kernel's to
+    /// deliver; nothing waits for them.
     public func close() async throws {
         await shutDown()
     }
@@ -126,8 +140,9 @@ public final class PacketSocketBackend: ConnectionBackend {
         _ = Glibc.shutdown(fd.rawValue, Int32(SHUT_RD))
     }
 
+    /// Shuts down and closes as ``close()`` does, in a task of its own, without waiting.
     public func connectionDropped() {
-        Task { await self.shutDown() }
+        startCleanup { await self.shutDown() }
     }
 
     private func readLoop() async {

@@ -25,7 +25,7 @@ public enum Syscall {
         }
     }
 
-    /// ``run(_:on:hint:_:)`` for calls that return `ssize_t` (read, write, recv, send).
+    /// `run(_:on:hint:_:)` as above, for calls that return `ssize_t` (read, write, recv, send).
     @discardableResult
     public static func run(_ name: String, on what: String, hint: String? = nil, _ body: () -> Int) throws -> Int {
         switch attempt(body) {

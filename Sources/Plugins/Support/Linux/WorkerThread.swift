@@ -1,11 +1,17 @@
 // WorkerThread.swift: threads for work that must block, kept off Swift's cooperative pool (on a
-// 2-core machine that pool has two threads; one blocked call would stall every task).
+// 2-core machine that pool has two threads; one blocked call would stall every task) and off pools
+// other code shares (NIOThreadPool.singleton, dispatch's worker threads).
 //   - WorkerThread: one long-lived thread for a C library that runs its own event handling
 //     (libusb_handle_events, an sd-bus loop), stopped by a call that interrupts it, and joined.
-//   - Blocking.run: one blocking call (tcdrain) on SwiftNIO's thread pool.
+//   - JobThread: one long-lived thread that runs jobs in the order they came (a spy+ trace's writes).
+//   - Blocking.run: a short blocking call (open(2), reading a file, a sysfs walk) on TransportKit's
+//     own small pool.
+//   - Blocking.runOnThread: a call that waits as long as a device or a peer wants (tcdrain,
+//     TIOCSBRK, a tty's last close(2), an SDP search) on a thread started for it.
 
 import Glibc
 import NIOPosix
+import Synchronization
 import TransportKitCore
 
 /// A named thread that runs a C library's event loop until it is stopped.
@@ -63,7 +69,7 @@ public final class WorkerThread: Sendable {
 
     /// Names the calling thread for ps, top and gdb: the kernel keeps the first 15 bytes
     /// (proc(5), /proc/thread-self/comm; pthread_setname_np is not visible to Swift).
-    private static func nameCurrentThread(_ name: String) {
+    static func nameCurrentThread(_ name: String) {
         let fd = open("/proc/thread-self/comm", O_WRONLY | O_CLOEXEC)
         guard fd >= 0 else { return }
         let bytes = Array(name.utf8.prefix(15))
@@ -101,15 +107,223 @@ public final class WorkerThread: Sendable {
     }
 }
 
-/// Runs one blocking call on SwiftNIO's thread pool, so it never occupies the cooperative pool.
+/// A thread of its own that runs jobs one at a time, in the order they were queued: for blocking
+/// work that must stay in order and must not hold a shared thread (a spy+ trace's writes, which a
+/// slow disk or a full pipe can hold up). The caller bounds what it queues: ``submit(_:)`` takes
+/// every job until ``finish()`` or ``finishLater()``.
 ///
 /// ```swift
-/// try await Blocking.run { try Syscall.run("tcdrain", on: path) { tcdrain(fd.rawValue) } }
+/// let writer = try JobThread(name: "tk trace")
+/// writer.submit { _ = Glibc.write(fd, bytes, count) }
+/// await writer.finish()   // runs what was queued, then ends the thread and joins it
+/// ```
+public final class JobThread: Sendable {
+    private let shared: Shared
+    private let worker: WorkerThread
+
+    /// Starts the thread; throws when the system refuses a new thread or a pipe.
+    public init(name: String) throws {
+        let shared = try Shared()
+        do {
+            worker = try WorkerThread(name: name) { _ in
+                shared.run()
+            } interrupt: {
+                shared.wake()
+            }
+        } catch {
+            shared.end()
+            throw error
+        }
+        self.shared = shared
+    }
+
+    /// Queues `job`; `false` (and `job` is not run) once ``finish()`` or ``finishLater()`` was called.
+    @discardableResult
+    public func submit(_ job: @escaping @Sendable () -> Void) -> Bool {
+        shared.submit(job)
+    }
+
+    /// Takes no more jobs, lets the thread run those queued, and returns once it has ended and
+    /// was joined. Not cancellable.
+    public func finish() async {
+        shared.close()
+        await worker.stop()
+    }
+
+    /// Takes no more jobs; the thread runs those queued and then ends on its own.
+    public func finishLater() {
+        shared.close()
+    }
+
+    deinit {
+        // The thread runs what is queued and ends; the WorkerThread, never stopped, lets it go.
+        shared.close()
+    }
+
+    /// The queue and the wake pipe, shared with the thread.
+    private final class Shared: Sendable {
+        private struct Queue {
+            var jobs: [@Sendable () -> Void] = []
+            /// Takes jobs; false once closed.
+            var open = true
+            /// The thread has ended and closed the pipe: nothing may be written to it any more.
+            var ended = false
+        }
+        private let queue = Mutex(Queue())
+        /// Blocking: the thread waits in read(2) on it while the queue is empty.
+        private let wakeRead: Int32
+        /// Non-blocking: a full pipe already holds a wake-up.
+        private let wakeWrite: Int32
+
+        init() throws {
+            var ends: [Int32] = [-1, -1]
+            guard pipe(&ends) == 0 else {
+                throw TransportError.posix("pipe", errno: Syscall.errno, what: "a job thread's wake pipe")
+            }
+            for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
+            _ = fcntl(ends[1], F_SETFL, O_NONBLOCK)
+            wakeRead = ends[0]
+            wakeWrite = ends[1]
+        }
+
+        /// Under the queue's lock, while not ended.
+        private func poke() {
+            var one: UInt8 = 1
+            _ = Glibc.write(wakeWrite, &one, 1)
+        }
+
+        func submit(_ job: @escaping @Sendable () -> Void) -> Bool {
+            queue.withLock { queue in
+                guard queue.open else { return false }
+                queue.jobs.append(job)
+                // Empty before: the thread may be waiting, and no wake-up is pending for this job.
+                if queue.jobs.count == 1 { poke() }
+                return true
+            }
+        }
+
+        func close() {
+            queue.withLock { queue in
+                guard queue.open else { return }
+                queue.open = false
+                poke()   // open implies not ended
+            }
+        }
+
+        func wake() {
+            queue.withLock { queue in
+                if !queue.ended { poke() }
+            }
+        }
+
+        /// The thread's loop: runs jobs until the queue is closed and empty.
+        func run() {
+            var drain = [UInt8](repeating: 0, count: 64)
+            while true {
+                let (jobs, open) = queue.withLock { queue in
+                    defer { queue.jobs = [] }
+                    return (queue.jobs, queue.open)
+                }
+                for job in jobs { job() }
+                guard jobs.isEmpty else { continue }
+                if !open { break }
+                _ = Glibc.read(wakeRead, &drain, drain.count)
+            }
+            end()
+        }
+
+        /// Marks the thread ended and closes the pipe (under the lock: no write can race it).
+        func end() {
+            queue.withLock { queue in
+                queue.open = false
+                queue.ended = true
+                _ = Glibc.close(wakeRead)
+                _ = Glibc.close(wakeWrite)
+            }
+        }
+    }
+}
+
+/// Where TransportKit runs system calls that block, so that none occupies a thread of Swift's
+/// cooperative pool, nor a thread of a pool other code shares (SwiftNIO's
+/// `NIOThreadPool.singleton`, which has as many threads as cores: two stuck tcdrain calls would
+/// stall every other user of it).
+///
+/// - ``run(_:)``: a short call (opening a file a user named, reading a `replay://` recording, a
+///   walk of sysfs, opening a D-Bus connection) on TransportKit's own pool of ``poolThreads``
+///   threads, started at the first call and kept for the life of the process. Nothing on this
+///   pool waits for a device or a peer, so its threads come free quickly. When all are busy a
+///   call waits its turn in the pool's queue; that queue (NIOThreadPool's) has no bound of its
+///   own and needs none: each entry belongs to a task suspended in `run` until it is done, so the
+///   queue never holds more entries than tasks waiting here. A caller cancelled while its call
+///   still waits in the queue gets `CancellationError` and the call does not run; one already
+///   running is waited for.
+/// - ``runOnThread(_:_:)``: a call that waits as long as a device or a peer wants — tcdrain and
+///   TIOCSBRK (flow control can hold a port's output forever), a tty's last close(2) (up to its
+///   closing_wait, 30 s by default), an SDP search — on a thread started for it, which ends with
+///   the call. No pool, so no queue: however many of these are stuck, no other call waits behind
+///   them. There are as many such threads as such calls in progress (each holds a caller);
+///   starting one costs tens of microseconds, nothing next to the calls they run.
+///
+/// ```swift
+/// let text = try await Blocking.run { try readRecording(path) }
+/// try await Blocking.runOnThread("tk tcdrain") { try Syscall.run("tcdrain", on: path) { tcdrain(fd.rawValue) } }
 /// ```
 public enum Blocking {
-    /// Runs `body` on a pool thread and returns what it returns (or throws what it throws).
+    /// The threads of ``run(_:)``'s pool.
+    public static let poolThreads = 4
+
+    /// TransportKit's own pool, started on first use; never shut down (a process-lifetime pool).
+    private static let pool: NIOThreadPool = {
+        let pool = NIOThreadPool(numberOfThreads: poolThreads)
+        pool.start()
+        return pool
+    }()
+
+    /// Runs `body`, a short blocking call, on TransportKit's pool and returns what it returns (or
+    /// throws what it throws).
     @discardableResult
     public static func run<Value: Sendable>(_ body: @escaping @Sendable () throws -> Value) async throws -> Value {
-        try await NIOThreadPool.singleton.runIfActive(body)
+        try await pool.runIfActive(body)
+    }
+
+    /// Runs `body`, a call that may block for long, on a thread started for it (named `name`, as
+    /// ps and gdb show it: 15 bytes), and returns what it returns (or throws what it throws).
+    /// Cancelling the caller does not end the call: a caller that can end it early does that
+    /// itself (an SDP search shuts its socket down; an abort flushes a port's output). Throws
+    /// `.io` when the system refuses a new thread.
+    @discardableResult
+    public static func runOnThread<Value: Sendable>(_ name: String, _ body: @escaping @Sendable () throws -> Value) async throws -> Value {
+        try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Value, any Error>) in
+            do {
+                try startThread(name) { continuation.resume(with: Result(catching: body)) }
+            } catch {
+                continuation.resume(throwing: error)
+            }
+        }
+    }
+
+    /// Starts a detached thread that runs `body`, then ends.
+    private static func startThread(_ name: String, _ body: @escaping @Sendable () -> Void) throws {
+        let box = Unmanaged.passRetained(ThreadBody {
+            WorkerThread.nameCurrentThread(name)
+            body()
+        })
+        var thread = pthread_t()
+        let result = pthread_create(&thread, nil, { context in
+            guard let context else { return nil }
+            Unmanaged<ThreadBody>.fromOpaque(context).takeRetainedValue().run()
+            return nil
+        }, box.toOpaque())
+        guard result == 0 else {
+            box.release()
+            throw TransportError(.io, "cannot start a thread for \(name): pthread_create failed", errno: .init(rawValue: result), syscall: "pthread_create")
+        }
+        pthread_detach(thread)
+    }
+
+    private final class ThreadBody: Sendable {
+        let run: @Sendable () -> Void
+        init(_ run: @escaping @Sendable () -> Void) { self.run = run }
     }
 }

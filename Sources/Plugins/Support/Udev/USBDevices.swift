@@ -36,9 +36,11 @@ public struct USBInterfaceInfo: Sendable, Equatable {
     public var number: Int
     /// `bAlternateSetting`: the one the endpoints below belong to.
     public var alternateSetting: Int
-    /// `bInterfaceClass`, `bInterfaceSubClass`, `bInterfaceProtocol`.
+    /// `bInterfaceClass` (2: CDC communications, 0x0a: CDC data, 0xff: vendor-specific).
     public var interfaceClass: UInt8
+    /// `bInterfaceSubClass`, whose meaning depends on the class.
     public var interfaceSubclass: UInt8
+    /// `bInterfaceProtocol`, whose meaning depends on the class and subclass.
     public var interfaceProtocol: UInt8
     /// The interface's string descriptor (`interface`), when it has one.
     public var name: String?
@@ -59,27 +61,35 @@ public struct USBInterfaceInfo: Sendable, Equatable {
 /// }
 /// ```
 public struct USBDeviceInfo: Sendable, Equatable {
+    /// The device's sysfs directory (`/sys/devices/pci0000:00/…/usb1/1-1/1-1.4`).
     public var sysPath: String
     /// The kernel's name: the location (`1-1.4`), or `usbN` for a root hub.
     public var sysName: String
     /// `/dev/bus/usb/BBB/DDD`.
     public var devnode: String?
-    /// `idVendor` and `idProduct`, four lower-case hexadecimal digits.
+    /// `idVendor`: four lower-case hexadecimal digits (`0403`).
     public var vendorId: String
+    /// `idProduct`: four lower-case hexadecimal digits (`6001`).
     public var productId: String
+    /// The serial number string descriptor (`serial`); nil when the device has none.
     public var serialNumber: String?
+    /// The manufacturer string descriptor (`manufacturer`); nil when the device has none.
     public var manufacturer: String?
+    /// The product string descriptor (`product`); nil when the device has none.
     public var product: String?
     /// `bDeviceClass` (0: per interface, 9: hub, 0xef: miscellaneous/composite, 0xff: vendor).
     public var deviceClass: UInt8
     /// `speed` in Mbit/s as sysfs writes it: 1.5, 12, 480, 5000, 10000, 20000.
     public var speed: String?
+    /// `busnum`: the bus (`BBB` in the node's path); nil when sysfs does not say.
     public var busNumber: Int?
+    /// `devnum`: the address on the bus (`DDD` in the node's path), new at every plug-in; nil when sysfs does not say.
     public var deviceNumber: Int?
     /// `bConfigurationValue` is set: the interfaces exist and the device can be used.
     public var isConfigured: Bool
     /// `bNumInterfaces` of the active configuration.
     public var interfaceCount: Int?
+    /// The interfaces of the active configuration, sorted by number.
     public var interfaces: [USBInterfaceInfo]
     /// Links udev made to the node, sorted.
     public var links: [String]

@@ -235,8 +235,8 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
 
 extension UdevMonitor {
     /// What a plugin's `?wait=true` waits for: the first event other than a removal for which
-    /// `match` gives a result, until `limit` (nil: no limit; see ``ConnectRequest/searchLimit(from:)``).
-    /// `timeout` is the connect's own (``ConnectRequest/timeout``), for the message.
+    /// `match` gives a result, until `limit` (nil: no limit; see `ConnectRequest.searchLimit(from:)`).
+    /// `timeout` is the connect's own (`ConnectRequest.timeout`), for the message.
     ///
     /// - Throws: `.timedOut` naming `what` when `limit` passes first; what `match` throws (an
     ///   ambiguous match, say).

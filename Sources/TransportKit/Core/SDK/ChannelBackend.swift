@@ -15,7 +15,7 @@ import Synchronization
 ///   written are therefore also counted, and past ``Buffering/inFlight``'s high mark (4 MiB in
 ///   ``Buffering/standard``) the writer waits until its low mark is left.
 ///
-/// Built in one step: ``install(on:describing:supportsHalfClose:messages:buffering:)`` adds the
+/// Built in one step: ``install(on:describing:supportsHalfClose:messages:messageKinds:buffering:)`` adds the
 /// backend's handler at the end of the pipeline, on the channel's event loop, before a byte can
 /// arrive. Handlers a plugin adds first (TLS, a WebSocket codec) sit in front of it; the backend
 /// reads and writes `ByteBuffer`s, and with `messages: true` each inbound `ByteBuffer` is a message.

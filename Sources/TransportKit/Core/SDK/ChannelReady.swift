@@ -6,7 +6,7 @@ import Synchronization
 /// fails it with the first error, or when the channel closes before that.
 ///
 /// Plugins add it right behind the protocol's handler and wait for ``future`` inside `connect`
-/// (``TCPSocket``'s `ready:` step does), so the handshake counts against the connect's one
+/// (`TCPSocket`'s `ready:` step does, in TransportKitSockets), so the handshake counts against the connect's one
 /// deadline and its failure is the connect's error, never a surprise on the first read.
 ///
 /// ```swift
@@ -18,7 +18,9 @@ import Synchronization
 /// try await ready.future.get()
 /// ```
 public final class ChannelReady: ChannelInboundHandler, RemovableChannelHandler, Sendable {
+    /// Anything: the step passes reads on untouched.
     public typealias InboundIn = NIOAny
+    /// What came in, unchanged.
     public typealias InboundOut = NIOAny
 
     private let promise: EventLoopPromise<Void>
@@ -39,10 +41,12 @@ public final class ChannelReady: ChannelInboundHandler, RemovableChannelHandler,
         self.isReady = isReady
     }
 
+    /// Passes the read on to the next handler.
     public func channelRead(context: ChannelHandlerContext, data: NIOAny) {
         context.fireChannelRead(data)
     }
 
+    /// Completes ``future`` when `readyWhen` returns facts for `event`, then passes the event on.
     public func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
         if let facts = isReady(event) {
             learned.withLock { $0 = facts }
@@ -51,16 +55,19 @@ public final class ChannelReady: ChannelInboundHandler, RemovableChannelHandler,
         context.fireUserInboundEventTriggered(event)
     }
 
+    /// Fails ``future`` with `error` (if it is not complete yet) and passes the error on.
     public func errorCaught(context: ChannelHandlerContext, error: any Error) {
         promise.fail(error)
         context.fireErrorCaught(error)
     }
 
+    /// Fails ``future`` with ``TransportError/Kind/disconnected`` if the channel closed before it was ready.
     public func channelInactive(context: ChannelHandlerContext) {
         promise.fail(TransportError(.disconnected, "the peer closed the connection during the handshake"))
         context.fireChannelInactive()
     }
 
+    /// Fails ``future`` with ``TransportError/Kind/disconnected`` if the step is removed before it was ready.
     public func handlerRemoved(context: ChannelHandlerContext) {
         promise.fail(TransportError(.disconnected, "the handshake's ready step was removed before it finished"))
     }

@@ -112,3 +112,23 @@ public func withTimeout<T: Sendable>(
 public func uncancellable<T: Sendable>(_ operation: @escaping @Sendable () async -> T) async -> T {
     await Task.detached(operation: operation).value
 }
+
+/// Starts cleanup that nobody waits for (what `connectionDropped()` or a `deinit` cannot do at
+/// once: a close that awaits, a thread to stop, a service to withdraw) in a task of its own, and
+/// counts it until it has finished, so that `TransportRegistry.waitForAbandonedConnects()` also
+/// waits for it: a program that exits right after dropping a connection loses none of it.
+/// Never a bare `Task { … }` for this.
+///
+/// ```swift
+/// func connectionDropped() {
+///     startCleanup { [engine] in await engine.close(drain: false) }
+/// }
+/// ```
+public func startCleanup(_ cleanup: @escaping @Sendable () async -> Void) {
+    // Counted before the task starts, so a wait that begins right after this call sees it.
+    Deadline.abandoned.update { $0 += 1 }
+    Task.detached {
+        await cleanup()
+        Deadline.abandoned.update { $0 -= 1 }
+    }
+}
