@@ -58,7 +58,7 @@ let package = Package(
 
         .target(
             name: "TransportKitCore",
-            dependencies: [nioCore, system, logging],
+            dependencies: [nioCore, .product(name: "NIOConcurrencyHelpers", package: "swift-nio"), system, logging],
             path: "Sources/TransportKit/Core",
             swiftSettings: strict
         ),
@@ -194,7 +194,7 @@ let package = Package(
         ),
 
         // Helpers every test target shares (polling, open descriptors); built only for the tests.
-        .target(name: "TestSupport", path: "Tests/TestSupport", swiftSettings: strict),
+        .target(name: "TestSupport", dependencies: ["TransportKitCore"], path: "Tests/TestSupport", swiftSettings: strict),
         .testTarget(
             name: "TransportKitTests",
             // CUdev: the libudev reference enumeration the sysfs listing is checked against.

@@ -573,7 +573,7 @@ struct BridgeServer: Sendable {
 /// The clients a server serves now.
 final class ClientCount: Sendable {
     /// Guards the number; the accept loop adds, each session's end takes away.
-    let count = Mutex(0)
+    let count = Locked(0)
 }
 
 /// The C library's free memory, given back to the system.
@@ -600,7 +600,7 @@ enum Memory {
 /// The one session an exclusive target serves: its client's number and task.
 final class CurrentSession: Sendable {
     /// Guards which session runs; set by the accept loop, cleared by the session as it ends.
-    let state = Mutex<(id: Int, task: Task<Void, Never>?)?>(nil)
+    let state = Locked<(id: Int, task: Task<Void, Never>?)?>(nil)
 }
 
 /// The exclusive target: opened per client, or once and kept open with `keepOpen`.
@@ -609,7 +609,7 @@ final class SharedDevice: Sendable {
     private let keepOpen: Bool
     /// The connection while kept open. The mutex guards the reference; the connection itself is
     /// used by one session at a time (the server runs one session for an exclusive target).
-    private let connection = Mutex<Connection?>(nil)
+    private let connection = Locked<Connection?>(nil)
 
     private let status: StatusPrinter
 

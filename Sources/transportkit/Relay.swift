@@ -129,7 +129,7 @@ enum Relay {
             var waiter: CheckedContinuation<(any Error)?, Never>?
         }
         /// Guards the result and the one waiter.
-        private let state = Mutex(State())
+        private let state = Locked(State())
 
         func settle(_ error: (any Error)?) {
             let waiter = state.withLock { state -> CheckedContinuation<(any Error)?, Never>? in

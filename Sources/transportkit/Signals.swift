@@ -27,7 +27,7 @@ enum Signals {
         signal(SIGPIPE, SIG_IGN)
         // The handlers are in place before the work starts: a signal that arrives while it opens
         // something (a link, a socket file) must find it handled, not kill the process.
-        let state = Mutex<(received: Int32?, task: Task<Void, any Error>?)>((nil, nil))
+        let state = Locked<(received: Int32?, task: Task<Void, any Error>?)>((nil, nil))
         // A signal the tool was started with ignored stays ignored: `nohup` ignores SIGHUP, a
         // shell ignores SIGINT for a job it starts with `&`. (Dispatch would see it anyway.)
         let caught = handled.filter { number in

@@ -146,7 +146,7 @@ final class StandardInput: Sendable {
     private let started = Atomic(false)
     private let cancelled = Atomic(false)
     /// The errno a read(2) failed with; the queue then fails, and ``next()`` throws it.
-    private let failure = Mutex<Errno?>(nil)
+    private let failure = Locked<Errno?>(nil)
 
     init() {
         let room = DispatchSemaphore(value: 0)

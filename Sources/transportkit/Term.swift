@@ -135,7 +135,7 @@ final class TermSession: Sendable {
     let options: Options
     let screen: TermScreen
     /// The connection once it is made.
-    private let current = Mutex<Connection?>(nil)
+    private let current = Locked<Connection?>(nil)
     private let localEcho: Atomic<Bool>
     private let sent = Atomic<Int>(0)
     private let received = Atomic<Int>(0)
@@ -143,15 +143,15 @@ final class TermSession: Sendable {
     private let notSentSaid = Atomic<Bool>(false)
     /// DTR and RTS as term set them (by `ModemLines` raw value): a port whose answer does not
     /// include an output line it was not told (rfc2217://) still toggles it both ways.
-    private let linesSet = Mutex<[Int32: Bool]>([:])
+    private let linesSet = Locked<[Int32: Bool]>([:])
     /// The file `Ctrl-T f` logs to: from --log, or typed at its prompt.
-    private let logPath: Mutex<String?>
+    private let logPath: Locked<String?>
 
     init(_ options: Options) {
         self.options = options
         screen = TermScreen(maps: options.maps, hex: options.hex, timestamps: options.timestamps, log: options.log)
         localEcho = Atomic(options.localEcho)
-        logPath = Mutex(options.log?.path)
+        logPath = Locked(options.log?.path)
     }
 
     private var connection: Connection? { current.withLock { $0 } }

@@ -266,7 +266,7 @@ final class TermLog: Sendable {
     private let fd: Int32
     private let queue = DispatchQueue(label: "transportkit-term-log")
     /// Bytes handed to the queue and not yet written; bytes dropped; the first write error.
-    private let state = Mutex<(pending: Int, lost: Int, failure: Errno?)>((0, 0, nil))
+    private let state = Locked<(pending: Int, lost: Int, failure: Errno?)>((0, 0, nil))
     static let pendingLimit = 4 << 20
 
     /// Opens `path` for appending as `spy.file=` traces are (UserPath: never through another

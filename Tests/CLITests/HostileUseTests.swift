@@ -845,14 +845,6 @@ struct HostileUseTests {
     }
 }
 
-/// A value shared between tasks.
-final class Locked<Value: Sendable>: Sendable {
-    /// Guards the value.
-    private let mutex: Mutex<Value>
-    init(_ value: Value) { mutex = Mutex(value) }
-    func withLock<Result>(_ body: (inout Value) -> Result) -> Result { mutex.withLock { body(&$0) } }
-}
-
 
 extension FileManager {
     func destinationOfSymbolicLinkAtPathOrNil(_ path: String) -> String? {
@@ -867,7 +859,7 @@ final class PTY: Sendable {
     let peerPath: String
     /// Kept open so the peer's settings can be read; closed with the object.
     private let peer: Int32
-    private let masterClosed = Mutex<Bool>(false)
+    private let masterClosed = Locked<Bool>(false)
 
     init() throws {
         var master: Int32 = -1

@@ -94,7 +94,7 @@ struct BluetoothBenchLabTests {
 
     /// Waits for a detached task from synchronous code (the plain loop stays free of async).
     static func awaitBlocking<T: Sendable>(_ task: Task<T, Never>) -> T {
-        let result = Mutex<T?>(nil)
+        let result = Locked<T?>(nil)
         let done = DispatchSemaphore(value: 0)
         Task.detached {
             let value = await task.value

@@ -142,7 +142,7 @@ struct GattCentralLabTests {
         // A failed LE pairing drops the link: connect again, to a peripheral advertising afresh.
         await unpaired.disconnect()
         _ = first
-        final class Asked: Sendable { let requests = Mutex<[BluetoothPairingRequest]>([]) }
+        final class Asked: Sendable { let requests = Locked<[BluetoothPairingRequest]>([]) }
         let asked = Asked()
         let agent = try await BluetoothPairingAgent.register { request in
             asked.requests.withLock { $0.append(request) }

@@ -19,7 +19,7 @@ struct GattLabTests {
     /// Both controllers and bluetoothd up (BlueZLabTests.setUp), hci1's own advertising off, and the
     /// peripheral registered with its advertisement.
     /// The previous test's peripheral: unregistered before the next one registers.
-    static let current = Mutex<LabPeripheral?>(nil)
+    static let current = Locked<LabPeripheral?>(nil)
 
     static func setUp(echo: Bool = true) async throws -> (BluetoothLabTests.Controllers, LabPeripheral) {
         if let previous = current.withLock({ $0.take() }) { await previous.close() }

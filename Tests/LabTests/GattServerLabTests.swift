@@ -22,8 +22,8 @@ struct GattServerLabTests {
 
     /// What the handlers saw.
     final class Seen: Sendable {
-        let reads = Mutex<[GATTServer.ReadRequest]>([])
-        let writes = Mutex<[GATTServer.WriteRequest]>([])
+        let reads = Locked<[GATTServer.ReadRequest]>([])
+        let writes = Locked<[GATTServer.WriteRequest]>([])
     }
 
     static func services(_ seen: Seen) -> [GATTServer.Service] {

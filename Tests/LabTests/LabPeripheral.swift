@@ -36,20 +36,20 @@ final class LabPeripheral: Sendable {
     let connection: DBusConnection
     /// Scan events a test collects.
     final class Events: Sendable {
-        let list = Mutex<[BluetoothScan.Event]>([])
+        let list = Locked<[BluetoothScan.Event]>([])
     }
     /// What the central wrote: every byte in order, and the size of each write.
     final class Log: Sendable {
-        let bytes = Mutex<[UInt8]>([])
-        let writes = Mutex<[Int]>([])
+        let bytes = Locked<[UInt8]>([])
+        let writes = Locked<[Int]>([])
     }
     let log = Log()
     /// What the central last wrote to the storing characteristic.
     final class Stored: Sendable {
-        let value = Mutex<[UInt8]>([0x00])
+        let value = Locked<[UInt8]>([0x00])
     }
     let stored = Stored()
-    private let exports = Mutex<[DBusExport]>([])
+    private let exports = Locked<[DBusExport]>([])
     private let outbound: AsyncStream<[UInt8]>.Continuation
     private let sender: Task<Void, Never>
     let echo: Bool

@@ -99,7 +99,7 @@ enum Lab {
     final class Background: Sendable {
         let pid: pid_t
         let log: String
-        private let stopped = Mutex(false)
+        private let stopped = Locked(false)
 
         init(_ executable: String, _ arguments: [String], input: String = "", environment: [String: String] = [:]) throws {
             log = temporaryPath("peer.out")
@@ -159,7 +159,7 @@ enum Lab {
     }
 
     private final class DataBox: Sendable {
-        private let data = Mutex<[UInt8]>([])
+        private let data = Locked<[UInt8]>([])
         func set(_ value: [UInt8]) { data.withLock { $0 = value } }
         func get() -> [UInt8] { data.withLock { $0 } }
     }
@@ -226,8 +226,8 @@ enum Gadget {
 
 /// Collects hot-plug events from the registry in a task of its own.
 final class EventCollector: Sendable {
-    private let state = Mutex<(events: [DeviceEvent], error: String?)>(([], nil))
-    private let task: Mutex<Task<Void, Never>?> = Mutex(nil)
+    private let state = Locked<(events: [DeviceEvent], error: String?)>(([], nil))
+    private let task: Locked<Task<Void, Never>?> = Locked(nil)
 
     /// Subscribes at once (before returning), so nothing that happens afterwards is missed.
     init(includeAll: Bool = false) {

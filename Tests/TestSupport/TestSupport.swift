@@ -5,6 +5,7 @@
 import Foundation
 import Glibc
 import Synchronization
+import TransportKitCore
 
 /// Polls `condition` every `interval` for up to `seconds`; `true` as soon as it holds.
 ///
@@ -114,8 +115,8 @@ public func withPeer(_ arguments: [String], executable: String = "/usr/bin/pytho
 /// Gathers what a sequence yields (notifications, a server's or a device's events) in a task of
 /// its own, so a test waits for it with a limit instead of hanging on `next()`.
 public final class Gathered<Element: Sendable>: Sendable {
-    private let state = Mutex<(elements: [Element], failure: (any Error)?, ended: Bool)>(([], nil, false))
-    private let task: Mutex<Task<Void, Never>?> = Mutex(nil)
+    private let state = Locked<(elements: [Element], failure: (any Error)?, ended: Bool)>(([], nil, false))
+    private let task: Locked<Task<Void, Never>?> = Locked(nil)
 
     public init<S: AsyncSequence & Sendable>(_ sequence: S) where S.Element == Element {
         let consumer = Task { [self] in

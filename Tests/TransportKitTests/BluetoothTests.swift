@@ -12,10 +12,10 @@ import TransportKitDBus
 final class StandInBlueZ: Sendable {
     let connection: DBusConnection
     private final class Table: Sendable {
-        let adapters = Mutex<[String: [String: DBusValue]]>([:])
+        let adapters = Locked<[String: [String: DBusValue]]>([:])
     }
     private let table = Table()
-    private let export = Mutex<DBusExport?>(nil)
+    private let export = Locked<DBusExport?>(nil)
 
     init(address: String) async throws {
         connection = try DBusConnection(.address(address))

@@ -8,7 +8,7 @@ import TransportKitDBus
 /// A private dbus-daemon (the real one, with the session configuration) for a test.
 final class PrivateBus: Sendable {
     /// Guards the process: started in init, stopped once.
-    private let process: Mutex<Process?>
+    private let process: Locked<Process?>
     let address: String
     /// The configuration and service files of a bus with `activatable` names; removed in stop().
     private let directory: URL?
@@ -56,7 +56,7 @@ final class PrivateBus: Sendable {
             line.append(chunk)
         }
         address = String(decoding: line, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
-        self.process = Mutex(process)
+        self.process = Locked(process)
         directory = made
     }
 
@@ -176,7 +176,7 @@ struct DBusTests {
         let client = try DBusConnection(.address(daemon.address))
         // The server hands out the read end of a pipe that already holds bytes (as BlueZ's
         // AcquireNotify hands out a socket), and reads from a descriptor it is given.
-        let received = Mutex<[UInt8]>([])
+        let received = Locked<[UInt8]>([])
         let export = try await server.export(path: "/org/transportkit/Pipe") { call in
             switch call.member {
             case "Acquire":
@@ -377,7 +377,7 @@ struct DBusTests {
         let server = try DBusConnection(.address(daemon.address))
         let client = try DBusConnection(.address(daemon.address))
         let gate = AsyncCondition(false)
-        let handled = Mutex<[String]>([])
+        let handled = Locked<[String]>([])
         let export = try await server.export(path: "/org/transportkit/Ordered", inOrder: true, answering: { call in
             if call.member == "Slow" { try? await gate.wait { $0 ? () : nil } }
             handled.withLock { $0.append(call.member) }

@@ -90,7 +90,7 @@ struct GattApplicationTests {
     }
 
     @Test func readsAreCutAtTheirOffsetAndHandlersAnswerInOrder() async throws {
-        let reads = Mutex<[GATTServer.ReadRequest]>([])
+        let reads = Locked<[GATTServer.ReadRequest]>([])
         let long = (0..<300).map { UInt8(truncatingIfNeeded: $0) }
         let core = try GATTServer.Core(services: [GATTServer.Service(uuid: "180f", characteristics: [
             GATTServer.Characteristic(uuid: "2a19", properties: .read, onRead: { request in
@@ -116,7 +116,7 @@ struct GattApplicationTests {
     }
 
     @Test func writesAreStoredAssembledAndHandlersMayRefuseThem() async throws {
-        let writes = Mutex<[GATTServer.WriteRequest]>([])
+        let writes = Locked<[GATTServer.WriteRequest]>([])
         let core = try GATTServer.Core(services: [GATTServer.Service(uuid: "180f", characteristics: [
             GATTServer.Characteristic(uuid: "2a19", properties: [.write, .writeWithoutResponse], onWrite: { request in
                 writes.withLock { $0.append(request) }

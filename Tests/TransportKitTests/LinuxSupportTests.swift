@@ -39,7 +39,7 @@ struct SyscallTests {
     }
 
     @Test func interruptedCallsAreRetriedAndErrnoIsReadAtOnce() throws {
-        let attempts = Mutex(0)
+        let attempts = Locked(0)
         let result = try Syscall.run("read", on: "a test") { () -> Int32 in
             let attempt = attempts.withLock { count in
                 count += 1

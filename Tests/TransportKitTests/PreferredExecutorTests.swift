@@ -154,7 +154,7 @@ struct PreferredExecutorTests {
 
 /// A flag set from one task and read from another.
 private final class Flag: Sendable {
-    private let value = Mutex(false)
+    private let value = Locked(false)
     func set() { value.withLock { $0 = true } }
     var isSet: Bool { value.withLock { $0 } }
 }

@@ -75,7 +75,7 @@ struct RFC2217ServerFaultTests {
 
     /// What the served port was asked and what data came, in order.
     final class PortLog: Sendable {
-        private let entries = Mutex<[String]>([])
+        private let entries = Locked<[String]>([])
         func append(_ entry: String) { entries.withLock { $0.append(entry) } }
         var all: [String] { entries.withLock { $0 } }
         func count(_ entry: String) -> Int { all.filter { $0 == entry }.count }

@@ -47,7 +47,7 @@ struct StuckPlugin: TransportPlugin {
 struct SlowPlugin: TransportPlugin {
     final class Made: Sendable {
         /// Guards the connections the plugin made.
-        let connections = Mutex<[Connection]>([])
+        let connections = Locked<[Connection]>([])
     }
     let made = Made()
 
@@ -543,7 +543,7 @@ struct USBAuthorityTests {
 
 /// Collects what is logged, to check what the registry says and with which metadata.
 private final class LogCollector: Sendable {
-    let lines = Mutex<[String]>([])
+    let lines = Locked<[String]>([])
 }
 
 private struct CollectingHandler: LogHandler {

@@ -399,7 +399,7 @@ struct SearchLimitTests {
     }
 
     @Test func theFirstSearchToFinishWinsAndTheOthersAreCancelled() async throws {
-        let cancelled = Mutex(false)
+        let cancelled = Locked(false)
         let found = try await ConnectRequest.first(of: [{ @Sendable in
             try await Task.sleep(for: .milliseconds(20))
             return 7

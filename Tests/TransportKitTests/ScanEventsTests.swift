@@ -40,7 +40,7 @@ struct ScanEventsTests {
     }
 
     @Test func aFailureComesAfterTheQueuedEventsAndDroppingTheSequenceStopsTheScan() async throws {
-        let stopped = Mutex(false)
+        let stopped = Locked(false)
         func scanAndDrop() async throws {
             let events = BluetoothScanEvents()
             events.feed.onTermination { stopped.withLock { $0 = true } }

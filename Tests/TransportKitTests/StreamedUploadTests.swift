@@ -12,10 +12,10 @@ import Testing
 /// through a bound pair of streams, written on a thread of its own, to aiohttp (Peers/http_peer.py).
 final class StreamedUpload: NSObject, URLSessionDataDelegate, @unchecked Sendable {
     // @unchecked Sendable: `input` and `output` are set before the task starts and only read
-    // after; `state` is a Mutex.
+    // after; `state` is a Locked.
     let input: InputStream
     let output: OutputStream
-    private let state = Mutex<(received: Data, error: (any Error)?, status: Int?, done: Bool)>((Data(), nil, nil, false))
+    private let state = Locked<(received: Data, error: (any Error)?, status: Int?, done: Bool)>((Data(), nil, nil, false))
 
     init(bufferSize: Int) {
         var inputOrNil: InputStream? = nil
@@ -70,7 +70,7 @@ struct StreamedUploadTests {
         // waits while the 4 KiB between the streams is full), then the end.
         let lines = (0..<16_384).map { "line \(String($0).padding(toLength: 58, withPad: " ", startingAt: 0))\n" }
         let expected = lines.joined()
-        let wrote = Mutex(0)
+        let wrote = Locked(0)
         Thread {
             let output = upload.output
             output.open()
@@ -103,7 +103,7 @@ struct StreamedUploadTests {
         var outputOrNil: OutputStream? = nil
         Stream.getBoundStreams(withBufferSize: 1024, inputStream: &inputOrNil, outputStream: &outputOrNil)
         let streams = UncheckedStreams(input: try #require(inputOrNil), output: try #require(outputOrNil))
-        let outcome = Mutex<Int?>(nil)
+        let outcome = Locked<Int?>(nil)
         Thread {
             streams.output.open()
             streams.input.open()

@@ -172,7 +172,7 @@ final class BlueZ: Sendable {
 
     /// One client per bus (the system bus, or the one a host app or test gave the plugin): open,
     /// or being opened by a task that every caller meanwhile waits for.
-    private static let clients = Mutex<[String: Client]>([:])
+    private static let clients = Locked<[String: Client]>([:])
 
     private enum Client: Sendable {
         case open(BlueZ)

@@ -238,7 +238,7 @@ public struct BluetoothScanEvents: AsyncSequence, Sendable {
             var onTermination: (@Sendable () -> Void)?
         }
         /// Guards the events, the one parked reader and the end.
-        private let state = Mutex(State())
+        private let state = Locked(State())
 
         /// Hands `event` to the reader, or queues it; an update replaces the same device's unread update.
         func yield(_ event: BluetoothScan.Event) {

@@ -244,14 +244,14 @@ public final class GATTServer: Sendable {
     public let address: String
     private let core: Core
     private let bus: DBusConnection
-    private let stopping: Mutex<(@Sendable () async -> Void)?>
+    private let stopping: Locked<(@Sendable () async -> Void)?>
 
     private init(adapter: BluetoothAdapter, core: Core, bus: DBusConnection, stop: @escaping @Sendable () async -> Void) {
         self.adapter = adapter.name
         self.bus = bus
         address = adapter.address
         self.core = core
-        stopping = Mutex(stop)
+        stopping = Locked(stop)
     }
 
     /// Publishes `services` on `adapter` and advertises them, until ``close()``.
@@ -379,7 +379,7 @@ extension GATTServer {
         /// (service UUID, characteristic UUID, path, properties), in definition order.
         let characteristics: [(service: String, uuid: String, path: String, properties: Properties)]
         let serviceList: String
-        let values: Mutex<[String: [UInt8]]>
+        let values: Locked<[String: [UInt8]]>
         let events = EventFanout<Event>()
 
         init(services: [Service], root: String) throws {
@@ -436,7 +436,7 @@ extension GATTServer {
             self.objects = objects
             self.attributes = attributes
             self.characteristics = characteristics
-            self.values = Mutex(values)
+            self.values = Locked(values)
             serviceList = services.compactMap { BluetoothUUID.normalize($0.uuid).map(BluetoothUUID.short) }.joined(separator: ", ")
         }
 
@@ -617,7 +617,7 @@ final class EventFanout<Event: Sendable>: Sendable {
         var finished = false
     }
 
-    private let state = Mutex(State())
+    private let state = Locked(State())
 
     func subscribe() -> AsyncStream<Event> {
         let (stream, continuation) = AsyncStream<Event>.makeStream(bufferingPolicy: .bufferingNewest(64))

@@ -278,7 +278,7 @@ public enum GATTCollect: Sendable, Hashable, CustomStringConvertible {
 
 /// The bytes a write-then-collect has gathered, for its timeout's message.
 private final class Collected: Sendable {
-    let bytes = Mutex<[UInt8]>([])
+    let bytes = Locked<[UInt8]>([])
 }
 
 /// A Bluetooth LE device this central is connected to, through bluetoothd: its services, reads,
@@ -345,7 +345,7 @@ public final class BluetoothPeripheral: Sendable {
     /// Opens a new session to the device on the first session's adapter (the reconnect policy's attempts).
     private let reopen: @Sendable (Duration, String) async throws -> GattSession
     private let policy: ReconnectPolicy?
-    private let state: Mutex<State>
+    private let state: Locked<State>
     /// One operation at a time, in order.
     private let turn = AsyncCondition(false)
     /// The ``events()`` sequences.
@@ -381,7 +381,7 @@ public final class BluetoothPeripheral: Sendable {
         self.reopen = reopen
         address = session.device.address.uppercased()
         adapter = session.adapter.name
-        state = Mutex(State(session: session, objects: session.objects, device: session.device))
+        state = Locked(State(session: session, objects: session.objects, device: session.device))
     }
 
     /// Connects to the device at `address` over LE (or takes the link that is up) and reads its

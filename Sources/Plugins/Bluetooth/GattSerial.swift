@@ -229,7 +229,7 @@ final class GattLink: Sendable {
     let device: BluetoothDevice
     let address: BluetoothAddress
     let disconnectOnClose: Bool
-    private let released = Mutex(false)
+    private let released = Locked(false)
 
     init(bluez: BlueZ, device: BluetoothDevice, address: BluetoothAddress, disconnectOnClose: Bool) {
         self.bluez = bluez
@@ -285,10 +285,10 @@ final class GattBackend: ConnectionBackend {
     private let link: GattLink
     private let receiver: Receiver
     private let sender: Sender
-    private let watcher = Mutex<Task<Void, Never>?>(nil)
+    private let watcher = Locked<Task<Void, Never>?>(nil)
     /// Why the link ended, once it has; set at most once.
-    private let ended = Mutex<TransportError?>(nil)
-    private let closing = Mutex(false)
+    private let ended = Locked<TransportError?>(nil)
+    private let closing = Locked(false)
 
     var receivesThroughDescriptor: Bool { if case .socket = receiver { true } else { false } }
     var sendsThroughDescriptor: Bool { if case .socket = sender { true } else { false } }

@@ -295,7 +295,7 @@ final class GattServerBackend: ConnectionBackend {
     private let describing: String
     private let inbound: InboundQueue
     private let listenerState: AsyncCondition<GattServerListener.State>
-    private let central = Mutex<(path: String?, mtu: Int?, ended: Bool)>((nil, nil, false))
+    private let central = Locked<(path: String?, mtu: Int?, ended: Bool)>((nil, nil, false))
 
     fileprivate init(bus: DBusConnection, notifyPath: String, describing: String, central: String?, state: AsyncCondition<GattServerListener.State>,
                      watermarks: InboundQueue.Watermarks) {

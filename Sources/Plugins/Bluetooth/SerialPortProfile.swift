@@ -59,9 +59,9 @@ final class RFCOMMListener: ListenerBackend {
     private let channel: UInt8
     private let path: String
     private let state = AsyncCondition(State())
-    private let export = Mutex<DBusExport?>(nil)
+    private let export = Locked<DBusExport?>(nil)
     /// Watches org.bluez's owner: a bluetoothd that dies without Release still ends accept().
-    private let ownerWatch = Mutex<Task<Void, Never>?>(nil)
+    private let ownerWatch = Locked<Task<Void, Never>?>(nil)
 
     /// How much each accepted connection may buffer (the listen request's).
     private let buffering: Buffering

@@ -64,10 +64,10 @@ enum ServiceDiscovery {
             var open = true
             var interrupted = false
         }
-        private let state: Mutex<State>
+        private let state: Locked<State>
 
         init(fd: SystemPackage.FileDescriptor) {
-            state = Mutex(State(fd: fd.rawValue))
+            state = Locked(State(fd: fd.rawValue))
         }
 
         /// The search was ended by ``interrupt()`` (the connect was cancelled).

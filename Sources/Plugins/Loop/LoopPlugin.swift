@@ -78,7 +78,7 @@ final class LoopBackend: ConnectionBackend {
     let unsentByteCount: Int? = 0
     private let inbound: InboundQueue
     private let writers: WriterGate
-    private let turn = Mutex(Turn())
+    private let turn = Locked(Turn())
 
     private struct Turn {
         /// The writer that queued part of its bytes and must finish before another starts.

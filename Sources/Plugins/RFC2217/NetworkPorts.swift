@@ -181,7 +181,7 @@ extension RFC2217Plugin {
     /// The records found by ``networkPorts(bus:waiting:)`` so far.
     private final class Found: Sendable {
         /// Guards the records, written by the browsing task and read once it ended or timed out.
-        let records = Mutex<[DNSServiceName: DeviceRecord]>([:])
+        let records = Locked<[DNSServiceName: DeviceRecord]>([:])
     }
 
     /// Serial ports appearing on the network and leaving it, as device events (`.added` once

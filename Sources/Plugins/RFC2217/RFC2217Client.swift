@@ -497,7 +497,7 @@ final class RFC2217ClientHandler: ChannelDuplexHandler, RemovableChannelHandler 
 /// The handler of each channel the layer was installed on (Happy Eyeballs may try several), so
 /// the connect finds it without a pipeline lookup that a quick close would make fail.
 final class RFC2217Handlers: Sendable {
-    private let handlers = Mutex<[ObjectIdentifier: NIOLoopBound<RFC2217ClientHandler>]>([:])
+    private let handlers = Locked<[ObjectIdentifier: NIOLoopBound<RFC2217ClientHandler>]>([:])
 
     func add(_ handler: RFC2217ClientHandler, on channel: any Channel) {
         let bound = NIOLoopBound(handler, eventLoop: channel.eventLoop)

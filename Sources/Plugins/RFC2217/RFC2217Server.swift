@@ -207,17 +207,17 @@ public final class RFC2217Session: Sendable {
     let handler: NIOLoopBound<RFC2217ServerHandler>
     let eventLoop: any EventLoop
     /// Requests read once: the handler's stream, taken by the first serve().
-    private let requests: Mutex<AsyncStream<RFC2217Request>?>
+    private let requests: Locked<AsyncStream<RFC2217Request>?>
     /// DTR and RTS as last asked, for a port without modem lines (answered as asked).
-    private let virtualLines = Mutex<ModemLines>([.dtr, .rts])
+    private let virtualLines = Locked<ModemLines>([.dtr, .rts])
     /// Whether the client's BREAK is on: released when the client leaves.
-    private let breakOn = Mutex(false)
+    private let breakOn = Locked(false)
     /// The port's line-error counters as last reported to the client (nil before the first read).
-    private let reportedLineErrors = Mutex<LineErrorCounts?>(nil)
+    private let reportedLineErrors = Locked<LineErrorCounts?>(nil)
     private let signature: String
 
     /// The session of each accepted channel, until it closes.
-    private static let sessions = Mutex<[ObjectIdentifier: RFC2217Session]>([:])
+    private static let sessions = Locked<[ObjectIdentifier: RFC2217Session]>([:])
 
     static func register(_ session: RFC2217Session, for channel: any Channel) {
         sessions.withLock { $0[ObjectIdentifier(channel)] = session }
@@ -234,7 +234,7 @@ public final class RFC2217Session: Sendable {
     init(handler: RFC2217ServerHandler, eventLoop: any EventLoop, signature: String) {
         self.handler = NIOLoopBound(handler, eventLoop: eventLoop)
         self.eventLoop = eventLoop
-        requests = Mutex(handler.requests)
+        requests = Locked(handler.requests)
         self.signature = signature
     }
 

@@ -59,7 +59,7 @@ final class ReconnectCore: Sendable {
         var metadata: ConnectionMetadata
     }
 
-    private let work: Mutex<Work>
+    private let work: Locked<Work>
 
     init(first: Connection, request: ConnectRequest, settings: ReconnectSettings) {
         phase = AsyncCondition(.up(first, generation: 1, since: .now))
@@ -69,7 +69,7 @@ final class ReconnectCore: Sendable {
         describing = request.url.inner?.shown ?? request.url.shown
         carriesMessages = first.carriesMessages
         supportsHalfClose = first.supportsHalfClose
-        work = Mutex(Work(backoff: settings.backoff, metadata: first.metadata))
+        work = Locked(Work(backoff: settings.backoff, metadata: first.metadata))
     }
 
     var generation: Int { phase.withLock { $0.generation } }

@@ -26,7 +26,7 @@ final class ModemLineWatches: Sendable {
         var running: [Int: WorkerThread] = [:]
         var next = 0
     }
-    private let state = Mutex(State())
+    private let state = Locked(State())
 
     /// Starts watching `device`: the lines now, then each change. Throws `.unsupported` on a port
     /// without modem lines, or when SIGURG cannot interrupt the wait in this process.
@@ -144,7 +144,7 @@ final class ModemLineWatches: Sendable {
 
 /// The watch thread while it may be inside TIOCMIWAIT: set by the thread, cleared before it returns.
 private final class InCall: Sendable {
-    let thread = Mutex<pthread_t?>(nil)
+    let thread = Locked<pthread_t?>(nil)
 }
 
 /// SIGURG as the signal that ends a blocking wait (see the file's comment).

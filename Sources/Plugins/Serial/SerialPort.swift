@@ -216,7 +216,7 @@ public struct SerialPort: SerialControl {
 /// connection, a device released without close) flushes the queue first and does not wait.
 final class TTYDevice: Sendable {
     let path: String
-    private let fd: Mutex<FileDescriptor?>
+    private let fd: Locked<FileDescriptor?>
     /// The line settings the port had before this connection changed them (nil for a pty made
     /// here), and whether to put them back before the descriptor closes.
     private let original: KernelTermios2?
@@ -224,7 +224,7 @@ final class TTYDevice: Sendable {
 
     init(path: String, fd: FileDescriptor, original: KernelTermios2? = nil, restoreOnClose: Bool = false) {
         self.path = path
-        self.fd = Mutex(fd)
+        self.fd = Locked(fd)
         self.original = original
         restoresOnClose = Atomic(restoreOnClose)
     }

@@ -128,7 +128,7 @@ enum ClientSocket {
 /// cancelled connect can close them at once instead of leaving a half-open socket to the kernel's
 /// SYN retries (about two minutes). NIO's connect futures ignore task cancellation.
 final class PendingChannels: Sendable {
-    private let state = Mutex<(channels: [any Channel], cancelled: Bool)>(([], false))
+    private let state = Locked<(channels: [any Channel], cancelled: Bool)>(([], false))
 
     /// Records a channel from the bootstrap's initializer; closes it if already cancelled.
     func add(_ channel: any Channel) {

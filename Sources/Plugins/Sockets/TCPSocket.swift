@@ -68,8 +68,8 @@ public enum TCPSocket {
     /// The ready steps channel initializers made, by channel (Happy Eyeballs may initialize
     /// several), handed to the task that awaits the winner's.
     final class ReadySteps: Sendable {
-        private let steps = Mutex<[ObjectIdentifier: [ProtocolLayer.ReadyStep]]>([:])
-        private let learned = Mutex<[String: String]>([:])
+        private let steps = Locked<[ObjectIdentifier: [ProtocolLayer.ReadyStep]]>([:])
+        private let learned = Locked<[String: String]>([:])
         /// What the winning channel's steps told, once ready.
         var facts: [String: String] { learned.withLock { $0 } }
         func told(_ facts: [String: String]) { learned.withLock { $0 = facts } }

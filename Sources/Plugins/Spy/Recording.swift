@@ -176,7 +176,7 @@ final class Recorder: Sendable {
     private let sink: TraceSink
     private let start = ContinuousClock.now
     /// Set once `end` is written.
-    private let ended = Mutex(false)
+    private let ended = Locked(false)
 
     init(sink: TraceSink, url: TransportURL) {
         self.sink = sink

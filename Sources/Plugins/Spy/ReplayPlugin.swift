@@ -103,8 +103,8 @@ final class ReplayCore: Sendable {
     /// How many bytes the application has written so far.
     private let written = AsyncCondition(0)
     /// The serial line as the recording shows it at the point played.
-    let line: Mutex<(settings: SerialSettings, lines: ModemLines?)>
-    private let driver: Mutex<Task<Void, Never>?> = Mutex(nil)
+    let line: Locked<(settings: SerialSettings, lines: ModemLines?)>
+    private let driver: Locked<Task<Void, Never>?> = Locked(nil)
 
     init(events: [RecordedEvent], describing: String, timing: ReplayPlugin.Timing, strict: Bool) {
         self.events = events
@@ -132,7 +132,7 @@ final class ReplayCore: Sendable {
         let scheme = url.flatMap { try? TransportURL($0) }?.innermost.scheme
         isSerial = controls || ["tty", "pty", "rfc2217"].contains(scheme ?? "")
         // The recorded URL's line options, before any recorded control call says more.
-        line = Mutex((url.flatMap { try? TransportURL($0) }.map(Self.settings(of:)) ?? SerialSettings(), nil))
+        line = Locked((url.flatMap { try? TransportURL($0) }.map(Self.settings(of:)) ?? SerialSettings(), nil))
         // The line as the recording first shows it, before any of it is played: an app that asks
         // for the settings before the recording did gets the recorded ones, not the defaults.
         let calls = events.compactMap { event -> (String, String)? in

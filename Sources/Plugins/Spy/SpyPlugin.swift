@@ -146,7 +146,7 @@ final class SpyBackend: WrappingBackend {
     private let tracer: Tracer?
     private let recorder: Recorder?
     /// Each poll's last traced line, by operation.
-    private let lastPolls = Mutex<[String: String]>([:])
+    private let lastPolls = Locked<[String: String]>([:])
 
     init(wrapping wrapped: Connection, tracer: Tracer?, recorder: Recorder? = nil) {
         self.wrapped = wrapped
@@ -362,7 +362,7 @@ final class TraceSink: Sendable {
     /// Writes the records, in order, then closes the descriptor; joined by ``close()``.
     private let writer: JobThread
     /// Guards the descriptor and the counts; the writer thread does the writing.
-    private let state: Mutex<State>
+    private let state: Locked<State>
 
     /// Throws when the system refuses the writer thread (the descriptor stays the caller's).
     private init(_ output: SystemPackage.FileDescriptor, owned: Bool, describing: String,
@@ -370,7 +370,7 @@ final class TraceSink: Sendable {
         ownsDescriptor = owned
         self.describing = describing
         self.droppedNote = droppedNote
-        state = Mutex(State(output: output))
+        state = Locked(State(output: output))
         writer = try JobThread(name: "tk spy trace")
     }
 

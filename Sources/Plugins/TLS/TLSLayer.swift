@@ -145,7 +145,7 @@ struct TLSSettings: Sendable {
 /// or modification time) makes a new one. At most 32 are kept.
 final class ContextCache: Sendable {
     static let shared = ContextCache()
-    private let contexts = Mutex<[Key: NIOSSLContext]>([:])
+    private let contexts = Locked<[Key: NIOSSLContext]>([:])
 
     struct Key: Hashable, Sendable {
         var options: [String]
@@ -371,7 +371,7 @@ enum TLSLayer {
 
 /// The certificates BoringSSL checked during one handshake, with its verdict on each.
 final class VerificationRecord: Sendable {
-    private let seen = Mutex<[(trusted: Bool, certificate: NIOSSLCertificate)]>([])
+    private let seen = Locked<[(trusted: Bool, certificate: NIOSSLCertificate)]>([])
     var certificates: [(trusted: Bool, certificate: NIOSSLCertificate)] { seen.withLock { $0 } }
     func record(_ trusted: Bool, _ certificate: NIOSSLCertificate) { seen.withLock { $0.append((trusted, certificate)) } }
 }

@@ -69,11 +69,11 @@ extension Connection {
 /// One control transfer in flight: its transfer, the engine it counts in, and the waiting task.
 final class USBControlRequest: @unchecked Sendable {
     // @unchecked: `transfer` is owned by libusb from submission until the callback, which runs once
-    // on the event thread and hands the result over through `waiting` (a Mutex); the waiting task
+    // on the event thread and hands the result over through `waiting` (a Locked); the waiting task
     // frees the transfer only after that.
     let transfer: UnsafeMutablePointer<libusb_transfer>
     let engine: USBTransferEngine
-    let waiting = Mutex<CheckedContinuation<(libusb_transfer_status, [UInt8]), Never>?>(nil)
+    let waiting = Locked<CheckedContinuation<(libusb_transfer_status, [UInt8]), Never>?>(nil)
 
     init(transfer: UnsafeMutablePointer<libusb_transfer>, engine: USBTransferEngine) {
         self.transfer = transfer

@@ -86,12 +86,12 @@ final class USBTransferEngine: @unchecked Sendable {
     /// The transfers' user_data: IN transfers first, then OUT.
     private let tags: UnsafeMutablePointer<TransferTag>
     private let state: AsyncCondition<State>
-    private let worker = Mutex<WorkerThread?>(nil)
+    private let worker = Locked<WorkerThread?>(nil)
     /// Control transfers in flight (USBControl.swift), for close() to cancel.
-    private let controls = Mutex<[ObjectIdentifier: USBControlRequest]>([:])
+    private let controls = Locked<[ObjectIdentifier: USBControlRequest]>([:])
     private let closed = Atomic<Bool>(false)
     /// Held from taking a write's piece until it is submitted (pump()).
-    private let outOrder = Mutex<Void>(())
+    private let outOrder = Locked<Void>(())
 
     /// Allocates the transfers and starts the event thread; `start()` submits the IN transfers.
     init(device: LibUSBDevice, choice: USBEndpointChoice, transfers: Int, transferSize: Int, zlp: Bool, sysPath: String?,
@@ -492,7 +492,7 @@ final class USBTransferEngine: @unchecked Sendable {
 
 /// Lets the InboundQueue's onResume reach the engine made after it.
 private final class ResumeHook: Sendable {
-    private let action = Mutex<(@Sendable () -> Void)?>(nil)
+    private let action = Locked<(@Sendable () -> Void)?>(nil)
     func set(_ action: @escaping @Sendable () -> Void) { self.action.withLock { $0 = action } }
     func run() { action.withLock { $0 }?() }
 }

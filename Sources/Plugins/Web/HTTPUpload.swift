@@ -31,7 +31,7 @@ final class ResponseFacts: Sendable {
         var facts: [String: String] = [:]
         weak var connection: Connection?
     }
-    private let state = Mutex(State())
+    private let state = Locked(State())
 
     /// The facts so far (the ready step's metadata), and the connection later ones go to.
     func attach(_ connection: Connection) {

@@ -30,7 +30,7 @@ public final class Connection: Sendable {
     private let backend: any ConnectionBackend
     /// The connection `backend` wraps, when it is a ``WrappingBackend``.
     private let wrapped: Connection?
-    private let state: Mutex<State>
+    private let state: Locked<State>
     private let counters: Counters
     /// Whose turn it is to write, on transports whose writes are chunked to an MTU (so the chunks
     /// of one write are not interleaved with another's). Unused elsewhere.
@@ -69,7 +69,7 @@ public final class Connection: Sendable {
         self.url = url
         self.backend = backend
         self.wrapped = (backend as? any WrappingBackend)?.wrapped
-        self.state = Mutex(State(metadata: metadata))
+        self.state = Locked(State(metadata: metadata))
         self.counters = Counters()
     }
 

@@ -81,11 +81,11 @@ public final class ConnectionEventBroadcaster: Sendable {
         var ended = false
     }
 
-    private let state: Mutex<State>
+    private let state: Locked<State>
 
     /// A broadcaster whose first subscribers get `latest` first.
     public init(_ latest: ConnectionEvent? = nil) {
-        state = Mutex(State(latest: latest, ended: latest == .closed))
+        state = Locked(State(latest: latest, ended: latest == .closed))
     }
 
     /// Reports `event` to every subscriber (a slow one keeps the newest 64); `.closed` ends them.

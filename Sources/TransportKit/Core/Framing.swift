@@ -503,7 +503,7 @@ private final class PendingAnswers: Sendable {
         var late: [[UInt8]] = []
     }
     /// Guards the state; a session is used by one task at a time, copies share it.
-    private let state = Mutex(State())
+    private let state = Locked(State())
 
     var awaited: Int { state.withLock { $0.awaited } }
 

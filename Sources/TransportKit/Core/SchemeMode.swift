@@ -73,7 +73,7 @@ public struct SchemeMode: Sendable, Codable, Equatable {
 /// ``OptionValues``') is recorded, so the registry can refuse a connect whose plugin never used an
 /// option the URL gave (a plugin bug that would otherwise ignore it silently).
 final class OptionUse: Sendable {
-    private let read = Mutex<Set<String>>([])
+    private let read = Locked<Set<String>>([])
 
     func record(_ key: String) {
         _ = read.withLock { $0.insert(key) }

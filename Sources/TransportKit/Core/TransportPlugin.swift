@@ -286,7 +286,7 @@ public final class Listener: Sendable {
     private let backend: any ListenerBackend
     /// The registry's logger, set when the registry hands the listener out; accepted connections
     /// log through it.
-    private let logger = Mutex<Logger?>(nil)
+    private let logger = Locked<Logger?>(nil)
 
     /// Wraps a plugin's listener backend; plugins call this from their listen handler.
     ///

@@ -18,7 +18,7 @@ import Synchronization
 /// URL and scheme as metadata), so it is silent unless the application's logging backend asks for
 /// `debug`.
 public final class TransportRegistry: Sendable {
-    private let table: Mutex<Table>
+    private let table: Locked<Table>
     /// The logger connections and plugins log through.
     public let logger: Logger
 
@@ -40,7 +40,7 @@ public final class TransportRegistry: Sendable {
     /// let registry = try TransportRegistry(plugins: Transport.builtInPlugins, logger: Logger(label: "myapp.transport"))
     /// ```
     public init(plugins: [any TransportPlugin] = [], logger: Logger = Logger(label: "TransportKit")) throws {
-        self.table = Mutex(Table())
+        self.table = Locked(Table())
         self.logger = logger
         for plugin in plugins { try register(plugin) }
     }

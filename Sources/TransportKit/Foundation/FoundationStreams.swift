@@ -131,7 +131,7 @@ final class StreamPairOwner: Sendable {
     /// Closing the input ends the connection at once (a bound pair: nothing else reads its loop,
     /// so a writer would otherwise wait forever for room).
     let endsWithInput: Bool
-    private let state = Mutex<(openSides: Int, tasks: [Task<Void, Never>])>((2, []))
+    private let state = Locked<(openSides: Int, tasks: [Task<Void, Never>])>((2, []))
 
     init(connection: Connection, endsWithInput: Bool = false) {
         self.connection = connection
@@ -171,7 +171,7 @@ struct StreamReference: @unchecked Sendable {
 /// Where a bridged stream's events go. Delivery uses a one-shot `Timer` added to each scheduled
 /// run loop: on Linux, adding a timer wakes a sleeping run loop; `RunLoop.perform` does not.
 // @unchecked Sendable: RunLoop is thread-safe for adding timers; the list itself is only read and
-// written under the owning core's Mutex.
+// written under the owning core's lock (Locked).
 struct EventTarget: @unchecked Sendable {
     var stream = StreamReference()
     weak var delegate: (any StreamDelegate)?
@@ -194,18 +194,18 @@ struct EventTarget: @unchecked Sendable {
 /// What both directions share: status, error, event target, and the condition that blocking
 /// `read`/`write` calls wait on.
 class BridgeCoreBase: @unchecked Sendable {
-    // @unchecked Sendable: subclasses keep every mutable field in `common` (a Mutex) or in their
-    // own Mutex; `condition` is only used from synchronous methods.
+    // @unchecked Sendable: subclasses keep every mutable field in `common` (a Locked) or in their
+    // own Locked; `condition` is only used from synchronous methods.
     let pair: StreamPairOwner
     let bufferSize: Int
     let condition = NSCondition()
-    let common = Mutex(Common())
+    let common = Locked(Common())
     /// Where the side's task waits (for room, for bytes to send); every `signal` re-checks it.
     /// Lock order: `pumpWake`'s lock, then `common`'s; never the other way round.
     let pumpWake = AsyncCondition(())
 
     struct Common: @unchecked Sendable {
-        // @unchecked Sendable: guarded by the Mutex that holds it.
+        // @unchecked Sendable: guarded by the Locked that holds it.
         var status: Stream.Status = .notOpen
         var error: (any Error)?
         var target = EventTarget()
@@ -315,14 +315,14 @@ class BridgeCoreBase: @unchecked Sendable {
 }
 
 final class InboundCore: BridgeCoreBase, @unchecked Sendable {
-    // @unchecked Sendable: as BridgeCoreBase; the task handle is behind its own Mutex.
+    // @unchecked Sendable: as BridgeCoreBase; the task handle is behind its own Locked.
     override func stillHolds(_ event: Stream.Event, _ common: Common) -> Bool {
         event != .hasBytesAvailable || (common.status == .open && !common.buffer.isEmpty)
     }
 
-    private let endPosted = Mutex(false)
+    private let endPosted = Locked(false)
     /// The task that reads from the connection; cancelled when the stream is closed.
-    private let task = Mutex<Task<Void, Never>?>(nil)
+    private let task = Locked<Task<Void, Never>?>(nil)
 
     func open() {
         guard beginOpen() else { return }

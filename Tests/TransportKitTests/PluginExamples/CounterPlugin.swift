@@ -39,7 +39,7 @@ final class CounterBackend: ConnectionBackend {
         let wakeup = try Wakeup()
         // Small watermarks, so the example pauses often: resumed once less than 1 KiB waits.
         let inbound = InboundQueue(watermarks: .init(low: 1024, high: 4096)) { wakeup.wake() }
-        let next = Mutex(1)
+        let next = Locked(1)
         do {
             worker = try WorkerThread(name: "counter") { isStopping in
                 while !isStopping() {
@@ -99,7 +99,7 @@ final class CounterBackend: ConnectionBackend {
 /// inherit it; closed once, under the lock, so a late wake-up never writes to a number that
 /// another file has taken since.
 final class Wakeup: Sendable {
-    private let ends: Mutex<(sleep: Int32, wake: Int32)?>
+    private let ends: Locked<(sleep: Int32, wake: Int32)?>
     private let sleepEnd: Int32
 
     init() throws {
@@ -108,7 +108,7 @@ final class Wakeup: Sendable {
             socketpair(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0, &pair)
         }
         sleepEnd = pair[0]
-        ends = Mutex((pair[0], pair[1]))
+        ends = Locked((pair[0], pair[1]))
     }
 
     /// Blocks until woken. Only the worker thread calls it, and only before close().

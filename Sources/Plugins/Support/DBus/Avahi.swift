@@ -375,12 +375,12 @@ public final class DNSPublication: Sendable {
     private let group: String
     private let avahi: Avahi
     /// Guards the name in use, and the task that follows the group's state.
-    private let state: Mutex<(service: DNSServiceName, follower: Task<Void, Never>?)>
+    private let state: Locked<(service: DNSServiceName, follower: Task<Void, Never>?)>
 
     init(service: DNSServiceName, port: Int, txt: [String], group: String, avahi: Avahi, states: AsyncThrowingStream<DBusSignal, any Error>) {
         self.group = group
         self.avahi = avahi
-        state = Mutex((service, nil))
+        state = Locked((service, nil))
         let follower = Task { [weak self] in
             do {
                 for try await signal in states where signal.values.first?.integer == 3 {

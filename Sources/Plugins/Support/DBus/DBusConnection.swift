@@ -477,7 +477,7 @@ enum SDBus {
 /// The queue of jobs, the wake pipe and the loop the bus thread runs.
 private final class BusLoop: Sendable {
     /// Jobs for the bus thread, and whether it still takes them (false once it has ended).
-    private let jobs = Mutex<(open: Bool, queue: [Job])>((true, []))
+    private let jobs = Locked<(open: Bool, queue: [Job])>((true, []))
     private let stopRequested = Atomic<Bool>(false)
     private let wakeRead: Int32
     private let wakeWrite: Int32
@@ -658,9 +658,9 @@ protocol SlotRecord: AnyObject {
 
 /// One method call in flight.
 private final class PendingCall: SlotRecord, @unchecked Sendable {
-    // @unchecked Sendable: `slots` is touched only on the bus thread; the continuation is behind its Mutex.
+    // @unchecked Sendable: `slots` is touched only on the bus thread; the continuation is behind its Locked.
     var slots: [OpaquePointer] = []
-    private let continuation = Mutex<(finished: Bool, waiting: CheckedContinuation<[DBusValue], any Error>?)>((false, nil))
+    private let continuation = Locked<(finished: Bool, waiting: CheckedContinuation<[DBusValue], any Error>?)>((false, nil))
     let describing: String
 
     init(describing: String) { self.describing = describing }

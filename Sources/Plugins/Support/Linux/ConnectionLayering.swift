@@ -32,7 +32,7 @@ public enum ConnectionLayering {
             try? await inner.close()
             throw error
         }
-        let steps = Mutex<[ProtocolLayer.ReadyStep]>([])
+        let steps = Locked<[ProtocolLayer.ReadyStep]>([])
         let wire: ChannelBackend
         let top: ChannelBackend
         do {
@@ -77,14 +77,14 @@ public enum ConnectionLayering {
     /// Copies bytes between the wrapped connection and the wire end of the socket pair, both ways,
     /// with the connections' own backpressure; tears everything down once the layers' end closed.
     final class Relay: Sendable {
-        private let task: Mutex<Task<Void, Never>?> = Mutex(nil)
+        private let task: Locked<Task<Void, Never>?> = Locked(nil)
         private let failure = FirstFailure()
         private let undelivered = FirstFailure()
         private let inner: Connection
 
         /// The first failure of one kind, kept for whoever reports it.
         final class FirstFailure: Sendable {
-            private let value = Mutex<(error: TransportError?, frozen: Bool)>((nil, false))
+            private let value = Locked<(error: TransportError?, frozen: Bool)>((nil, false))
             var error: TransportError? { value.withLock { $0.error } }
             func record(_ error: any Error, _ context: String) {
                 guard !(error is CancellationError) else { return }

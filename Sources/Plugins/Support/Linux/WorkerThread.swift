@@ -169,7 +169,7 @@ public final class JobThread: Sendable {
             /// The thread has ended and closed the pipe: nothing may be written to it any more.
             var ended = false
         }
-        private let queue = Mutex(Queue())
+        private let queue = Locked(Queue())
         /// Blocking: the thread waits in read(2) on it while the queue is empty.
         private let wakeRead: Int32
         /// Non-blocking: a full pipe already holds a wake-up.

@@ -55,7 +55,7 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
     private let fd: FileDescriptor
     private let list: @Sendable () throws -> [Record]
     private let read: @Sendable (_ sysName: String, _ sysPath: String) -> Record?
-    private let state: Mutex<State>
+    private let state: Locked<State>
 
     private struct State {
         var udev: OpaquePointer
@@ -109,7 +109,7 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
         self.fd = FileDescriptor(rawValue: fd)
         self.list = list
         self.read = read
-        self.state = Mutex(State(udev: udev, monitor: monitor))
+        self.state = Locked(State(udev: udev, monitor: monitor))
         // Enumerate only now that the socket listens: a device arriving in between shows up in
         // both, and the "add" is then dropped as a duplicate.
         let present = try list()

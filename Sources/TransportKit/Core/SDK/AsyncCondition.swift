@@ -40,11 +40,11 @@ public final class AsyncCondition<State: Sendable>: Sendable {
     }
 
     @usableFromInline
-    let storage: Mutex<Storage>
+    let storage: Locked<Storage>
 
     /// A condition around `state`.
     public init(_ state: State) {
-        storage = Mutex(Storage(state: state))
+        storage = Locked(Storage(state: state))
     }
 
     /// Reads or changes the state without waking anybody (for changes no waiter waits for).

@@ -49,14 +49,14 @@ public final class ChannelBackend: ConnectionBackend {
 
     /// A class, so the handler can hold it without holding the backend.
     private final class KindQueue: Sendable {
-        let kinds = Mutex(CircularBuffer<TransportMessage.Kind>())
+        let kinds = Locked(CircularBuffer<TransportMessage.Kind>())
     }
     /// Names the peer in error messages, such as `"tcp://127.0.0.1:4000"`.
     public let describing: String
     private let inbound: InboundQueue
     private let writers: WriterGate
     private let executor: EventLoopTaskExecutor
-    private let writeState = Mutex(WriteState())
+    private let writeState = Locked(WriteState())
     /// Bytes handed to the channel and not yet written to the kernel (or failed).
     private let inFlight = Atomic(0)
     /// The hard cap on bytes handed to the channel and not yet written: a writer waits above it

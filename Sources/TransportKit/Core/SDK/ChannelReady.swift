@@ -25,7 +25,7 @@ public final class ChannelReady: ChannelInboundHandler, RemovableChannelHandler,
 
     private let promise: EventLoopPromise<Void>
     private let isReady: @Sendable (Any) -> [String: String]?
-    private let learned = Mutex<[String: String]>([:])
+    private let learned = Locked<[String: String]>([:])
 
     /// What the event that made the step ready told (a negotiated protocol), for metadata.
     public var facts: [String: String] { learned.withLock { $0 } }

@@ -22,7 +22,7 @@ public final class EventLoopTaskExecutor: TaskExecutor {
     public let eventLoop: any EventLoop
     /// Open only on the loop's thread, while ``resumeInline(_:)`` runs its closure; then it holds
     /// the job that closure made ready instead of queueing it.
-    private let handoff = Mutex(Handoff())
+    private let handoff = Locked(Handoff())
 
     private struct Handoff {
         var open = false

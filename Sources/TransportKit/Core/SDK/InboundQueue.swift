@@ -65,7 +65,7 @@ public final class InboundQueue: Sendable {
     public let carriesMessages: Bool
     private let onResume: @Sendable () -> Void
     private let executor: EventLoopTaskExecutor?
-    private let state: Mutex<State>
+    private let state: Locked<State>
 
     private struct State {
         var buffered = CircularBuffer<ByteBuffer>()
@@ -95,7 +95,7 @@ public final class InboundQueue: Sendable {
         self.carriesMessages = messages
         self.executor = executor
         self.onResume = onResume
-        self.state = Mutex(State())
+        self.state = Locked(State())
     }
 
     /// The bytes an element counts against the watermarks: an empty message still counts one, so a

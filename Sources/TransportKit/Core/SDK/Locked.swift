@@ -17,7 +17,11 @@ import NIOConcurrencyHelpers
 ///     func increment() -> Int { count.withLock { $0 += 1; return $0 } }
 /// }
 /// ```
-public struct Locked<State>: Sendable where State: Sendable {
+// @unchecked Sendable, as `Mutex` is Sendable for any value: the state is only reached through
+// withLock, under the pthread mutex. (Mutex also makes the closure's state and result `sending`;
+// NIOLockedValueBox's closure cannot take that, so a result that is not Sendable can leave the lock
+// here: return copies of Sendable values, as every caller does.)
+public struct Locked<State>: @unchecked Sendable {
     @usableFromInline
     let box: NIOLockedValueBox<State>
 
