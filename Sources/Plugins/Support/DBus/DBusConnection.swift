@@ -133,8 +133,8 @@ public final class DBusConnection: Sendable {
         let pending = PendingCall(describing: "\(destination) \(path) \(interface).\(member)")
         let micros = timeout.map { UInt64(max($0.components.seconds, 0)) * 1_000_000 + UInt64(max($0.components.attoseconds, 0) / 1_000_000_000_000) } ?? 0
         let loop = self.loop
-        return try await withTaskCancellationHandler {
-            try await withCheckedThrowingContinuation { continuation in
+        try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Void, any Error>) in
                 guard pending.wait(continuation) else { return }
                 loop.submit { state in
                     pending.start(on: state, destination: destination, path: path, interface: interface, member: member,
@@ -147,6 +147,7 @@ public final class DBusConnection: Sendable {
             pending.finish(.failure(CancellationError()))
             loop.submit { state in state.remove(pending) } orElse: { _ in }
         }
+        return try pending.takeResult()
     }
 
     /// Subscribes to signals that match `rule`; returns once the bus has installed the match, so
@@ -660,13 +661,16 @@ protocol SlotRecord: AnyObject {
 private final class PendingCall: SlotRecord, @unchecked Sendable {
     // @unchecked Sendable: `slots` is touched only on the bus thread; the continuation is behind its Locked.
     var slots: [OpaquePointer] = []
-    private let continuation = Locked<(finished: Bool, waiting: CheckedContinuation<[DBusValue], any Error>?)>((false, nil))
+    /// The waiting caller and the call's result. The result is handed over through this lock, not
+    /// through the continuation: the caller takes it under the lock after it is resumed, so the
+    /// values the bus thread decoded are visibly published to it (ThreadSanitizer sees the lock).
+    private let continuation = Locked<(finished: Bool, waiting: CheckedContinuation<Void, any Error>?, result: Result<[DBusValue], any Error>?)>((false, nil, nil))
     let describing: String
 
     init(describing: String) { self.describing = describing }
 
     /// Stores the continuation; false (and resumed) when the call already finished (cancelled).
-    func wait(_ waiting: CheckedContinuation<[DBusValue], any Error>) -> Bool {
+    func wait(_ waiting: CheckedContinuation<Void, any Error>) -> Bool {
         let finished = continuation.withLock { state in
             if !state.finished { state.waiting = waiting }
             return state.finished
@@ -675,17 +679,28 @@ private final class PendingCall: SlotRecord, @unchecked Sendable {
         return !finished
     }
 
+    /// The result, once the caller was resumed; `CancellationError` when there is none.
+    func takeResult() throws -> [DBusValue] {
+        let result = continuation.withLock { state in
+            defer { state.result = nil }
+            return state.result
+        }
+        guard let result else { throw CancellationError() }
+        return try result.get()
+    }
+
     /// Resumes the caller once; a later result is dropped (its descriptors closed).
     func finish(_ result: Result<[DBusValue], any Error>) {
         let (first, waiting) = continuation.withLock { state in
             defer { state.finished = true; state.waiting = nil }
+            if !state.finished && state.waiting != nil { state.result = result }
             return (!state.finished, state.waiting)
         }
         guard first else {
             if case .success(let values) = result { DBusValue.closeDescriptors(in: values) }
             return
         }
-        waiting?.resume(with: result)
+        waiting?.resume()
         if waiting == nil, case .success(let values) = result { DBusValue.closeDescriptors(in: values) }
     }
 
