@@ -22,6 +22,9 @@ enum Relay {
             try await run(
                 { try await StandardOutput.copy(from: connection, lines: textLines) },
                 {
+                    // However this direction ends, the read-ahead thread stops: it would go on
+                    // taking what the shell (or the next program of a script) should read.
+                    defer { input.cancel() }
                     var lines = LineSplitter()
                     while let chunk = try await input.next() {
                         guard textLines else {

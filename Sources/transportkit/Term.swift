@@ -287,6 +287,8 @@ final class TermSession: Sendable {
     private func keys(sending sender: AsyncStream<[UInt8]>.Continuation) async throws {
         defer { sender.finish() }
         let input = StandardInput()
+        // Ctrl-T q returns from here: the read-ahead thread must not take the keys typed after it.
+        defer { input.cancel() }
         var state = KeyState.normal
         var pending: [UInt8] = []
         func flush() async {

@@ -101,6 +101,13 @@ struct InboundQueueTests {
             received += 1
         }
         #expect(received == 200, "every element was delivered exactly once")
+        // An empty queue and deadlines already past or about to pass, nothing ever arriving: each
+        // read ends with the deadline, whether its timer fires before or after it parks.
+        let empty = InboundQueue()
+        await #expect(throws: ReadDeadlinePassed.self) { try await empty.next(deadline: .now - .seconds(1)) }
+        for _ in 0..<500 {
+            await #expect(throws: ReadDeadlinePassed.self) { try await empty.next(deadline: .now + .microseconds(Int.random(in: 0...50))) }
+        }
         // Cancelling a reader with a deadline ends it with CancellationError, not the deadline.
         let reader = Task { try await queue.next(deadline: .now + .seconds(60)) }
         try await Task.sleep(for: .milliseconds(10))

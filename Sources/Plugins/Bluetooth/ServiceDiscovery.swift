@@ -5,7 +5,7 @@
 // bluetoothd --compat (that is for local records only). The L2CAP channel to PSM 1 is made here,
 // with the same non-blocking connect as every other socket; sdp_create() then wraps it, and
 // sdp_service_search_attr_req() sends one request and waits for the answer in select(2) for up to
-// 20 s. That wait runs on a pool thread; a cancellation (the registry's connect deadline among
+// 20 s. That wait runs on a thread of its own (Blocking.runOnThread); a cancellation (the registry's connect deadline among
 // them: no timer here, so its error is the one timeout reported) shuts the socket down, which ends
 // the wait at once. The SDP socket stays open until the RFCOMM connect has been made, so the
 // link made for SDP carries the RFCOMM channel too (one page of the device, not two).

@@ -128,15 +128,16 @@ public struct SerialPort: SerialControl {
     /// ```
     public func setBreak(_ on: Bool) async throws {
         try await connection.performControl(ControlOperation("break", on ? "on" : "off")) {
-            let fd = try device.descriptor()
             let path = self.path
             if on {
                 await backend.channel.flushPendingWrites()
-                try await Blocking.runOnThread("tk break") {
+                try await onThreadWithDuplicate("tk break") { fd in
                     try Syscall.run("ioctl(TIOCSBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCSBRK)) }
                 }
             } else {
-                try Syscall.run("ioctl(TIOCCBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCCBRK)) }
+                try device.withDescriptor { fd in
+                    try Syscall.run("ioctl(TIOCCBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCCBRK)) }
+                }
             }
         }
     }
@@ -196,11 +197,24 @@ public struct SerialPort: SerialControl {
     public func drain() async throws {
         try await connection.performControl(ControlOperation("drain")) {
             await backend.channel.flushPendingWrites()
-            let fd = try device.descriptor()
             let path = self.path
-            try await Blocking.runOnThread("tk tcdrain") {
+            try await onThreadWithDuplicate("tk tcdrain") { fd in
                 try Syscall.run("tcdrain", on: path) { tcdrain(fd.rawValue) }
             }
+        }
+    }
+
+    /// Runs a call that blocks (TIOCSBRK, tcdrain) on a thread started for it, with a duplicate of
+    /// the port's descriptor made under the lock `close()` takes: a close or an abort while the
+    /// call waits cannot hand the number to another file meanwhile. The duplicate is closed after.
+    private func onThreadWithDuplicate(_ name: String, _ call: @escaping @Sendable (FileDescriptor) throws -> Void) async throws {
+        let path = self.path
+        let duplicate = try device.withDescriptor { fd in
+            try Syscall.descriptor("fcntl(F_DUPFD_CLOEXEC)", on: path) { fcntl(fd.rawValue, F_DUPFD_CLOEXEC, 0) }
+        }
+        try await Blocking.runOnThread(name) {
+            defer { try? duplicate.close() }
+            try call(duplicate)
         }
     }
 }

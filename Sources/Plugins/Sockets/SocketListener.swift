@@ -21,6 +21,11 @@ final class SocketListener: ListenerBackend {
     struct Accepted: Sendable {
         /// The server channel, once bound.
         var server: (any Channel)?
+        /// accept() calls under way, counted before their read of the server socket: the
+        /// connection that read brings in sees them, even when the calling task has not parked
+        /// yet (a waiter count would miss it, and a silent client's handshake would then leave
+        /// the next client unread until its timeout).
+        var accepting = 0
         /// Connections whose child initializer ran, by channel, until NIO passes them on, with
         /// their layers' ready steps.
         var staged: [ObjectIdentifier: (connection: Connection, steps: [ProtocolLayer.ReadyStep])] = [:]
@@ -81,7 +86,7 @@ final class SocketListener: ListenerBackend {
                     } catch {
                         // NIO closes this child; the read that accepted it is spent, so a waiting
                         // accept() asks for the next connection.
-                        if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
+                        readMore(accepted)
                         throw error
                     }
                 }
@@ -120,7 +125,7 @@ final class SocketListener: ListenerBackend {
             return {
                 child.close(promise: nil)
                 // The read that accepted it is spent: a waiting accept() asks for the next one.
-                if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
+                readMore(accepted)
             }
         }
         if !steps.isEmpty {
@@ -152,7 +157,7 @@ final class SocketListener: ListenerBackend {
             return
         }
         // Another client may be waiting behind this one.
-        if more, accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
+        if more { readMore(accepted) }
         Task {
             do {
                 let told = try await withTimeout(timeout, TransportError(.timedOut, "the client did not finish the handshake within \(timeout.secondsText)")) {
@@ -172,14 +177,24 @@ final class SocketListener: ListenerBackend {
                 logger?.debug("a client's handshake failed", metadata: ["peer": "\(connection.url)", "error": "\(error)"])
                 accepted.update { $0.handshaking[key] = nil }
                 connection.abort()
-                if accepted.waiterCount > 0 { accepted.withLock { $0.server }?.read() }
+                readMore(accepted)
             }
         }
     }
 
+    /// Reads the next connection from the server socket when an accept() is under way.
+    private static func readMore(_ accepted: AsyncCondition<Accepted>) {
+        accepted.withLock { $0.accepting > 0 ? $0.server : nil }?.read()
+    }
+
     func accept() async throws -> Connection? {
         // Demand-driven: one read of at most one connection per accept that finds none waiting.
-        if accepted.withLock({ $0.ready.isEmpty && !$0.closed }) { server.read() }
+        let mustRead = accepted.withLock { state -> Bool in
+            state.accepting += 1
+            return state.ready.isEmpty && !state.closed
+        }
+        defer { accepted.withLock { $0.accepting -= 1 } }
+        if mustRead { server.read() }
         return try await accepted.wait { state -> Connection?? in
             if !state.ready.isEmpty { return .some(state.ready.removeFirst()) }
             return state.closed ? .some(nil) : nil

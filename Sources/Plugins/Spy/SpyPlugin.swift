@@ -334,9 +334,11 @@ final class Tracer: Sendable {
 }
 
 /// Where a trace goes: standard error, or a file this sink owns. Records are written in order by
-/// a thread of the sink's own (a `JobThread`: neither the cooperative pool nor dispatch's worker
-/// threads, which other code shares), so a slow disk or a full pipe never holds a connection or
-/// anyone else's work. The queue is bounded: at most ``pendingLimit`` bytes wait, each record
+/// one writer thread that every trace of the process shares (a `JobThread`, started with the
+/// first: neither the cooperative pool nor dispatch's worker threads, which other code shares, and
+/// not a thread per connection, which a bridge serving thousands of spied clients could not
+/// start), so a slow disk or a full pipe never holds a connection or anyone else's work; it holds
+/// only the other traces' writes, which is where a trace's cost belongs. The queue is bounded: at most ``pendingLimit`` bytes wait, each record
 /// counted with ``recordOverhead`` more (so a flood of tiny records is bounded too); records
 /// beyond are dropped and counted. The first failure to write (a full disk, /dev/full) is
 /// reported once on standard error.
@@ -359,8 +361,22 @@ final class TraceSink: Sendable {
     private let describing: String
     /// What is written at close when records were dropped (a recording's `lost N` line).
     private let droppedNote: @Sendable (Int) -> String
-    /// Writes the records, in order, then closes the descriptor; joined by ``close()``.
+    /// Writes the records, in order, then closes the descriptor: the process's trace writer.
     private let writer: JobThread
+    /// Set by the writer once the descriptor is closed; ``close()`` waits for it.
+    private let closed = AsyncCondition(false)
+
+    /// The one writer thread for every trace, started at the first sink and kept for the process.
+    private static let sharedWriter = Locked<JobThread?>(nil)
+
+    private static func writerThread() throws -> JobThread {
+        try sharedWriter.withLock { writer in
+            if let writer { return writer }
+            let started = try JobThread(name: "tk spy trace")
+            writer = started
+            return started
+        }
+    }
     /// Guards the descriptor and the counts; the writer thread does the writing.
     private let state: Locked<State>
 
@@ -371,7 +387,7 @@ final class TraceSink: Sendable {
         self.describing = describing
         self.droppedNote = droppedNote
         state = Locked(State(output: output))
-        writer = try JobThread(name: "tk spy trace")
+        writer = try Self.writerThread()
     }
 
     /// The trace on standard error (not owned: never closed).
@@ -449,13 +465,13 @@ final class TraceSink: Sendable {
     }
 
     /// Writes what is queued, then closes the file (standard error stays open), and returns once
-    /// the writer thread has ended. A second call waits for the first one's end as well.
+    /// that is done. A second call waits for the first one's end as well. Not cancellable.
     func close() async {
         state.withLock { current in
             guard !current.closing else { return }
             current.closing = true
             // Queued under the lock that marks the sink closing: no record queued after this
-            // one is written, and no close can end the writer before this job is in.
+            // one is written. The shared writer is never finished, so it takes the job.
             writer.submit { [self] in
                 let (output, dropped) = state.withLock { state in
                     defer { state.output = nil }
@@ -465,9 +481,11 @@ final class TraceSink: Sendable {
                     _ = Self.writeAll(Array(droppedNote(dropped).utf8), to: output)
                 }
                 if ownsDescriptor { output?.closeOwned() }
+                closed.update { $0 = true }
             }
         }
-        await writer.finish()
+        let done = closed
+        await uncancellable { try? await done.wait { $0 ? () : nil } }
     }
 
     /// ``close()`` without waiting for it (a dropped connection); counted by

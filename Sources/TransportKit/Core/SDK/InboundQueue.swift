@@ -247,6 +247,8 @@ public final class InboundQueue: Sendable {
         case .ready(let element): return element
         case .wait(let number): id = number
         }
+        // The timer may fire before the reader is parked below; park() then sees the deadline
+        // passed (the timer never fires before it), so no wake-up is lost either way.
         let timer = Task { [self] in
             try await Task.sleep(until: deadline, clock: .continuous)
             resumeParked(id, throwing: ReadDeadlinePassed())
@@ -254,7 +256,7 @@ public final class InboundQueue: Sendable {
         defer { timer.cancel() }
         return try await withTaskCancellationHandler {
             try await withUnsafeThrowingContinuation { (continuation: UnsafeContinuation<ByteBuffer?, any Error>) in
-                park(continuation, id: id)
+                park(continuation, id: id, deadline: deadline)
             }
         } onCancel: {
             resumeParked(id, throwing: CancellationError())
@@ -301,13 +303,17 @@ public final class InboundQueue: Sendable {
         return .ready(try ready.get())
     }
 
-    private func park(_ continuation: UnsafeContinuation<ByteBuffer?, any Error>, id: UInt64) {
+    /// Parks the reader, unless an element or the end is there, the task was cancelled, or
+    /// `deadline` has passed: the timer of ``next(deadline:)`` may have fired before the reader
+    /// was parked, and found nobody to wake.
+    private func park(_ continuation: UnsafeContinuation<ByteBuffer?, any Error>, id: UInt64, deadline: ContinuousClock.Instant? = nil) {
         let (ready, resume): (Result<ByteBuffer?, any Error>?, Bool) = state.withLock { state in
             if let (element, resume) = popFirst(&state) { return (.success(element), resume) }
             if let end = state.end { return (end.map { nil }.mapError { $0 }, false) }
             if state.reader != nil {
                 return (.failure(TransportError.misuse("two tasks read one connection at once; read from one task, and hand the bytes to others")), false)
             }
+            if let deadline, ContinuousClock.now >= deadline { return (.failure(ReadDeadlinePassed()), false) }
             // Checked under the lock: the cancellation handler either runs after this and finds the
             // reader, or ran before and set the flag seen here.
             if Task.isCancelled { return (.failure(CancellationError()), false) }
