@@ -476,18 +476,18 @@ final class BluetoothBackend: ConnectionBackend {
     var preferredExecutor: (any TaskExecutor)? { channel.preferredExecutor }
 
     func read() async throws -> ByteBuffer? {
-        do {
-            guard let buffer = try await channel.read() else { throw Self.disconnected(device, errno: nil, syscall: nil) }
-            return buffer
-        } catch let error as TransportError where error.kind == .disconnected {
-            throw Self.disconnected(device, errno: error.errno, syscall: error.syscall)
-        }
+        try await untilDisconnected { try await channel.read() }
     }
 
     func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        try await untilDisconnected { try await channel.readMessage(deadline: deadline) }
+    }
+
+    /// What `read` gives, with its end of stream and a disconnect both told as the link gone.
+    private func untilDisconnected<Value>(_ read: () async throws -> Value?) async throws -> Value {
         do {
-            guard let message = try await channel.readMessage(deadline: deadline) else { throw Self.disconnected(device, errno: nil, syscall: nil) }
-            return message
+            guard let value = try await read() else { throw Self.disconnected(device, errno: nil, syscall: nil) }
+            return value
         } catch let error as TransportError where error.kind == .disconnected {
             throw Self.disconnected(device, errno: error.errno, syscall: error.syscall)
         }

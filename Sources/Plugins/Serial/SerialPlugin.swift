@@ -154,18 +154,18 @@ final class SerialBackend: ConnectionBackend, SerialControlling {
     func serialControl(through connection: Connection) -> any SerialControl { SerialPort(backend: self, connection: connection) }
 
     func read() async throws -> ByteBuffer? {
-        do {
-            guard let buffer = try await channel.read() else { throw gone(errno: nil, syscall: nil) }
-            return buffer
-        } catch let error as TransportError where error.kind == .disconnected {
-            throw gone(errno: error.errno, syscall: error.syscall)
-        }
+        try await untilGone { try await channel.read() }
     }
 
     func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
+        try await untilGone { try await channel.readMessage(deadline: deadline) }
+    }
+
+    /// What `read` gives, with its end of stream and a disconnect both told as the port gone.
+    private func untilGone<Value>(_ read: () async throws -> Value?) async throws -> Value {
         do {
-            guard let message = try await channel.readMessage(deadline: deadline) else { throw gone(errno: nil, syscall: nil) }
-            return message
+            guard let value = try await read() else { throw gone(errno: nil, syscall: nil) }
+            return value
         } catch let error as TransportError where error.kind == .disconnected {
             throw gone(errno: error.errno, syscall: error.syscall)
         }

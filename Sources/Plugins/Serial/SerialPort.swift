@@ -172,20 +172,20 @@ public struct SerialPort: SerialControl {
     /// }
     /// ```
     public func inputQueueBytes() throws -> Int {
-        try connection.performControl(ControlOperation("input queue?"), describe: { "\($0) bytes" }) {
-            let fd = try device.descriptor()
-            var count: Int32 = 0
-            try Syscall.run("ioctl(TIOCINQ)", on: path) { ioctl(fd.rawValue, UInt(FIONREAD), &count) }
-            return Int(count)
-        }
+        try queueBytes("input queue?", "ioctl(TIOCINQ)", UInt(FIONREAD))
     }
 
     /// Bytes the driver still has to send (TIOCOUTQ).
     public func outputQueueBytes() throws -> Int {
-        try connection.performControl(ControlOperation("output queue?"), describe: { "\($0) bytes" }) {
+        try queueBytes("output queue?", "ioctl(TIOCOUTQ)", UInt(TIOCOUTQ))
+    }
+
+    /// One of the driver's queue counts (TIOCINQ, TIOCOUTQ), as a traced control call.
+    private func queueBytes(_ operation: String, _ call: String, _ request: UInt) throws -> Int {
+        try connection.performControl(ControlOperation(operation), describe: { "\($0) bytes" }) {
             let fd = try device.descriptor()
             var count: Int32 = 0
-            try Syscall.run("ioctl(TIOCOUTQ)", on: path) { ioctl(fd.rawValue, UInt(TIOCOUTQ), &count) }
+            try Syscall.run(call, on: path) { ioctl(fd.rawValue, request, &count) }
             return Int(count)
         }
     }

@@ -217,20 +217,9 @@ public final class InboundQueue: Sendable {
     /// - Throws: the stream's error; `CancellationError` when the task is cancelled while waiting
     ///   (nothing is consumed); ``TransportError/Kind/misuse`` when another task is already waiting.
     public func next() async throws -> ByteBuffer? {
-        let id: UInt64
         switch try take() {
         case .ready(let element): return element
-        case .wait(let number): id = number
-        }
-        return try await withTaskCancellationHandler {
-            // Unsafe rather than checked (the checked one allocates per read): every path that
-            // resumes the reader first takes it out of `State` under the lock, so it resumes once.
-            try await withUnsafeThrowingContinuation { (continuation: UnsafeContinuation<ByteBuffer?, any Error>) in
-                park(continuation, id: id)
-            }
-        } onCancel: {
-            // Only this call's own reader: another task may be the one parked.
-            resumeParked(id, throwing: CancellationError())
+        case .wait(let id): return try await parked(id, deadline: nil)
         }
     }
 
@@ -247,18 +236,27 @@ public final class InboundQueue: Sendable {
         case .ready(let element): return element
         case .wait(let number): id = number
         }
-        // The timer may fire before the reader is parked below; park() then sees the deadline
-        // passed (the timer never fires before it), so no wake-up is lost either way.
+        // The timer may fire before the reader is parked; park() then sees the deadline passed
+        // (the timer never fires before it), so no wake-up is lost either way.
         let timer = Task { [self] in
             try await Task.sleep(until: deadline, clock: .continuous)
             resumeParked(id, throwing: ReadDeadlinePassed())
         }
         defer { timer.cancel() }
-        return try await withTaskCancellationHandler {
+        return try await parked(id, deadline: deadline)
+    }
+
+    /// Parks the calling task as the reader drawn under `id` until an element, the end, its
+    /// deadline (``next(deadline:)``'s timer, or park's own check) or its cancellation.
+    private func parked(_ id: UInt64, deadline: ContinuousClock.Instant?) async throws -> ByteBuffer? {
+        try await withTaskCancellationHandler {
+            // Unsafe rather than checked (the checked one allocates per read): every path that
+            // resumes the reader first takes it out of `State` under the lock, so it resumes once.
             try await withUnsafeThrowingContinuation { (continuation: UnsafeContinuation<ByteBuffer?, any Error>) in
                 park(continuation, id: id, deadline: deadline)
             }
         } onCancel: {
+            // Only this call's own reader: another task may be the one parked.
             resumeParked(id, throwing: CancellationError())
         }
     }
