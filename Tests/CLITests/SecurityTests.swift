@@ -387,8 +387,9 @@ struct SecurityTests {
         let result = await running.wait(timeout: 15)
         let took = ContinuousClock.now - signalled
         #expect(result.status == 130, "\(result.stderr)")
-        #expect(!result.stderr.contains("took longer than 3 s"), "not the emergency exit: \(result.stderr)")
-        #expect(took < .milliseconds(2500), "ended in \(took), not after the 3-second cleanup limit")
+        // The emergency exit after the 3-second cleanup limit says so: its absence is the check,
+        // not the time taken (a ThreadSanitizer build took 2.7 s to start and end).
+        #expect(!result.stderr.contains("took longer than 3 s"), "ended in \(took) by the emergency exit: \(result.stderr)")
     }
 
     // MARK: - Helpers

@@ -146,7 +146,8 @@ struct BlueZLabTests {
     /// A plain kernel socket on hci1 (RFCOMM channel or LE PSM) that reads `expecting` bytes, then
     /// sends `reply` in pieces of `piece` bytes; returns the sizes of the reads and the bytes.
     static func peer(listener: Int32, expecting: Int, reply: [UInt8], piece: Int) -> Task<(records: [Int], bytes: [UInt8]), Never> {
-        Task.detached {
+        // On a thread of its own: accept(2) and recv(2) block.
+        Task { await Lab.onThread {
             let server = accept(listener, nil, nil)
             guard server >= 0 else { return ([], []) }
             defer { close(server) }
@@ -169,7 +170,7 @@ struct BlueZLabTests {
             }
             usleep(500_000)
             return (records, bytes)
-        }
+        } }
     }
 
     @Test func rfcommCarriesTenKiBEachWayThroughAFixedChannel() async throws {

@@ -21,7 +21,8 @@ struct BluetoothBenchLabTests {
     /// A kernel socket on hci1 that takes one connection and reads `expecting` bytes; returns when
     /// they arrived (the clock stops there) and how many did.
     static func sink(_ listener: Int32, expecting: Int) -> Task<(count: Int, done: ContinuousClock.Instant), Never> {
-        Task.detached {
+        // On a thread of its own: accept(2) and recv(2) block.
+        Task { await Lab.onThread {
             let server = accept(listener, nil, nil)
             guard server >= 0 else { return (0, .now) }
             defer { close(server) }
@@ -35,7 +36,7 @@ struct BluetoothBenchLabTests {
                 count += got
             }
             return (count, .now)
-        }
+        } }
     }
 
     static func rate(_ bytes: Int, _ elapsed: Duration) -> Double {

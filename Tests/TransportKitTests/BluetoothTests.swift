@@ -71,7 +71,7 @@ struct BluetoothTests {
     }
 
     @Test func withoutBluetoothdConnectsSayStartIt() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let plugin = BluetoothPlugin(bus: .address(daemon.address))
         let registry = try TransportRegistry(plugins: [plugin])
         let error = await expectTransportError(.notFound) { try await registry.connect(to: Self.device) }
@@ -83,7 +83,7 @@ struct BluetoothTests {
     }
 
     @Test func adaptersAreListedChosenAndTheirComingsAndGoingsReported() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let bluez = try await StandInBlueZ(address: daemon.address)
         let plugin = BluetoothPlugin(bus: .address(daemon.address))
         let registry = try TransportRegistry(plugins: [plugin])

@@ -166,7 +166,9 @@ struct CompositionTests {
         #expect(request.timeout == .milliseconds(200), "the wrapper takes the wrapped URL's timeout")
         let start = ContinuousClock.now
         let error = await expectTransportError(.timedOut) { try await registry.connect(to: "spy+stuck://?timeout=0.2") }
-        #expect(ContinuousClock.now - start < .seconds(5))
+        // The plugin never returns: ending at all is the deadline's work. The bound is loose, as
+        // the suite runs in parallel and under ThreadSanitizer on two cores.
+        #expect(ContinuousClock.now - start < .seconds(10))
         #expect(error?.message.contains("took longer than 0.2 s") == true, "\(error?.message ?? "")")
     }
 

@@ -14,8 +14,14 @@ final class PrivateBus: Sendable {
     private let directory: URL?
 
     /// A session bus; with `activatable` (bus name to the program its activation file starts),
-    /// one of its own whose service directory offers those names for D-Bus activation.
-    init(activatable: [String: String] = [:]) throws {
+    /// one of its own whose service directory offers those names for D-Bus activation. Started on
+    /// a thread of its own: waiting for the daemon's address line on the cooperative pool stalled
+    /// every other test while ten buses started at once (the pool has one thread per core).
+    static func start(activatable: [String: String] = [:]) async throws -> PrivateBus {
+        try await Support.offPool { Result { try PrivateBus(activatable: activatable) } }.get()
+    }
+
+    private init(activatable: [String: String]) throws {
         let process = Process()
         let output = Pipe()
         process.executableURL = URL(fileURLWithPath: "/usr/bin/dbus-daemon")
@@ -62,10 +68,14 @@ final class PrivateBus: Sendable {
 
     func stop() {
         guard let process = process.withLock({ process in defer { process = nil }; return process }) else { return }
-        // dbus-daemon --session does not end on SIGTERM here: kill it.
+        // dbus-daemon --session does not end on SIGTERM here: kill it, and reap it on a thread of
+        // its own (the last reference often goes on the cooperative pool).
         kill(process.processIdentifier, SIGKILL)
-        process.waitUntilExit()
-        if let directory { try? FileManager.default.removeItem(at: directory) }
+        let directory = directory
+        Thread {
+            process.waitUntilExit()
+            if let directory { try? FileManager.default.removeItem(at: directory) }
+        }.start()
     }
 
     deinit { stop() }
@@ -77,7 +87,7 @@ struct DBusTests {
     static let daemon = (name: "org.freedesktop.DBus", path: "/org/freedesktop/DBus")
 
     @Test func callsTheBusAndDecodesItsReplies() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let bus = try DBusConnection(.address(daemon.address))
         let id = try await bus.call(destination: Self.daemon.name, path: Self.daemon.path, interface: Self.daemon.name, member: "GetId")
         #expect(id.first?.text?.count == 32, "\(id)")
@@ -93,7 +103,7 @@ struct DBusTests {
     }
 
     @Test func aServiceThatIsNotRunningSaysStartBluetoothd() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let bus = try DBusConnection(.address(daemon.address))
         let error = await expectTransportError(.notFound) {
             try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
@@ -106,7 +116,7 @@ struct DBusTests {
     /// An activation file whose program is missing (bluez removed, its service file left): the
     /// daemon answers Spawn.*, which reads as "not running", with what to install.
     @Test func aServiceThatActivationCannotStartSaysInstallBluez() async throws {
-        let daemon = try PrivateBus(activatable: ["org.bluez": "/nonexistent/bluetoothd"])
+        let daemon = try await PrivateBus.start(activatable: ["org.bluez": "/nonexistent/bluetoothd"])
         let bus = try DBusConnection(.address(daemon.address))
         let error = await expectTransportError(.notFound) {
             try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
@@ -123,7 +133,7 @@ struct DBusTests {
     }
 
     @Test func valuesOfEveryKindSurviveARoundTripThroughAnExportedObject() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let server = try DBusConnection(.address(daemon.address))
         let client = try DBusConnection(.address(daemon.address))
         let export = try await server.export(path: "/org/transportkit/Test") { call in
@@ -171,7 +181,7 @@ struct DBusTests {
     }
 
     @Test func descriptorsTravelBothWaysAndTheReceiverOwnsItsCopy() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let server = try DBusConnection(.address(daemon.address))
         let client = try DBusConnection(.address(daemon.address))
         // The server hands out the read end of a pipe that already holds bytes (as BlueZ's
@@ -219,7 +229,7 @@ struct DBusTests {
     }
 
     @Test func signalsArriveOnceTheMatchIsInstalledAndEndWithTheConnection() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let sender = try DBusConnection(.address(daemon.address))
         let listener = try DBusConnection(.address(daemon.address))
         let name = try await sender.uniqueName()
@@ -255,7 +265,7 @@ struct DBusTests {
     /// Each subscription says what happens when its reader falls behind: `.all` keeps every signal
     /// up to its limit and then ends with an error that says so; `.newest` keeps the last few.
     @Test func aSubscriptionWhoseReaderFallsBehindEndsWithAnErrorOrKeepsTheNewest() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let sender = try DBusConnection(.address(daemon.address))
         let listener = try DBusConnection(.address(daemon.address))
         let name = try await sender.uniqueName()
@@ -291,7 +301,7 @@ struct DBusTests {
 
     /// Several rules feed one stream in the bus's order, and a signal that matches two rules comes once.
     @Test func severalRulesFeedOneStreamInOrderAndASignalMatchingTwoComesOnce() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let sender = try DBusConnection(.address(daemon.address))
         let listener = try DBusConnection(.address(daemon.address))
         let name = try await sender.uniqueName()
@@ -319,7 +329,7 @@ struct DBusTests {
     /// An exported object whose handler awaits: its reply goes out when it returns, while the bus
     /// goes on serving other calls; a call it does not handle gets UnknownMethod.
     @Test func anAsynchronousHandlerAnswersLaterWithoutHoldingUpTheBus() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let server = try DBusConnection(.address(daemon.address))
         let client = try DBusConnection(.address(daemon.address))
         // "Slow" waits until the test opens `slowGate`; "Owed" until `owedGate`, opened only after
@@ -373,7 +383,7 @@ struct DBusTests {
     /// An in-order export (a GATT server's) answers its calls one at a time in the order they
     /// came: a quick call behind a slow one waits for it, and after remove() calls are refused.
     @Test func anInOrderExportAnswersOneCallAtATimeInOrder() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let server = try DBusConnection(.address(daemon.address))
         let client = try DBusConnection(.address(daemon.address))
         let gate = AsyncCondition(false)
@@ -405,7 +415,7 @@ struct DBusTests {
     }
 
     @Test func slowRepliesTimeOutAndCancellationAndCloseEndWaitingCalls() async throws {
-        let daemon = try PrivateBus()
+        let daemon = try await PrivateBus.start()
         let server = try DBusConnection(.address(daemon.address))
         let client = try DBusConnection(.address(daemon.address))
         // A handler that blocks its own bus thread for a while (test only: handlers must not block).

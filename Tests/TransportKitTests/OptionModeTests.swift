@@ -179,6 +179,7 @@ struct OptionModeTests {
     }
 
     /// The backlog ss(8) shows for a listening socket (its Send-Q column).
+    /// Runs ss(8) and waits for it: call it off the cooperative pool.
     static func listenBacklog(_ filter: [String]) -> Int? {
         let process = Process()
         process.executableURL = URL(fileURLWithPath: "/usr/bin/ss")
@@ -211,7 +212,7 @@ struct OptionModeTests {
         #expect(try Self.missing(url, mode: "tcp:// listener", scheme: "tcp").isEmpty)
         let listener = try await Transport.listen(on: url)
         let port = listener.url.port ?? 0
-        #expect(Self.listenBacklog(["-t", "sport = :\(port)"]) == 7, "ss shows the backlog asked for")
+        #expect(await Support.offPool { Self.listenBacklog(["-t", "sport = :\(port)"]) } == 7, "ss shows the backlog asked for")
         let client = try await Transport.connect(to: "tcp://127.0.0.1:\(port)")
         let accepted = try #require(try await listener.accept())
         #expect(try await Self.socketOption(accepted, .tcp, TCP_NODELAY) == 0)
@@ -229,7 +230,7 @@ struct OptionModeTests {
         let listener = try await Transport.listen(on: url)
         var info = stat()
         #expect(lstat(path, &info) == 0 && info.st_mode & 0o7777 == 0o640)
-        #expect(Self.listenBacklog(["-x", "src", path]) == 5)
+        #expect(await Support.offPool { Self.listenBacklog(["-x", "src", path]) } == 5)
         let client = try await Transport.connect(to: "unix://\(path)?timeout=5")
         #expect(try Self.missing("unix://\(path)?timeout=5", mode: "unix:// connection", scheme: "unix").isEmpty)
         let accepted = try #require(try await listener.accept())

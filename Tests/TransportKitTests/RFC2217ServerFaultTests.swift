@@ -189,7 +189,7 @@ struct RFC2217ServerFaultTests {
         let log = PortLog()
         let server = try await Server(pty, log: log, deviceURL: "spy+tty://\(pty.path)?spy.file=\(file)")
         // Our own client asks for line errors (SET-LINESTATE-MASK) at connect.
-        let remote = try await Transport.connect(to: "rfc2217://127.0.0.1:\(server.port)")
+        let remote = try await Transport.connect(to: "rfc2217://127.0.0.1:\(server.port)?answerTimeout=20&timeout=30")
         #expect(await eventually(5) { log.count("line errors?") >= 1 })
         try await Task.sleep(for: .milliseconds(800))   // three rounds of the watch, were it still running
         #expect(log.count("line errors?") == 1, "\(log.all)")

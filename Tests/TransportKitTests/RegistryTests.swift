@@ -149,7 +149,9 @@ struct RegistryTests {
         let registry = try TransportRegistry(plugins: [StuckPlugin()])
         let start = ContinuousClock.now
         let error = await expectTransportError(.timedOut) { try await registry.connect(to: "stuck://?timeout=0.2") }
-        #expect(ContinuousClock.now - start < .seconds(5))
+        // The plugin never returns: ending at all is the deadline's work. The bound is loose, as
+        // the suite runs in parallel and under ThreadSanitizer on two cores.
+        #expect(ContinuousClock.now - start < .seconds(10))
         #expect(error?.message.contains("timeout") == true)
     }
 

@@ -348,7 +348,7 @@ struct MessageTests {
             let rest = try await loop.nextMessage()
             #expect(rest?.kind == .binary && rest?.bytes == [2, 3])
         }
-        try await Transport.withConnection(to: "loop://") { loop in
+        _ = try await Transport.withConnection(to: "loop://") { loop in
             await expectTransportError(.unsupported) { _ = try await loop.nextMessage() }
         }
     }

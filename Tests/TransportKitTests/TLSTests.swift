@@ -400,7 +400,7 @@ struct TLSListenerTests {
         try? stdin.fileHandleForWriting.close()
         // Not FileHandle.readDataToEndOfFile: it traps on EINTR.
         let output = await Support.readAll(stdout.fileHandleForReading.fileDescriptor)
-        await Task.detached { Peer.waitForExit(process) }.value
+        await Support.offPool { Peer.waitForExit(process) }
         return (process.isRunning ? -1 : process.terminationStatus, String(decoding: output, as: UTF8.self))
     }
 
