@@ -785,7 +785,7 @@ struct OptionModeLabTests {
             let busy = await expectLabError(.busy) { try await Transport.connect(to: USBLabTests.url) }
             #expect(busy?.message.contains("detach=true") == true, "without detach=: \(String(describing: busy))")
 
-            let url = USBLabTests.url + "?interface=0&alt=0&in=0x81&out=0x02&location=\(location)&detach=true"
+            let url = USBLabTests.url + "&interface=0&alt=0&in=0x81&out=0x02&location=\(location)&detach=true"
                 + "&transfers=3&transferSize=1024&zlp=true&wait=true&timeout=10"
             #expect(try Self.missing(url, mode: "usb:// connection", scheme: "usb").isEmpty)
             // usbmon's text trace of the bus, while the connection lives.
@@ -830,16 +830,16 @@ struct OptionModeLabTests {
         // in= and out= are checked before any I/O: refused at once, though wait=true would wait 20 s.
         for (query, says) in [("in=0x02", "in=0x02 is an OUT endpoint"), ("out=0x81", "out=0x81 is an IN endpoint")] {
             let started = ContinuousClock.now
-            let error = await expectLabError(.invalidURL) { try await Transport.connect(to: USBLabTests.url + "?\(query)&wait=true&timeout=20") }
+            let error = await expectLabError(.invalidURL) { try await Transport.connect(to: USBLabTests.url + "&\(query)&wait=true&timeout=20") }
             #expect(error?.message.contains(says) == true, "\(String(describing: error))")
             #expect(ContinuousClock.now - started < .seconds(2))
         }
         let started = ContinuousClock.now
-        let late = await expectLabError(.timedOut) { try await Transport.connect(to: USBLabTests.url + "?wait=true&timeout=2") }
+        let late = await expectLabError(.timedOut) { try await Transport.connect(to: USBLabTests.url + "&wait=true&timeout=2") }
         #expect(late?.message.contains("within the 2 s timeout") == true, "\(String(describing: late))")
         #expect(ContinuousClock.now - started < .seconds(5))
 
-        let waiting = Task { try await Transport.connect(to: USBLabTests.url + "?wait=true&timeout=30&zlp=false") }
+        let waiting = Task { try await Transport.connect(to: USBLabTests.url + "&wait=true&timeout=30&zlp=false") }
         try await Task.sleep(for: .milliseconds(500))
         try await Lab.ctl("usb-loopback", "plug")
         let connection = try await waiting.value

@@ -10,7 +10,8 @@ import TransportKit
 /// a USB device's "add" comes before its configuration and interfaces, its "bind" after.
 @Suite("lab: usb:// listing and hot-plug", .serialized, .enabled(if: Lab.isActive, "needs the qemu lab: run Scripts/lab"))
 struct USBLabTests {
-    static let url = "usb://1d6b:0104/TKLOOP0001"
+    /// As the listing writes it (the canonical spelling, `?serial=`); further options join with `&`.
+    static let url = "usb://1d6b:0104?serial=TKLOOP0001"
 
     static func isLoopback(_ event: DeviceEvent) -> Bool { event.device.url == url }
 
@@ -81,7 +82,7 @@ struct USBLabTests {
     /// The Loopback gadget plugged in, and a connection to it.
     static func connect(_ options: String = "") async throws -> Connection {
         try await Lab.ctl("usb-loopback", "plug")
-        return try await Transport.connect(to: url + (options.isEmpty ? "" : "?" + options))
+        return try await Transport.connect(to: url + (options.isEmpty ? "" : "&" + options))
     }
 
     /// `count` bytes in 4 KiB blocks, each starting with its number (big-endian): built with block
@@ -221,7 +222,7 @@ struct USBLabTests {
         print("lab: usb close after the unplug took \(ContinuousClock.now - phase)")
 
         // wait=true across the replug.
-        let waiting = Task { try await Transport.connect(to: Self.url + "?wait=true&timeout=30") }
+        let waiting = Task { try await Transport.connect(to: Self.url + "&wait=true&timeout=30") }
         try await Task.sleep(for: .milliseconds(500))
         phase = .now
         try await Lab.ctl("usb-loopback", "plug")
@@ -242,7 +243,7 @@ struct USBLabTests {
     @Test(.timeLimit(.minutes(2)))
     func reconnectClaimsTheDeviceAgainAfterAReplug() async throws {
         try await Lab.ctl("usb-loopback", "plug")
-        let connection = try await Transport.connect(to: "reconnect+\(Self.url)?reconnect.initialDelay=30&reconnect.jitter=0")
+        let connection = try await Transport.connect(to: "reconnect+\(Self.url)&reconnect.initialDelay=30&reconnect.jitter=0")
         let events = Gathered(connection.events())
         defer { events.stop() }
         #expect(try await Self.echo(connection, Array("before".utf8)) == Array("before".utf8))
@@ -322,7 +323,7 @@ struct USBLabTests {
             let busy = await expectLabError(.busy) { try await Transport.connect(to: Self.url) }
             #expect(busy?.message.contains("kernel driver usbserial_generic") == true && busy?.message.contains("detach=true") == true,
                     "\(String(describing: busy))")
-            let connection = try await Transport.connect(to: Self.url + "?detach=true")
+            let connection = try await Transport.connect(to: Self.url + "&detach=true")
             #expect(await eventually(5) { access(tty, F_OK) != 0 }, "the driver let go of the interface while detached")
             #expect(try await Self.echo(connection, Array("detached".utf8)) == Array("detached".utf8))
             try await connection.close()
@@ -375,7 +376,8 @@ struct USBLabTests {
         let hidraw = { (try? FileManager.default.contentsOfDirectory(atPath: "/sys/class/hidraw")) ?? [] }
         #expect(await eventually(10) { !hidraw().isEmpty }, "usbhid did not bind the gadget's interface")
         do {
-            // No in=/out=: a device without a bulk pair gets its interrupt pair.
+            // No in=/out=: a device without a bulk pair gets its interrupt pair. The serial in the
+            // path, the other spelling, still connects.
             let connection = try await Transport.connect(to: "usb://1d6b:0105/TKHID0001?detach=true")
             #expect(connection.metadata.extra["inType"] == "interrupt" && connection.metadata.extra["outType"] == "interrupt", "\(connection.metadata.extra)")
             #expect(connection.metadata.extra["inPacketSize"] == "64" && connection.metadata.extra["outPacketSize"] == "64", "\(connection.metadata.extra)")
@@ -407,9 +409,9 @@ struct USBLabTests {
 
     @Test func errorsSayWhatToDo() async throws {
         try await Lab.ctl("usb-loopback", "plug")
-        let wrongInterface = await expectLabError(.notFound) { try await Transport.connect(to: Self.url + "?interface=5") }
+        let wrongInterface = await expectLabError(.notFound) { try await Transport.connect(to: Self.url + "&interface=5") }
         #expect(wrongInterface?.message.contains("the device offers interface 0 alt 0: bulk") == true, "\(String(describing: wrongInterface))")
-        let backwards = await expectLabError(.invalidURL) { try await Transport.connect(to: Self.url + "?in=0x02") }
+        let backwards = await expectLabError(.invalidURL) { try await Transport.connect(to: Self.url + "&in=0x02") }
         #expect(backwards?.message.contains("is an OUT endpoint") == true, "\(String(describing: backwards))")
         let absent = await expectLabError(.notFound) { try await Transport.connect(to: "usb://1d6b:0104/NOSUCHSERIAL") }
         #expect(absent?.message.contains("wait=true") == true, "\(String(describing: absent))")

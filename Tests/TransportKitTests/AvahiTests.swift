@@ -70,7 +70,7 @@ struct AvahiTests {
         await bus.close()
     }
 
-    @Test func aServiceFoundBecomesADeviceWithAURLThatConnects() {
+    @Test func aServiceFoundBecomesADeviceWithAURLThatConnects() throws {
         func service(_ type: String, address: String = "192.168.1.20", txt: [String: String] = [:]) -> DNSService {
             DNSService(service: DNSServiceName(name: "Bench", type: type), host: "pi.local", address: address, port: 4001, txt: txt, interface: "eth0")
         }
@@ -92,6 +92,8 @@ struct AvahiTests {
         }
         // An IPv6 link-local address keeps its scope, percent-encoded in the URL.
         #expect(NetworkPorts.record(for: service("_telnetcpcd._tcp", address: "fe80::1%eth0"))?.url == "rfc2217://[fe80::1%25eth0]:4001")
+        let scoped = try #require(NetworkPorts.record(for: service("_telnetcpcd._tcp", address: "fe80::1%eth0")))
+        #expect(try TransportURL(scoped.url).host == "fe80::1%eth0", "and it reads back as the scoped address")
         // What TransportKit announces for a USB serial port: ser2net's mdns-sysattrs keys.
         let device = DeviceRecord(url: "tty://usb/0403:6001?serial=A5", scheme: "tty", devnode: "/dev/ttyUSB0", vendorId: "0403",
                                   productId: "6001", serialNumber: "A5", manufacturer: "FTDI", product: "FT232R USB UART")

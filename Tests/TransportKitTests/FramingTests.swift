@@ -50,8 +50,8 @@ struct FramingTests {
     @Test func lengthPrefixedRoundTrip() async throws {
         let c = try await loop()
         for prefix: LengthPrefix in [.uint8, .uint16(.big), .uint16(.little), .uint32(.big), .uint32(.little)] {
-            try await c.writeFrame([9, 8, 7], prefix: prefix)
-            try await c.writeFrame([], prefix: prefix)
+            try await c.writeFrame([9, 8, 7], .lengthPrefixed(prefix))
+            try await c.writeFrame([], .lengthPrefixed(prefix))
             #expect(try await c.readFrame(.lengthPrefixed(prefix)) == [9, 8, 7])
             #expect(try await c.readFrame(.lengthPrefixed(prefix)) == [])
         }
@@ -59,7 +59,36 @@ struct FramingTests {
         #expect(try await c.readFrame(.lengthPrefixed(.uint16(.big))) == [0xAA, 0xBB])
         try await c.write([0x02, 0x00, 0xCC, 0xDD])
         #expect(try await c.readFrame(.lengthPrefixed(.uint16(.little))) == [0xCC, 0xDD])
-        await expectTransportError(.io) { try await c.writeFrame([UInt8](repeating: 0, count: 256), prefix: .uint8) }
+        let tooLong = await expectTransportError(.misuse) { try await c.writeFrame([UInt8](repeating: 0, count: 256), .lengthPrefixed(.uint8)) }
+        #expect(tooLong?.message.contains("at most 255 bytes") == true, "\(tooLong?.message ?? "")")
+        try await c.close()
+    }
+
+    @Test func everyFramingWritesWhatItReadsBack() async throws {
+        let c = try await loop()
+        try await c.writeFrame(Array("ATZ".utf8), .delimiter("\r"))
+        try await c.writeFrame([], .delimiter("\r\n"))
+        try await c.writeFrame([1, 2, 3, 4], .fixedLength(4))
+        try await c.writeFrame([7, 7], .interByteTimeout(.milliseconds(20)))
+        #expect(try await c.readFrame(.delimiter("\r"), timeout: .seconds(5)) == Array("ATZ".utf8))
+        #expect(try await c.readFrame(.delimiter("\r\n"), timeout: .seconds(5)) == [])
+        #expect(try await c.readFrame(.fixedLength(4), timeout: .seconds(5)) == [1, 2, 3, 4])
+        #expect(try await c.readFrame(.interByteTimeout(.milliseconds(20)), timeout: .seconds(5)) == [7, 7])
+        // What the framing cannot carry is refused before anything is written.
+        let inside = await expectTransportError(.misuse) { try await c.writeFrame(Array("a\r\nb".utf8), .delimiter("\r\n")) }
+        #expect(inside?.message.contains("contains its delimiter at byte 1") == true, "\(inside?.message ?? "")")
+        let short = await expectTransportError(.misuse) { try await c.writeFrame([1, 2, 3], .fixedLength(4)) }
+        #expect(short?.message.contains("3-byte frame") == true && short?.message.contains("4 bytes") == true, "\(short?.message ?? "")")
+        try await c.write([0x55])
+        #expect(try await c.read(timeout: .seconds(5)) == [0x55], "nothing of the refused frames was written")
+        try await c.close()
+    }
+
+    @available(*, deprecated)
+    @Test func theOldLengthPrefixSpellingStillWrites() async throws {
+        let c = try await loop()
+        try await c.writeFrame([5], prefix: .uint16(.little))
+        #expect(try await c.readFrame(.lengthPrefixed(.uint16(.little)), timeout: .seconds(5)) == [5])
         try await c.close()
     }
 
@@ -122,7 +151,7 @@ struct FramingTests {
         let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
         let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
         let server = try #require(try await listener.accept())
-        for index in 0..<100 { try await client.writeFrame(Array("message \(index)".utf8), prefix: .uint16(.big)) }
+        for index in 0..<100 { try await client.writeFrame(Array("message \(index)".utf8), .lengthPrefixed(.uint16(.big))) }
         try await client.closeWrite()
         var count = 0
         for try await frame in server.frames(.lengthPrefixed(.uint16(.big))) {

@@ -201,15 +201,20 @@ struct SerialUsabilityTests {
         #expect(!ptmx.contains("idVendor"), "\(ptmx)")
     }
 
+    /// A tty connection to `pty` with a tiny inbound buffer: past 32 bytes held, TransportKit
+    /// stops reading from the driver.
+    static func smallBuffered(_ pty: TestPTY) async throws -> (Connection, SerialPort) {
+        let small = Buffering(inbound: .init(low: 16, high: 32), outbound: Buffering.standard.outbound, inFlight: Buffering.standard.inFlight,
+                              readSize: 64, readsPerWakeup: 1)
+        let connection = try await Transport.registry.connect(to: "tty://\(pty.path)", buffering: small)
+        return (connection, try #require(connection.ttyPort))
+    }
+
     @Test("input queue: bytes the driver holds that TransportKit has not read (TIOCINQ)")
     func inputQueue() async throws {
         let pty = try TestPTY()
         defer { pty.closeMaster() }
-        // A tiny inbound buffer: past 32 bytes held, TransportKit stops reading from the driver.
-        let small = Buffering(inbound: .init(low: 16, high: 32), outbound: Buffering.standard.outbound, inFlight: Buffering.standard.inFlight,
-                              readSize: 64, readsPerWakeup: 1)
-        let connection = try await Transport.registry.connect(to: "tty://\(pty.path)", buffering: small)
-        let port = try #require(connection.ttyPort)
+        let (connection, port) = try await Self.smallBuffered(pty)
         #expect(try port.inputQueueBytes() == 0)
         pty.write(String(repeating: "x", count: 500))
         #expect(await eventually { ((try? port.inputQueueBytes()) ?? 0) > 0 }, "the rest waits in the driver")
@@ -219,6 +224,39 @@ struct SerialUsabilityTests {
         #expect(await eventually { (try? port.inputQueueBytes()) == 0 })
         try await connection.close()
         await expectTransportError(.disconnected) { _ = try port.inputQueueBytes() }
+    }
+
+    @Test("bytes waiting: what the connection holds plus what the driver holds, as pyserial's in_waiting")
+    func bytesWaiting() async throws {
+        let pty = try TestPTY()
+        defer { pty.closeMaster() }
+        let (connection, port) = try await Self.smallBuffered(pty)
+        #expect(try port.bytesWaiting() == 0 && connection.unreadByteCount == 0)
+        pty.write(String(repeating: "y", count: 500))
+        // Every byte is counted once, wherever it waits: the driver, the inbound queue, the leftover.
+        #expect(await eventually { (try? port.bytesWaiting()) == 500 }, "\((try? port.bytesWaiting()) ?? -1)")
+        #expect(try await connection.read(maxBytes: 10, timeout: .seconds(5))?.count == 10)
+        #expect(await eventually { (try? port.bytesWaiting()) == 490 }, "\((try? port.bytesWaiting()) ?? -1)")
+        #expect((connection.unreadByteCount ?? 0) > 0, "part of it is held by TransportKit, not the driver")
+        #expect(try await connection.readFrame(.fixedLength(490), timeout: .seconds(5))?.count == 490)
+        #expect(try port.bytesWaiting() == 0 && connection.unreadByteCount == 0)
+        try await connection.close()
+    }
+
+    @Test("unread bytes over TCP: the connection's leftover and the inbound queue")
+    func unreadOverTCP() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
+        let server = try #require(try await listener.accept())
+        try await server.write("0123456789")
+        #expect(await eventually { client.unreadByteCount == 10 }, "\(client.unreadByteCount ?? -1)")
+        #expect(try await client.read(maxBytes: 3, timeout: .seconds(5)) == Array("012".utf8))
+        #expect(client.unreadByteCount == 7, "the rest of the chunk the read cut short")
+        #expect(try await client.readFrame(.fixedLength(7), timeout: .seconds(5)) == Array("3456789".utf8))
+        #expect(client.unreadByteCount == 0)
+        try await client.close()
+        try await server.close()
+        try await listener.close()
     }
 
     @Test("break on and off between writes keeps their order (TIOCSBRK waits off the cooperative pool)")

@@ -84,7 +84,15 @@ struct TransportURLTests {
         #expect(url.host == "x:y")
         #expect(url.description == "tcp://x%3Ay:1")
         #expect(try TransportURL(url.description) == url)
-        #expect(try TransportURL("tcp://[fe80::1%eth0]:80").description == "tcp://[fe80::1%eth0]:80")
+        #expect(try TransportURL("tcp://[fe80::1%eth0]:80").description == "tcp://[fe80::1%25eth0]:80", "RFC 6874's spelling")
+        // RFC 6874: the zone's '%' is "%25" in a URI, and the zone itself may be percent-encoded.
+        #expect(try TransportURL("tcp://[fe80::1%25eth0]:80").host == "fe80::1%eth0")
+        #expect(try TransportURL("tcp://[fe80::1%25en%201]:80").host == "fe80::1%en 1")
+        #expect(try TransportURL("tcp://[fe80::1%25en%201]:80").description == "tcp://[fe80::1%25en%201]:80")
+        #expect(TransportURL(scheme: "tcp", host: "fe80::1%eth0", port: 80).description == "tcp://[fe80::1%25eth0]:80")
+        for bad in ["tcp://[fe80::1%]:80", "tcp://[fe80::1%25]:80", "tcp://[fe80::1%25%]:80"] {
+            #expect(throws: TransportError.self, "\(bad)") { try TransportURL(bad) }
+        }
     }
 
     @Test func hostPortIsNotAUSBDevice() throws {

@@ -3,6 +3,7 @@ import Glibc
 import Testing
 @testable import TransportKit
 @testable import TransportKitSerial
+import TransportKitUdev
 
 /// Discovery and hot-plug against fake devices. These suites need `umockdev-wrapper`
 /// (Scripts/test runs them that way: `umockdev-wrapper swift test --filter UMockdev`); in a plain
@@ -75,6 +76,19 @@ struct UMockdevDiscoveryTests {
             #expect(error.message.contains("?serial="))
         }
         #expect(try SerialDiscovery.choose(USBSelector(vendorId: "0403", productId: "6015"), among: devices) == nil)
+
+        // The serial number's two spellings, ?serial= and the path segment, select the same adapter;
+        // the same value in both is one serial number, two different ones are refused.
+        func selector(_ url: String) throws -> USBSelector {
+            try SerialDiscovery.selector(Transport.registry.resolve(url))
+        }
+        let byOption = try SerialDiscovery.choose(selector("tty://usb/0403:6001?serial=BBBB"), among: devices)
+        let byPath = try SerialDiscovery.choose(selector("tty://usb/0403:6001/BBBB"), among: devices)
+        #expect(byOption?.devnode == "/dev/ttyUSB1" && byPath?.devnode == "/dev/ttyUSB1")
+        #expect(try selector("tty://usb/0403:6001/BBBB?serial=BBBB") == selector("tty://usb/0403:6001?serial=BBBB"))
+        let conflict = #expect(throws: TransportError.self) { try selector("tty://usb/0403:6001/AAAA?serial=BBBB") }
+        #expect(conflict?.kind == .invalidURL)
+        #expect(conflict?.message.contains("gives two serial numbers") == true, "\(String(describing: conflict))")
 
         // Through the registry: the URL form and its errors.
         let none = await expectTransportError(.notFound) { try await Transport.connect(to: "tty://usb/0403:6015") }

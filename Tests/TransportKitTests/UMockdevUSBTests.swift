@@ -30,7 +30,7 @@ struct UMockdevUSBTests {
 
         let hackRF = try #require(devices.first { $0.location == "1-4" })
         #expect(hackRF.scheme == "usb")
-        #expect(hackRF.url == "usb://1d50:6089/0000000000000000a06063c8234e925f")
+        #expect(hackRF.url == "usb://1d50:6089?serial=0000000000000000a06063c8234e925f", "the canonical spelling: ?serial=")
         #expect(hackRF.devnode == "/dev/bus/usb/001/005")
         #expect(hackRF.vendorId == "1d50" && hackRF.productId == "6089")
         #expect(hackRF.manufacturer == "Great Scott Gadgets" && hackRF.product == "HackRF One")
@@ -60,11 +60,20 @@ struct UMockdevUSBTests {
     func identity() async throws {
         let testbed = try UMockdevTestbed()
         try Self.bench(testbed)
-        func selector(_ url: String) throws -> USBDeviceSelector {
-            try USBDeviceSelector(Transport.registry.resolve(url))
+        func selector(_ url: String) throws -> USBSelector {
+            try USBDiscovery.selector(Transport.registry.resolve(url))
         }
-        let one = try await USBDiscovery.resolve(selector("usb://1d50:6089/0000000000000000a06063c8234e925f"), wait: false)
+        let one = try await USBDiscovery.resolve(selector("usb://1d50:6089?serial=0000000000000000a06063c8234e925f"), wait: false)
         #expect(one.location == "1-4")
+        let byPath = try await USBDiscovery.resolve(selector("usb://1d50:6089/0000000000000000a06063c8234e925f"), wait: false)
+        #expect(byPath == one, "the path spelling selects the same device as ?serial=")
+        let twice = try await USBDiscovery.resolve(selector("usb://1d50:6089/0000000000000000a06063c8234e925f?serial=0000000000000000a06063c8234e925f"), wait: false)
+        #expect(twice == one, "the same serial number in both spellings is one serial number")
+        let conflict = #expect(throws: TransportError.self) {
+            try selector("usb://1d50:6089/0000000000000000a06063c8234e925f?serial=00000000000000000000000000000002")
+        }
+        #expect(conflict?.kind == .invalidURL)
+        #expect(conflict?.message.contains("gives two serial numbers") == true, "\(String(describing: conflict))")
 
         do {
             _ = try await USBDiscovery.resolve(selector("usb://1D50:6089"), wait: false)
@@ -75,13 +84,15 @@ struct UMockdevUSBTests {
             #expect(error.message.contains("serial 00000000000000000000000000000002 at 1-1.2"), "\(error)")
             #expect(error.message.contains("serial 0000000000000000a06063c8234e925f at 1-4"), "\(error)")
             #expect(error.message.contains("?location="), "\(error)")
+            #expect(error.message.contains("usb://1d50:6089?serial=SERIAL"), "the canonical spelling is suggested: \(error)")
+            #expect(error.message.contains("(usb://1d50:6089?serial=00000000000000000000000000000002)"), "\(error)")
         }
 
         let byLocation = try await USBDiscovery.resolve(selector("usb://1d50:6089?location=1-1.2"), wait: false)
         #expect(byLocation.serialNumber == "00000000000000000000000000000002")
 
         do {
-            _ = try await USBDiscovery.resolve(selector("usb://1d50:6089/NOSUCHSERIAL"), wait: false)
+            _ = try await USBDiscovery.resolve(selector("usb://1d50:6089?serial=NOSUCHSERIAL"), wait: false)
             Issue.record("no device has that serial number")
         } catch let error as TransportError {
             #expect(error.kind == .notFound)
@@ -104,9 +115,11 @@ struct UMockdevUSBTests {
         let testbed = try UMockdevTestbed()
         try testbed.add(FakeUSB.hackRF(serial: "AB/12 ü").record)
         let device = try #require(try await USBPlugin().devices(includeAll: false).first)
-        #expect(device.url == "usb://1d50:6089/AB%2F12%20%C3%BC")
-        let found = try await USBDiscovery.resolve(USBDeviceSelector(Transport.registry.resolve(device.url)), wait: false)
+        #expect(device.url == "usb://1d50:6089?serial=AB/12%20%C3%BC", "a '/' in ?serial= needs no %2F")
+        let found = try await USBDiscovery.resolve(USBDiscovery.selector(Transport.registry.resolve(device.url)), wait: false)
         #expect(found.serialNumber == "AB/12 ü")
+        let byPath = try await USBDiscovery.resolve(USBDiscovery.selector(Transport.registry.resolve("usb://1d50:6089/AB%2F12%20%C3%BC")), wait: false)
+        #expect(byPath == found, "the path spelling, with the '/' written %2F, finds it too")
     }
 
     @Test("hot-plug: an arrival is reported once the device is configured (its bind), once; a removal once with what was known")
@@ -147,7 +160,7 @@ struct UMockdevUSBTests {
     func registryEventsAndWait() async throws {
         let testbed = try UMockdevTestbed()
         let events = Transport.registry.deviceEvents()
-        let waiting = Task { try await USBDiscovery.resolve(USBDeviceSelector(Transport.registry.resolve("usb://1d50:6089?wait=true")), wait: true) }
+        let waiting = Task { try await USBDiscovery.resolve(USBDiscovery.selector(Transport.registry.resolve("usb://1d50:6089?wait=true")), wait: true) }
         try await Task.sleep(for: .milliseconds(300))
         let arriving = FakeUSB.hackRF()
         try testbed.add(arriving.record)
@@ -155,7 +168,7 @@ struct UMockdevUSBTests {
         var iterator = events.makeAsyncIterator()
         let event = try await iterator.next()
         #expect(event?.action == .added && event?.device.scheme == "usb")
-        #expect(event?.device.url == "usb://1d50:6089/0000000000000000a06063c8234e925f")
+        #expect(event?.device.url == "usb://1d50:6089?serial=0000000000000000a06063c8234e925f")
         let found = try await waiting.value
         #expect(found.location == "1-4")
     }
@@ -166,7 +179,7 @@ struct UMockdevUSBTests {
         try testbed.add(FakeSerial.ftdi().record)
         try testbed.add(FakeSerial.ch340().record)
         let ports = try await SerialPlugin().devices(includeAll: false)
-        #expect(ports.first { $0.devnode == "/dev/ttyUSB0" }?.properties["usbDevice"] == "usb://0403:6001/A50285BI")
+        #expect(ports.first { $0.devnode == "/dev/ttyUSB0" }?.properties["usbDevice"] == "usb://0403:6001?serial=A50285BI")
         #expect(ports.first { $0.devnode == "/dev/ttyUSB2" }?.properties["usbDevice"] == "usb://1a86:7523?location=1-3")
     }
 
@@ -178,7 +191,7 @@ struct UMockdevUSBTests {
         let lines = text.split(separator: "\n").map(String.init)
         guard let row = lines.firstIndex(where: { $0.hasPrefix("/dev/bus/usb/001/006") }) else { Issue.record("no row for the probe: \(text)"); return }
         #expect(lines[row].contains("0d28:0204") && lines[row].contains("cdc_acm") && lines[row].contains("DAPLink CMSIS-DAP"), "\(text)")
-        #expect(lines[row].hasSuffix("usb://0d28:0204/0240000034544e45001b00028aa9001e8011000097969900"), "\(text)")
+        #expect(lines[row].hasSuffix("usb://0d28:0204?serial=0240000034544e45001b00028aa9001e8011000097969900"), "\(text)")
         #expect(Array(lines.dropFirst(row + 1).prefix(3)) == [
             "    interface 0: ff/00/00, bulk out 0x04 64, bulk in 0x85 64, driver -",
             "    interface 1: 02/02/01, interrupt in 0x83 16, driver cdc_acm",

@@ -15,7 +15,7 @@ enum USBBench {
     static func run() async throws {
         let arguments = CommandLine.arguments
         let url = arguments.firstIndex(of: "--url").flatMap { $0 + 1 < arguments.count ? arguments[$0 + 1] : nil }
-            ?? "usb://1d6b:0104/TKLOOP0001"
+            ?? "usb://1d6b:0104?serial=TKLOOP0001"
         let total = argument("--bytes", default: 64 << 20)
         let transfers = argument("--transfers", default: 4)
         let size = argument("--size", default: 16384)
@@ -48,7 +48,10 @@ enum USBBench {
             guard c > 0, received >= Int64(total) else { throw TransportError(.io, "usb bench: the C loop failed (\(c), \(received) bytes)") }
             return c
         }
-        let transportKit = url + "?transfers=\(transfers)&transferSize=\(size)"
+        // The listed URL already has a query (?serial=): the options join it.
+        var tuned = try TransportURL(url)
+        tuned.query += [(name: "transfers", value: String(transfers)), (name: "transferSize", value: String(size))]
+        let transportKit = tuned.description
         // For a profiler: one side alone.
         if arguments.contains("--only-c") {
             print(String(format: "  C libusb loop %7.2f MiB/s", mib / (try await cLoop())))

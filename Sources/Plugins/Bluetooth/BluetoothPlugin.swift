@@ -314,14 +314,17 @@ enum BluetoothConnector {
                                                                              describing: describing))
             }
         }
-        let backend = try await DescriptorChannel.adoptSocket(fd, describing: describing, buffering: request.buffering)
+        // RFCOMM has no half-close an application relies on: any end this side did not ask for
+        // (the peer closed, the link dropped, the adapter went away) is the link gone.
+        let backend = try await DescriptorChannel.adoptSocket(fd, describing: describing, buffering: request.buffering, supportsHalfClose: false,
+                                                              hangUp: device.hangUp)
         var metadata = metadata(device: known, address: device, adapter: adapter)
         metadata.extra["addressType"] = "public"
         metadata.extra["channel"] = String(channel)
         if url.port == nil { metadata.extra["service"] = BluetoothUUID.short(service) }
         // The level asked for: the kernel refused the connect if the link could not have it.
         metadata.extra["security"] = security.rawValue
-        return Connection(url: url, backend: BluetoothBackend(channel: backend, device: device), metadata: metadata)
+        return Connection(url: url, backend: backend, metadata: metadata)
     }
 
     /// The service an rfcomm:// URL names with `uuid=` (default: the Serial Port Profile), normalized.
@@ -371,9 +374,7 @@ enum BluetoothConnector {
                                                              receiveMTU: request[BluetoothPlugin.mtu], security: request[BluetoothPlugin.security],
                                                              describing: describing)
         let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
-                                          maximumWriteSize: channel.sendMTU, watermarks: request.buffering.inbound) { errno in
-            BluetoothBackend.disconnected(device, errno: errno, syscall: errno == nil ? nil : "recv")
-        }
+                                          maximumWriteSize: channel.sendMTU, watermarks: request.buffering.inbound, hangUp: device.hangUp)
         var metadata = metadata(device: known, address: device, adapter: adapter)
         metadata.mtu = channel.sendMTU
         metadata.extra["addressType"] = addressType
@@ -452,74 +453,14 @@ enum BluetoothConnector {
     }
 }
 
-/// An RFCOMM stream on the event loop. RFCOMM has no half-close an application relies on: any end
-/// that this side did not ask for (the peer closed, the link dropped, the adapter went away) ends
-/// reads with "disconnected", after every byte received before it.
-final class BluetoothBackend: ConnectionBackend {
-    let channel: ChannelBackend
-    let device: BluetoothAddress
-    let supportsHalfClose = false
-    /// bluetoothd holds the socket too (Profile1.NewConnection): closing shuts it down, or the link would stay up.
-    let sharedWithBlueZ: Bool
-
-    init(channel: ChannelBackend, device: BluetoothAddress, sharedWithBlueZ: Bool = false) {
-        self.channel = channel
-        self.device = device
-        self.sharedWithBlueZ = sharedWithBlueZ
-    }
-
-    static func disconnected(_ device: BluetoothAddress, errno: Errno?, syscall: String?) -> TransportError {
-        TransportError(.disconnected, "Bluetooth device \(device) disconnected (the link dropped, the peer closed it, or the adapter went away); "
+extension BluetoothAddress {
+    /// What every connection to this device reports when the link goes without a close of ours
+    /// (the peer closed, the link dropped, the adapter went away).
+    func disconnected(errno: Errno?, syscall: String?) -> TransportError {
+        TransportError(.disconnected, "Bluetooth device \(self) disconnected (the link dropped, the peer closed it, or the adapter went away); "
                        + "reconnect when it is back", errno: errno, syscall: syscall)
     }
 
-    var preferredExecutor: (any TaskExecutor)? { channel.preferredExecutor }
-
-    func read() async throws -> ByteBuffer? {
-        try await untilDisconnected { try await channel.read() }
-    }
-
-    func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
-        try await untilDisconnected { try await channel.readMessage(deadline: deadline) }
-    }
-
-    /// What `read` gives, with its end of stream and a disconnect both told as the link gone.
-    private func untilDisconnected<Value>(_ read: () async throws -> Value?) async throws -> Value {
-        do {
-            guard let value = try await read() else { throw Self.disconnected(device, errno: nil, syscall: nil) }
-            return value
-        } catch let error as TransportError where error.kind == .disconnected {
-            throw Self.disconnected(device, errno: error.errno, syscall: error.syscall)
-        }
-    }
-
-    func write(_ buffer: ByteBuffer) async throws {
-        do {
-            try await channel.write(buffer)
-        } catch let error as TransportError where error.kind == .disconnected {
-            throw Self.disconnected(device, errno: error.errno, syscall: error.syscall)
-        }
-    }
-
-    func closeWrite() async throws {
-        throw TransportError(.unsupported, "rfcomm:// cannot half-close (Serial Port Profile peers expect the link to stay or go); close the connection instead")
-    }
-
-    func close() async throws {
-        // shutdown(2) on RFCOMM ends the whole link, after the bytes already queued (net/bluetooth/rfcomm/sock.c).
-        if sharedWithBlueZ {
-            do {
-                try await channel.closeWrite()
-            } catch {
-                // A write that failed is reported here, and the channel still closed.
-                try? await channel.close()
-                throw error
-            }
-        }
-        try await channel.close()
-    }
-
-    func connectionDropped() {
-        if sharedWithBlueZ { channel.connectionDroppedShuttingDown() } else { channel.connectionDropped() }
-    }
+    /// ``disconnected(errno:syscall:)`` as a backend's ``HangUp``.
+    var hangUp: HangUp { { errno, syscall in disconnected(errno: errno, syscall: syscall) } }
 }

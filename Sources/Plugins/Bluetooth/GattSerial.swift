@@ -254,7 +254,7 @@ final class GattLink: Sendable {
     func forget() { released.withLock { $0 = true } }
 
     func disconnected(errno: Errno? = nil, syscall: String? = nil) -> TransportError {
-        BluetoothBackend.disconnected(address, errno: errno, syscall: syscall)
+        address.disconnected(errno: errno, syscall: syscall)
     }
 }
 
@@ -309,7 +309,7 @@ final class GattBackend: ConnectionBackend {
                      events: AsyncThrowingStream<DBusSignal, any Error>, describing: String) async throws -> GattBackend {
         let bluez = link.bluez
         let interface = GattSerial.characteristicInterface
-        let hangUp: @Sendable (Errno?) -> TransportError = { errno in link.disconnected(errno: errno, syscall: errno == nil ? nil : "recv") }
+        let hangUp: HangUp = { errno, syscall in link.disconnected(errno: errno, syscall: syscall) }
         var attMTU: Int?
         let receiver: Receiver
         if acquire && rx.notifyAcquirable {

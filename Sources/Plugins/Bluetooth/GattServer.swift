@@ -205,6 +205,9 @@ final class GattServerListener: ListenerBackend {
                 guard !state.closed, state.failure == nil, state.active == nil else { return }
                 let backend = makeBackend(nil)
                 state.active = backend
+                // Centrals that came and went while nobody accepted are dropped here, not only in
+                // accept(): one that subscribes and unsubscribes in a loop must not pile them up.
+                state.waiting.removeAll { $0.hasEnded }
                 state.waiting.append(backend)
             }
             return .reply([])
@@ -226,6 +229,7 @@ final class GattServerListener: ListenerBackend {
                 guard !state.closed, state.failure == nil else { return nil }
                 let backend = makeBackend(central)
                 state.active = backend
+                state.waiting.removeAll { $0.hasEnded }
                 state.waiting.append(backend)
                 return backend
             }
@@ -329,10 +333,15 @@ final class GattServerBackend: ConnectionBackend {
         }
     }
 
-    /// A write from the central (on bluetoothd's behalf).
+    /// A write from the central (on bluetoothd's behalf). GATT writes have no flow control: past
+    /// twice the high watermark unread, the connection fails rather than grow (later writes are
+    /// dropped by the failed queue), as a GATT serial client's notifications do.
     func received(_ value: [UInt8], mtu: Int?) {
         if let mtu { central.withLock { $0.mtu = mtu } }
-        _ = inbound.append(ByteBuffer(bytes: value))
+        if inbound.append(ByteBuffer(bytes: value)) == .pause, inbound.bufferedBytes >= 2 * inbound.watermarks.high {
+            inbound.fail(TransportError(.io, "\(describing): the central wrote more than \(2 * inbound.watermarks.high) bytes that waited unread: "
+                                        + "GATT writes have no flow control, so the application must read as fast as the central writes"))
+        }
     }
 
     /// The central unsubscribed or went away: reads end after what it wrote.

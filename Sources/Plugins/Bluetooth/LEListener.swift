@@ -95,9 +95,7 @@ final class LEListener: ListenerBackend {
     private func connection(_ channel: BluetoothSocket.Channel, peer: BluetoothAddress, addressType: String) async -> Connection {
         let describing = "ble://\(BluetoothUUID.short(service)):\(psm)/\(peer)"
         let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
-                                          maximumWriteSize: channel.sendMTU, watermarks: buffering.inbound) { errno in
-            BluetoothBackend.disconnected(peer, errno: errno, syscall: errno == nil ? nil : "recv")
-        }
+                                          maximumWriteSize: channel.sendMTU, watermarks: buffering.inbound, hangUp: peer.hangUp)
         let device = (try? await bluez.objects().devices).flatMap { BlueZ.device(peer.description, onAdapter: adapter.path, among: $0) }
         var metadata = BluetoothConnector.metadata(device: device, address: peer, adapter: adapter)
         metadata.mtu = channel.sendMTU

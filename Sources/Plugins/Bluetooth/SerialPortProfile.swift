@@ -44,7 +44,7 @@ final class RFCOMMListener: ListenerBackend {
     }
 
     private struct Accepted: Sendable {
-        weak var backend: BluetoothBackend?
+        weak var backend: ChannelBackend?
     }
 
     private enum Next {
@@ -270,8 +270,9 @@ final class RFCOMMListener: ListenerBackend {
         var peer = url
         peer.host = address.description
         let describing = "rfcomm://\(address):\(channel)"
-        let channelBackend = try await DescriptorChannel.adoptSocket(incoming.fd, describing: describing, buffering: buffering)
-        let backend = BluetoothBackend(channel: channelBackend, device: address, sharedWithBlueZ: true)
+        // bluetoothd holds the socket too (Profile1.NewConnection): closing shuts it down, or the link would stay up.
+        let backend = try await DescriptorChannel.adoptSocket(incoming.fd, describing: describing, buffering: buffering, supportsHalfClose: false,
+                                                              hangUp: address.hangUp, shutsDownOnClose: true)
         state.update { state in
             // Connections closed since are forgotten here, so the table stays as small as what is open.
             state.accepted = state.accepted.compactMapValues { list in

@@ -76,6 +76,8 @@ final class LoopBackend: ConnectionBackend {
     let maximumWriteSize: Int?
     /// A write returns once its bytes are in the buffer the reader reads: none wait to be sent.
     let unsentByteCount: Int? = 0
+    /// Bytes in the buffer that the reader has not read.
+    var unreadByteCount: Int? { inbound.bufferedBytes }
     private let inbound: InboundQueue
     private let writers: WriterGate
     private let turn = Locked(Turn())

@@ -35,12 +35,15 @@ public enum NetworkPorts {
             guard stack.last == "tcp", stack.dropLast().allSatisfy({ $0 == "telnet" || $0 == "ssl" }) else { return nil }
             scheme = (stack.contains("ssl") ? "tls+" : "") + (stack.contains("telnet") ? "rfc2217" : "tcp")
         }
-        let host = found.address.contains(":") ? "[\(found.address.split(separator: "%", omittingEmptySubsequences: false).joined(separator: "%25"))]" : found.address
         var properties = ["host": found.host, "address": found.address, "port": String(found.port), "serviceType": found.service.type]
         for (key, value) in found.txt { properties["txt." + key] = value }
         if let interface = found.interface { properties["interface"] = interface }
         if found.isLocal { properties["local"] = "true" }
-        return DeviceRecord(url: "\(scheme)://\(host):\(found.port)", scheme: scheme.hasSuffix("rfc2217") ? "rfc2217" : "tcp",
+        // Through the URL model: an IPv6 address in brackets, its zone as RFC 6874 writes it (%25).
+        let tls = scheme.hasPrefix("tls+")
+        let bottom = TransportURL(scheme: tls ? String(scheme.dropFirst(4)) : scheme, host: found.address, port: found.port)
+        let url = (tls ? TransportURL(scheme: "tls", inner: bottom) : bottom).description
+        return DeviceRecord(url: url, scheme: scheme.hasSuffix("rfc2217") ? "rfc2217" : "tcp",
                             devnode: nil, name: found.service.name,
                             vendorId: found.txt["idVendor"], productId: found.txt["idProduct"], serialNumber: found.txt["serial"],
                             manufacturer: found.txt["manufacturer"], product: found.txt["product"],

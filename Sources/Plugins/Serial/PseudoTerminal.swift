@@ -40,7 +40,8 @@ enum PseudoTerminal {
         }
         let channel: ChannelBackend
         do {
-            channel = try await DescriptorChannel.adoptDuplicate(of: master, describing: "pty://\(peerPath)", buffering: request.buffering)
+            channel = try await DescriptorChannel.adoptDuplicate(of: master, describing: "pty://\(peerPath)", buffering: request.buffering,
+                                                                 hangUp: SerialBackend.hangUp("the pty \(peerPath)"))
         } catch {
             device.close()
             cleanup()
@@ -51,7 +52,7 @@ enum PseudoTerminal {
         metadata.peerPath = peerPath
         metadata.peerLink = link?.path
         return Connection(url: request.url,
-                          backend: SerialBackend(device: device, channel: channel, describing: "the pty \(peerPath)", cleanup: cleanup),
+                          backend: SerialBackend(device: device, channel: channel, cleanup: cleanup),
                           metadata: metadata)
     }
 

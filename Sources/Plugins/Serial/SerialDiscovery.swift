@@ -106,51 +106,11 @@ extension TTYDeviceInfo {
     }
 }
 
-/// `tty://usb/VID:PID?serial=…&interface=…&location=…`: which USB serial adapter to open.
-struct USBSelector: Sendable, CustomStringConvertible {
-    var vendorId: String
-    var productId: String
-    var serialNumber: String?
-    var interface: Int?
-    var location: String?
-
-    init(vendorId: String, productId: String, serialNumber: String? = nil, interface: Int? = nil, location: String? = nil) {
-        self.vendorId = vendorId.lowercased()
-        self.productId = productId.lowercased()
-        self.serialNumber = serialNumber
-        self.interface = interface
-        self.location = location
-    }
-
-    init(_ request: ConnectRequest) throws {
-        let text = request.url.path.split(separator: "/").joined(separator: "/")
-        let parts = text.split(separator: ":", omittingEmptySubsequences: false)
-        let shown = request.url.shown
-        guard parts.count == 2, Hex.value(parts[0], width: 4, as: UInt16.self) != nil, Hex.value(parts[1], width: 4, as: UInt16.self) != nil else {
-            throw TransportError(.invalidURL, "\(shown): after tty://usb/ comes VENDOR:PRODUCT as two 4-digit hex IDs, such as tty://usb/0403:6001 (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
-        }
-        let serial = request[SerialPlugin.serial]
-        let location = request[SerialPlugin.location]
-        for (name, value) in [("serial", serial), ("location", location)] where value?.isEmpty == true {
-            throw TransportError(.invalidURL, "\(shown): \(name)= is empty; give the adapter's \(name == "serial" ? "serial number" : "bus and port path (1-1.4)") or drop the option (`transportkit list` shows both)")
-        }
-        self.init(vendorId: String(parts[0]), productId: String(parts[1]), serialNumber: serial,
-                  interface: request[SerialPlugin.interface], location: location)
-    }
-
+extension USBSelector {
+    /// Whether a tty is on the selected adapter (and its interface, when the selector names one).
     func matches(_ device: TTYDeviceInfo) -> Bool {
-        device.vendorId == vendorId && device.productId == productId
-            && (serialNumber == nil || device.serialNumber == serialNumber)
-            && (interface == nil || device.interface == interface)
-            && (location == nil || device.location == location)
-    }
-
-    var description: String {
-        var text = "USB \(vendorId):\(productId)"
-        if let serialNumber { text += " serial \(TransportError.printable(serialNumber, limit: 80))" }
-        if let interface { text += " interface \(interface)" }
-        if let location { text += " at \(TransportError.printable(location, limit: 80))" }
-        return text
+        matches(vendorId: device.vendorId, productId: device.productId, serialNumber: device.serialNumber,
+                interface: device.interface, location: device.location)
     }
 }
 
@@ -217,16 +177,9 @@ enum SerialDiscovery {
 
     static func identityURL(_ info: TTYDeviceInfo) -> String {
         if let vendor = info.vendorId, let product = info.productId {
-            var query: [(name: String, value: String)] = []
-            if let serial = info.serialNumber, !serial.isEmpty {
-                query.append(("serial", serial))
-            } else if let location = info.location {
-                query.append(("location", location))
-            }
-            if let interface = info.interface, (info.usbInterfaceCount ?? 2) > 1 {
-                query.append(("interface", String(interface)))
-            }
-            return TransportURL(scheme: "tty", host: "usb", path: "/\(vendor):\(product)", query: query).description
+            let interface = (info.usbInterfaceCount ?? 2) > 1 ? info.interface : nil
+            return USBSelector.identity(vendorId: vendor, productId: product, serialNumber: info.serialNumber, interface: interface,
+                                        location: info.location).url(.tty).description
         }
         let link = info.links.first(where: { $0.hasPrefix("/dev/serial/by-id/") }) ?? info.links.first(where: { $0.hasPrefix("/dev/serial/by-path/") })
         let path: String = link ?? info.devnode ?? "/dev/" + info.sysName
@@ -252,6 +205,16 @@ enum SerialDiscovery {
         return NaturalKey(stem: name[..<stemEnd], number: Int(name[stemEnd...]) ?? -1)
     }
 
+    /// The selector of `tty://usb[:BAUD]/VID:PID[/SERIAL][?serial=…&interface=…&location=…]`.
+    static func selector(_ request: ConnectRequest) throws -> USBSelector {
+        // The path after the host `usb`: "/VID:PID", or "/VID:PID/SERIAL" (the serial's other spelling).
+        var segments = request.url.pathSegments[...]
+        if segments.first == "" { segments = segments.dropFirst() }
+        return try USBSelector(.tty, id: segments.first ?? "", segments: Array(segments.dropFirst()),
+                               serial: request[SerialPlugin.serial], interface: request[SerialPlugin.interface],
+                               location: request[SerialPlugin.location], shown: request.url.shown, grammar: request.scheme.grammar)
+    }
+
     /// Finds the one device a selector names; with `wait`, waits for it to arrive, until a little
     /// before `deadline` (then a timeout that names what did not arrive).
     static func resolve(_ selector: USBSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil,
@@ -274,7 +237,7 @@ enum SerialDiscovery {
 
     /// The single match, nil for none, or an error that lists several.
     static func choose(_ selector: USBSelector, among devices: [TTYDeviceInfo]) throws -> TTYDeviceInfo? {
-        let matches = sortedNaturally(devices.filter(selector.matches))
+        let matches = sortedNaturally(devices.filter { selector.matches($0) })
         guard matches.count <= 1 else {
             let list = matches.map { device in
                 "\(device.devnode ?? device.sysName) (serial \(device.serialNumber ?? "none"), interface \(device.interface.map(String.init) ?? "?"), at \(device.location ?? "?"))"

@@ -7,7 +7,8 @@
 //     tty://adapter:19200/dev/ttyUSB0            CornucopiaStreams' form: the port is the bit rate
 //     tty:///dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0
 //   tty://usb[:BAUD]/VID:PID[?serial=S&interface=N&location=BUS-PORT&OPTIONS]
-//     a USB adapter by identity, resolved through discovery at connect time
+//     a USB adapter by identity, resolved through discovery at connect time (USBSelector);
+//     tty://usb/VID:PID/SERIAL, the serial's other spelling, is read too
 //   pty://[?link=PATH&OPTIONS]
 //     a new pseudo-terminal; the connection is its master side and metadata.peerPath names
 //     the node (/dev/pts/N) another program opens as if it were a serial port. The peer side is
@@ -43,7 +44,7 @@ public struct SerialPlugin: TransportPlugin {
     static let exclusive = URLOption.bool("exclusive", default: true, help: "Lock the port (TIOCEXCL and flock) so no other program can open it")
     static let lowLatency = URLOption.bool("lowLatency", default: false,
                                         help: "Ask the driver to pass bytes on at once (ASYNC_LOW_LATENCY; FTDI latency timer 1 ms)")
-    static let serial = URLOption.string("serial", help: "tty://usb/…: the adapter's USB serial number")
+    static let serial = URLOption.string("serial", help: "tty://usb/…: the adapter's USB serial number (also written tty://usb/VID:PID/SERIAL)")
     static let interface = URLOption.integer("interface", in: 0...255, help: "tty://usb/…: the USB interface number (multi-port adapters, CDC-ACM)")
     static let location = URLOption.string("location", help: "tty://usb/…: the USB bus and port path, such as 1-1.4")
     static let wait = URLOption.bool("wait", default: false, help: "Wait (up to timeout) for the device to be plugged in instead of failing at once")
@@ -61,7 +62,8 @@ public struct SerialPlugin: TransportPlugin {
             Scheme(SchemeDescriptor(
                 scheme: "tty",
                 summary: "Serial port (termios): USB adapters, UARTs, by path, by-id link or USB identity",
-                grammar: "tty://[LABEL[:BAUD]]/DEVICE-PATH[?OPTIONS] | tty://usb[:BAUD]/VID:PID[?serial=S&interface=N&location=L&OPTIONS]",
+                grammar: "tty://[LABEL[:BAUD]]/DEVICE-PATH[?OPTIONS] | tty://usb[:BAUD]/VID:PID[?serial=S&interface=N&location=L&OPTIONS]"
+                    + " | tty://usb[:BAUD]/VID:PID/SERIAL[?OPTIONS]",
                 examples: ["tty:///dev/ttyUSB0?baud=115200", "tty://adapter:19200/dev/ttyUSB0",
                            "tty://usb/0403:6001?serial=A50285BI", "tty:///dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"],
                 host: .optional, port: .optional, portRange: 1...SerialSettings.maximumBaudRate, path: .required,
@@ -121,15 +123,15 @@ extension ConnectRequest {
 }
 
 /// A ``ConnectionBackend`` for a tty: bytes through a ``ChannelBackend`` on NIO's event loop
-/// (reading a duplicate of the descriptor), control through ``TTYDevice``.
+/// (reading a duplicate of the descriptor), control through ``TTYDevice``, and a close that
+/// waits for the driver to send what was written.
 ///
 /// A tty in raw mode never reports end-of-file; read(2) returns 0 only after a hang-up (USB
-/// adapter unplugged) and a pty master gets EIO once its peer is closed. Both end the connection
-/// with `.disconnected`, after every byte received before.
+/// adapter unplugged) and a pty master gets EIO once its peer is closed. The channel's
+/// `hangUp(_:)` ends the connection with `.disconnected` for both, after every byte received before.
 final class SerialBackend: ConnectionBackend, SerialControlling {
     let device: TTYDevice
     let channel: ChannelBackend
-    let describing: String
     /// `modemLineChanges()` threads, stopped before the descriptor closes.
     let modemWatches = ModemLineWatches()
     /// Extra cleanup after the descriptors are closed (a pty's peer side, its symlink), run once
@@ -138,11 +140,19 @@ final class SerialBackend: ConnectionBackend, SerialControlling {
     private let cleanedUp = Atomic<Bool>(false)
     let supportsHalfClose = false
 
-    init(device: TTYDevice, channel: ChannelBackend, describing: String, cleanup: @escaping @Sendable () -> Void = {}) {
+    init(device: TTYDevice, channel: ChannelBackend, cleanup: @escaping @Sendable () -> Void = {}) {
         self.device = device
         self.channel = channel
-        self.describing = describing
         self.extraCleanup = cleanup
+    }
+
+    /// What the channel of `describing` (such as "serial port /dev/ttyUSB0") reports when the
+    /// port goes away.
+    static func hangUp(_ describing: String) -> HangUp {
+        { errno, syscall in
+            TransportError(.disconnected, "\(describing) went away (adapter unplugged, or the other side of the pty closed); reconnect when it is back (?wait=true waits for it)",
+                           errno: errno, syscall: syscall)
+        }
     }
 
     private func cleanup() {
@@ -153,36 +163,21 @@ final class SerialBackend: ConnectionBackend, SerialControlling {
 
     func serialControl(through connection: Connection) -> any SerialControl { SerialPort(backend: self, connection: connection) }
 
-    func read() async throws -> ByteBuffer? {
-        try await untilGone { try await channel.read() }
-    }
+    func read() async throws -> ByteBuffer? { try await channel.read() }
 
     func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
-        try await untilGone { try await channel.readMessage(deadline: deadline) }
+        try await channel.readMessage(deadline: deadline)
     }
 
-    /// What `read` gives, with its end of stream and a disconnect both told as the port gone.
-    private func untilGone<Value>(_ read: () async throws -> Value?) async throws -> Value {
-        do {
-            guard let value = try await read() else { throw gone(errno: nil, syscall: nil) }
-            return value
-        } catch let error as TransportError where error.kind == .disconnected {
-            throw gone(errno: error.errno, syscall: error.syscall)
-        }
+    func write(_ buffer: ByteBuffer) async throws { try await channel.write(buffer) }
+
+    func write(_ buffer: ByteBuffer, deadline: ContinuousClock.Instant) async throws {
+        try await channel.write(buffer, deadline: deadline)
     }
 
-    func write(_ buffer: ByteBuffer) async throws {
-        do {
-            try await channel.write(buffer)
-        } catch let error as TransportError where error.kind == .disconnected {
-            throw gone(errno: error.errno, syscall: error.syscall)
-        }
-    }
+    var unreadByteCount: Int? { channel.unreadByteCount }
 
-    private func gone(errno: Errno?, syscall: String?) -> TransportError {
-        TransportError(.disconnected, "\(describing) went away (adapter unplugged, or the other side of the pty closed); reconnect when it is back (?wait=true waits for it)",
-                       errno: errno, syscall: syscall)
-    }
+    var unsentByteCount: Int? { channel.unsentByteCount }
 
     func closeWrite() async throws {
         throw TransportError(.unsupported, "a serial port cannot half-close; close the connection instead")

@@ -135,7 +135,7 @@ public struct SerialPort: SerialControl {
                     try Syscall.run("ioctl(TIOCSBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCSBRK)) }
                 }
             } else {
-                try device.withDescriptor { fd in
+                _ = try device.withDescriptor { fd in
                     try Syscall.run("ioctl(TIOCCBRK)", on: path) { ioctl(fd.rawValue, UInt(TIOCCBRK)) }
                 }
             }
@@ -173,6 +173,19 @@ public struct SerialPort: SerialControl {
     /// ```
     public func inputQueueBytes() throws -> Int {
         try queueBytes("input queue?", "ioctl(TIOCINQ)", UInt(FIONREAD))
+    }
+
+    /// Bytes a read can have now or as soon as TransportKit takes them from the driver, as
+    /// pyserial's `in_waiting` counts: what the connection holds for the application
+    /// (`Connection.unreadByteCount`) plus the driver's input queue (``inputQueueBytes()``).
+    ///
+    /// ```swift
+    /// if let port = connection.ttyPort, try port.bytesWaiting() >= 8 {
+    ///     let record = try await connection.readFrame(.fixedLength(8))
+    /// }
+    /// ```
+    public func bytesWaiting() throws -> Int {
+        try inputQueueBytes() + (connection.unreadByteCount ?? 0)
     }
 
     /// Bytes the driver still has to send (TIOCOUTQ).

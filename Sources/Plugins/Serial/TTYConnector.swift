@@ -32,7 +32,8 @@ enum TTYConnector {
             if request[SerialPlugin.lowLatency] {
                 notes["lowLatency"] = LowLatency.enable(fd: fd, path: path)
             }
-            channel = try await DescriptorChannel.adoptDuplicate(of: fd, describing: "tty://\(path)", buffering: request.buffering)
+            channel = try await DescriptorChannel.adoptDuplicate(of: fd, describing: "tty://\(path)", buffering: request.buffering,
+                                                                 hangUp: SerialBackend.hangUp("serial port \(path)"))
         } catch {
             // A connect that failed hands nothing over: the port gets its settings back.
             device.restoresOnClose.store(true, ordering: .relaxed)
@@ -49,7 +50,7 @@ enum TTYConnector {
         let metadata = ConnectionMetadata(name: record?.product ?? path, manufacturer: record?.manufacturer,
                                           model: record?.product, serialNumber: record?.serialNumber,
                                           remoteAddress: path, extra: notes.compactMapValues { $0 })
-        return Connection(url: request.url, backend: SerialBackend(device: device, channel: channel, describing: "serial port \(path)"),
+        return Connection(url: request.url, backend: SerialBackend(device: device, channel: channel),
                           metadata: metadata)
     }
 
@@ -59,7 +60,7 @@ enum TTYConnector {
     @Sendable static func check(_ request: ConnectRequest) async throws {
         _ = try request.ttySettings()
         if request.url.host?.lowercased() == "usb" {
-            _ = try USBSelector(request)
+            _ = try SerialDiscovery.selector(request)
             return
         }
         let path = try devicePath(request)
@@ -98,7 +99,7 @@ enum TTYConnector {
         let url = request.url
         let wait = request[SerialPlugin.wait]
         if url.host?.lowercased() == "usb" {
-            let selector = try USBSelector(request)
+            let selector = try SerialDiscovery.selector(request)
             let record = try await SerialDiscovery.resolve(selector, wait: wait, deadline: request.deadline, timeout: request.timeout)
             guard let node = record.devnode else {
                 throw TransportError(.notFound, "\(record.sysPath ?? "the device") matches \(selector) but has no device node")

@@ -12,7 +12,7 @@ import Synchronization
 /// `spy+usb://`, which trace them).
 ///
 /// ```swift
-/// let connection = try await Transport.connect(to: "usb://1d50:6089/0000000000000000a06063c8234e925f")
+/// let connection = try await Transport.connect(to: "usb://1d50:6089?serial=0000000000000000a06063c8234e925f")
 /// guard let usb = connection.usbDevice else { return }
 /// let descriptor = try await usb.controlIn(requestType: 0x80, request: 6, value: 0x0100, index: 0, length: 18)   // GET_DESCRIPTOR(DEVICE)
 /// try await usb.controlOut(requestType: 0x40, request: 0x01, value: 1, index: 0)   // a vendor request, no data

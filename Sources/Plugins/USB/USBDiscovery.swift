@@ -1,67 +1,11 @@
 // USBDiscovery.swift: USB devices as DeviceRecords (with identity URLs), identity resolution for
-// usb://VID:PID[/SERIAL][?location=…], waiting for a device to arrive, and hot-plug events. The
-// kernel interfaces are shared (TransportKitUdev): USBDevices reads sysfs, UdevMonitor delivers the
-// uevents of usb_device nodes.
+// usb://VID:PID[?serial=…&location=…] (and usb://VID:PID/SERIAL), waiting for a device to arrive,
+// and hot-plug events. The kernel interfaces are shared (TransportKitUdev): USBDevices reads sysfs,
+// UdevMonitor delivers the uevents of usb_device nodes, USBSelector reads and matches the identity.
 
 import TransportKitCore
 import TransportKitLinux
 import TransportKitUdev
-
-/// Which USB device a usb:// URL names.
-struct USBDeviceSelector: Sendable, CustomStringConvertible {
-    var vendorId: String
-    var productId: String
-    var serialNumber: String?
-    var location: String?
-
-    init(vendorId: String, productId: String, serialNumber: String? = nil, location: String? = nil) {
-        self.vendorId = vendorId.lowercased()
-        self.productId = productId.lowercased()
-        self.serialNumber = serialNumber
-        self.location = location
-    }
-
-    /// From `usb://VID:PID[/SERIAL]?location=…`: the one path segment after the "/" is the serial
-    /// number, percent-decoded (a serial with a "/" in it is written %2F, as `transportkit list`
-    /// writes it). An empty serial, or a second segment (`/A/B`), is refused.
-    init(_ request: ConnectRequest) throws {
-        let shown = request.url.shown
-        guard let id = request.url.usbDeviceID else {
-            throw TransportError(.invalidURL, "\(shown): expected usb://VID:PID with two 4-digit hex IDs (`transportkit list` shows them). Grammar: \(request.scheme.grammar)")
-        }
-        var serial: String?
-        let segments = request.url.pathSegments.dropFirst()
-        if let text = segments.first {
-            guard !text.isEmpty || segments.count > 1 else {
-                throw TransportError(.invalidURL, "\(shown): the serial number after '/' is empty; give it (usb://\(Hex.digits(id.vendor, width: 4)):\(Hex.digits(id.product, width: 4))/SERIAL) or drop the '/'. Grammar: \(request.scheme.grammar)")
-            }
-            guard segments.count == 1 else {
-                let written = TransportError.printable(segments.joined(separator: "/"), limit: 40)
-                throw TransportError(.invalidURL, "\(shown): '\(written)' is not one serial number: the serial is the one path segment after VID:PID "
-                                     + "(a '/' inside it is written %2F). To tell devices apart by where they are plugged in, use ?location=BUS-PORT. Grammar: \(request.scheme.grammar)")
-            }
-            serial = text
-        }
-        let location = request[USBPlugin.location]
-        if location?.isEmpty == true {
-            throw TransportError(.invalidURL, "\(shown): location= needs a bus and port path, such as location=1-1.4 (`transportkit list` shows it)")
-        }
-        self.init(vendorId: Hex.digits(id.vendor, width: 4), productId: Hex.digits(id.product, width: 4), serialNumber: serial, location: location)
-    }
-
-    func matches(_ device: USBDeviceInfo) -> Bool {
-        device.vendorId == vendorId && device.productId == productId
-            && (serialNumber == nil || device.serialNumber == serialNumber)
-            && (location == nil || device.location == location)
-    }
-
-    var description: String {
-        var text = "USB \(vendorId):\(productId)"
-        if let serialNumber { text += " serial \(TransportError.printable(serialNumber, limit: 80))" }
-        if let location { text += " at \(TransportError.printable(location, limit: 80))" }
-        return text
-    }
-}
 
 /// Hot-plug events of USB devices.
 typealias USBMonitor = UdevMonitor<USBDeviceInfo>
@@ -109,9 +53,21 @@ enum USBDiscovery {
         return ([interface.classTriple] + endpoints + ["driver \(interface.driver ?? "-")"]).joined(separator: ", ")
     }
 
+    /// The selector of `usb://VID:PID[/SERIAL][?serial=…&location=…]`. Its `interface=` is the
+    /// interface to claim, not part of the device's identity.
+    static func selector(_ request: ConnectRequest) throws -> USBSelector {
+        let url = request.url
+        // The path after VID:PID: "", or "/SERIAL" (the serial's other spelling).
+        var segments = url.pathSegments[...]
+        if segments.first == "" { segments = segments.dropFirst() }
+        return try USBSelector(.usb, id: (url.host ?? "") + ":" + (url.portText ?? ""), segments: Array(segments),
+                               serial: request[USBPlugin.serial], interface: nil, location: request[USBPlugin.location],
+                               shown: url.shown, grammar: request.scheme.grammar)
+    }
+
     /// Finds the one device a selector names; with `wait`, waits for it to arrive, until a little
     /// before `deadline` (then a timeout that names what did not arrive).
-    static func resolve(_ selector: USBDeviceSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil,
+    static func resolve(_ selector: USBSelector, wait: Bool, deadline: ContinuousClock.Instant? = nil,
                         timeout: Duration? = nil) async throws -> USBDeviceInfo {
         // Subscribe first when waiting, so an arrival between listing and waiting is not missed.
         // Either way every USB device is read: on Blocking's pool, not on the caller's thread.
@@ -130,12 +86,12 @@ enum USBDiscovery {
     }
 
     /// The single match, nil for none, or an error that lists several with what tells them apart.
-    static func choose(_ selector: USBDeviceSelector, among devices: [USBDeviceInfo]) throws -> USBDeviceInfo? {
-        let matches = sorted(devices.filter(selector.matches))
+    static func choose(_ selector: USBSelector, among devices: [USBDeviceInfo]) throws -> USBDeviceInfo? {
+        let matches = sorted(devices.filter { selector.matches($0) })
         guard matches.count <= 1 else {
             let list = matches.map { "serial \($0.serialNumber ?? "none") at \($0.location) (\(USBDevices.identityURL($0)))" }.joined(separator: "; ")
-            throw TransportError(.invalidURL, "ambiguous: \(matches.count) USB devices match \(selector): \(list). Give the serial number "
-                                 + "(usb://\(selector.vendorId):\(selector.productId)/SERIAL) or ?location= to choose one")
+            throw TransportError(.invalidURL, "ambiguous: \(matches.count) USB devices match \(selector): \(list). Add ?serial= "
+                                 + "(usb://\(selector.vendorId):\(selector.productId)?serial=SERIAL) or ?location= to choose one")
         }
         return matches.first
     }

@@ -3,10 +3,11 @@
 // (LibUSB.swift opens and claims, USBTransfers.swift moves the data).
 //
 // Grammar:
-//   usb://VID:PID[/SERIAL][?interface=N&alt=N&in=EP&out=EP&location=BUS-PORT&detach=BOOL&transfers=N
-//                         &transferSize=BYTES&zlp=BOOL&wait=BOOL&timeout=SECONDS]
-//     usb://1d50:6089/0000000000000000a06063c8234e925f     a HackRF by serial number
-//     usb://1d6b:0104?location=1-1                          the device plugged into bus 1, port 1
+//   usb://VID:PID[?serial=S&location=BUS-PORT&interface=N&alt=N&in=EP&out=EP&detach=BOOL&transfers=N
+//                 &transferSize=BYTES&zlp=BOOL&wait=BOOL&timeout=SECONDS]
+//   usb://VID:PID/SERIAL[?OPTIONS]      the serial's other spelling, still read (USBSelector)
+//     usb://1d50:6089?serial=0000000000000000a06063c8234e925f     a HackRF by serial number
+//     usb://1d6b:0104?location=1-1                                  the device plugged into bus 1, port 1
 // See Docs/Schemes.md.
 
 @_spi(Plugins) import TransportKitCore
@@ -29,6 +30,7 @@ public struct USBPlugin: TransportPlugin {
     static let alt = URLOption.integer("alt", in: 0...255, help: "The interface's alternate setting (default 0)")
     static let inEndpoint = URLOption.string("in", help: "The IN endpoint address, such as 0x81 (default: the interface's first bulk IN)")
     static let outEndpoint = URLOption.string("out", help: "The OUT endpoint address, such as 0x02 (default: the interface's first bulk OUT)")
+    static let serial = URLOption.string("serial", help: "The device's serial number (also written usb://VID:PID/SERIAL)")
     static let location = URLOption.string("location", help: "The bus and port path, such as 1-1.4: tells identical devices apart")
     static let detach = URLOption.bool("detach", default: false,
                                        help: "Take the interface from a kernel driver bound to it, and give it back on close")
@@ -43,10 +45,11 @@ public struct USBPlugin: TransportPlugin {
         [Scheme(SchemeDescriptor(
             scheme: "usb",
             summary: "USB device by identity: a bulk (or interrupt) IN and OUT endpoint pair through libusb",
-            grammar: "usb://VID:PID[/SERIAL][?interface=N&alt=N&in=EP&out=EP&location=BUS-PORT&detach=BOOL&transfers=N&transferSize=BYTES&zlp=BOOL&wait=BOOL]",
-            examples: ["usb://1d50:6089/0000000000000000a06063c8234e925f", "usb://1d6b:0104?location=1-1", "usb://0483:5740?interface=1&detach=true"],
+            grammar: "usb://VID:PID[?serial=S&location=BUS-PORT&interface=N&alt=N&in=EP&out=EP&detach=BOOL&transfers=N&transferSize=BYTES&zlp=BOOL&wait=BOOL]"
+                + " | usb://VID:PID/SERIAL[?OPTIONS]",
+            examples: ["usb://1d50:6089?serial=0000000000000000a06063c8234e925f", "usb://1d6b:0104?location=1-1", "usb://0483:5740?interface=1&detach=true"],
             authority: .usbDevice, host: .forbidden, port: .forbidden, path: .optional,
-            options: [Self.interface, Self.alt, Self.inEndpoint, Self.outEndpoint, Self.location, Self.detach, Self.transfers,
+            options: [Self.interface, Self.alt, Self.inEndpoint, Self.outEndpoint, Self.serial, Self.location, Self.detach, Self.transfers,
                       Self.transferSize, Self.zlp, Self.wait],
             exclusive: true, reachesDevice: true
         ), check: Self.check, connect: Self.connect)]
@@ -54,14 +57,14 @@ public struct USBPlugin: TransportPlugin {
 
     /// What a server checks before it listens: the device's identity and the endpoint addresses.
     @Sendable static func check(_ request: ConnectRequest) async throws {
-        _ = try USBDeviceSelector(request)
+        _ = try USBDiscovery.selector(request)
         _ = try parseEndpoint(request[inEndpoint], option: "in", describing: request.url.description)
         _ = try parseEndpoint(request[outEndpoint], option: "out", describing: request.url.description)
     }
 
     static func connect(_ request: ConnectRequest) async throws -> Connection {
         let describing = request.url.description
-        let selector = try USBDeviceSelector(request)
+        let selector = try USBDiscovery.selector(request)
         let input = try parseEndpoint(request[inEndpoint], option: "in", describing: describing)
         let output = try parseEndpoint(request[outEndpoint], option: "out", describing: describing)
         let device = try await USBDiscovery.resolve(selector, wait: request[wait], deadline: request.deadline, timeout: request.timeout)

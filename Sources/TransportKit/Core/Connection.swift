@@ -361,9 +361,7 @@ public final class Connection: Sendable {
         if backend.maximumWriteSize != nil {
             try await inTurn {
                 var rest = buffer
-                while rest.readableBytes > 0 {
-                    let limit = max(1, backend.maximumWriteSize ?? rest.readableBytes)
-                    guard let chunk = rest.readSlice(length: min(limit, rest.readableBytes)) else { break }
+                while let chunk = nextChunk(of: &rest) {
                     try await backend.write(chunk)
                     counters.written.add(chunk.readableBytes, ordering: .relaxed)
                 }
@@ -371,6 +369,65 @@ public final class Connection: Sendable {
         } else {
             try await backend.write(buffer)
             counters.written.add(buffer.readableBytes, ordering: .relaxed)
+        }
+    }
+
+    /// The next piece of `rest` that fits the transport's MTU (read before each piece: it may
+    /// change while connected); nil once `rest` is empty.
+    private func nextChunk(of rest: inout ByteBuffer) -> ByteBuffer? {
+        guard rest.readableBytes > 0 else { return nil }
+        return rest.readSlice(length: min(max(1, backend.maximumWriteSize ?? rest.readableBytes), rest.readableBytes))
+    }
+
+    /// Writes `bytes` if the transport takes them within `timeout`, as pyserial's `write_timeout`:
+    /// throws ``TransportError/Kind/timedOut`` when it does not (the peer stopped reading, flow
+    /// control holds a serial port). On tcp, unix, tty, pty, rfcomm, tls and ws connections the
+    /// write then sent nothing: it waits for room before it hands anything over. Elsewhere part of
+    /// it may have gone, and the error says so.
+    ///
+    /// ```swift
+    /// do {
+    ///     try await port.write(command, timeout: .seconds(1))
+    /// } catch let error as TransportError where error.kind == .timedOut {
+    ///     print("the device is not reading: \(error.message)")
+    /// }
+    /// ```
+    public func write(_ bytes: [UInt8], timeout: Duration) async throws {
+        try await write(ByteBuffer(bytes: bytes), timeout: timeout)
+    }
+
+    /// Writes the UTF-8 bytes of `text` within `timeout`; see ``write(_:timeout:)-([UInt8],_)``.
+    public func write(_ text: String, timeout: Duration) async throws {
+        try await write(ByteBuffer(string: text), timeout: timeout)
+    }
+
+    /// Writes a `ByteBuffer` within `timeout`; see ``write(_:timeout:)-([UInt8],_)``. On a transport
+    /// with an MTU the deadline covers every chunk; chunks sent before it passed stay sent.
+    public func write(_ buffer: ByteBuffer, timeout: Duration) async throws {
+        try checkWritable()
+        guard buffer.readableBytes > 0 else { return }
+        let deadline = ContinuousClock.now + timeout
+        var sent = 0
+        do {
+            if backend.maximumWriteSize != nil {
+                try await inTurn {
+                    var rest = buffer
+                    while let chunk = nextChunk(of: &rest) {
+                        try await backend.write(chunk, deadline: deadline)
+                        sent += chunk.readableBytes
+                        counters.written.add(chunk.readableBytes, ordering: .relaxed)
+                    }
+                }
+            } else {
+                try await backend.write(buffer, deadline: deadline)
+                counters.written.add(buffer.readableBytes, ordering: .relaxed)
+            }
+        } catch let passed as WriteDeadlinePassed {
+            let what = passed.nothingSent
+                ? (sent == 0 ? "nothing of it was sent" : "\(sent) of its \(buffer.readableBytes) bytes were sent")
+                : "part of it may have been sent"
+            throw TransportError(.timedOut, "writing \(buffer.readableBytes) bytes to \(url.shown) took longer than \(timeout.secondsText): "
+                                 + "\(what); the peer is not reading, or flow control holds the line")
         }
     }
 
@@ -403,7 +460,7 @@ public final class Connection: Sendable {
     public func writeMessage(_ typed: TransportMessage) async throws {
         let message = typed.payload
         guard carriesMessages else {
-            throw TransportError(.unsupported, "\(url.scheme):// carries a byte stream without message boundaries; write bytes, or frame them with writeFrame(_:prefix:)")
+            throw TransportError(.unsupported, "\(url.scheme):// carries a byte stream without message boundaries; write bytes, or frame them with writeFrame(_:_:)")
         }
         try checkWritable()
         try await inTurn {
@@ -521,6 +578,21 @@ public final class Connection: Sendable {
     /// if connection.unsentByteCount != 0 { connection.abort() }   // the peer stopped reading
     /// ```
     public var unsentByteCount: Int? { backend.unsentByteCount }
+
+    /// Bytes received and not read yet that a read can have without waiting: what the connection
+    /// holds (the rest of a chunk a read cut short, bytes a frame read put back) plus what the
+    /// transport holds for it; `nil` when the transport cannot tell. Bytes still in the kernel or
+    /// a device's driver are not counted (a serial port's `bytesWaiting()` adds them).
+    ///
+    /// ```swift
+    /// if connection.unreadByteCount ?? 0 >= 4 {
+    ///     let header = try await connection.readFrame(.fixedLength(4))   // there already
+    /// }
+    /// ```
+    public var unreadByteCount: Int? {
+        guard let held = backend.unreadByteCount else { return nil }
+        return held + state.withLock { $0.leftover?.payload.readableBytes ?? 0 }
+    }
 
     func setLogger(_ logger: Logger) {
         state.withLock { $0.logger = logger }

@@ -1,4 +1,17 @@
 import NIOCore
+import SystemPackage
+
+/// The error a backend reports when its device, link or peer goes away without a close of ours:
+/// given the errno and the system call when there was one (`nil` for a plain end of stream).
+/// ``ChannelBackend`` and `PacketSocketBackend` take one, so that every read and write of a
+/// connection to a serial adapter or a Bluetooth device says the same thing when it is gone.
+///
+/// ```swift
+/// let hangUp: HangUp = { errno, syscall in
+///     TransportError(.disconnected, "serial port \(path) went away; reconnect when it is back", errno: errno, syscall: syscall)
+/// }
+/// ```
+public typealias HangUp = @Sendable (_ errno: Errno?, _ syscall: String?) -> TransportError
 
 /// What a plugin implements to carry bytes. ``Connection`` wraps it with everything else
 /// (counters, leftovers, read timeouts, message reads, chunking to the MTU, closing exactly once).
@@ -55,6 +68,10 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     /// ``close()`` cut short would drop: 0 when none, `nil` when the backend cannot tell (the
     /// default). A close that takes long with 0 here is releasing, not delivering.
     var unsentByteCount: Int? { get }
+    /// Bytes received and held for the application, not read yet (an inbound queue's content):
+    /// `nil` when the backend cannot tell (the default). ``Connection/unreadByteCount`` adds what
+    /// the connection itself holds.
+    var unreadByteCount: Int? { get }
     /// The next message with its kind, on a backend that ``carriesMessages``; `nil` at the end.
     /// Backends whose messages have kinds (WebSocket) implement it; the default reads a
     /// ``TransportMessage/Kind/binary`` message with ``read()``. A ``WrappingBackend`` that should
@@ -68,6 +85,28 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     /// next read). The default races ``readMessage()`` against a timer in a task group; a backend
     /// that parks its reader itself (``InboundQueue/next(deadline:)``) does it without a task.
     func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage?
+    /// ``write(_:)``, waiting at most until `deadline`: throws ``WriteDeadlinePassed`` when it
+    /// passes first, saying whether nothing of `buffer` was sent. The default races ``write(_:)``
+    /// against a timer (so part may have gone); a backend that can wait for room before it hands
+    /// anything over (``ChannelBackend``) sends all or nothing.
+    func write(_ buffer: ByteBuffer, deadline: ContinuousClock.Instant) async throws
+}
+
+/// What ``ConnectionBackend/write(_:deadline:)`` throws when the deadline passed before the write
+/// was accepted; ``Connection/write(_:timeout:)-(ByteBuffer,_)`` turns it into a
+/// ``TransportError/Kind/timedOut`` error that names the connection.
+///
+/// ```swift
+/// throw WriteDeadlinePassed(nothingSent: true)   // no room came: nothing of the bytes was handed over
+/// ```
+public struct WriteDeadlinePassed: Error, Sendable {
+    /// `true` when none of the bytes was handed to the transport; `false` when part may have been.
+    public let nothingSent: Bool
+
+    /// The error; `nothingSent` as the backend knows it.
+    public init(nothingSent: Bool) {
+        self.nothingSent = nothingSent
+    }
 }
 
 /// What ``ConnectionBackend/readMessage(deadline:)`` throws when the deadline passed with nothing
@@ -93,6 +132,8 @@ extension ConnectionBackend {
     public func connectionDropped() {}
     /// `nil` by default: the backend cannot tell.
     public var unsentByteCount: Int? { nil }
+    /// `nil` by default: the backend cannot tell.
+    public var unreadByteCount: Int? { nil }
     /// By default the next ``read()`` chunk as a ``TransportMessage/Kind/binary`` message; `nil` at the end.
     public func readMessage() async throws -> TransportMessage? {
         try await read().map { TransportMessage(.binary, $0) }
@@ -110,6 +151,14 @@ extension ConnectionBackend {
             throw ReadDeadlinePassed()
         }
         return message
+    }
+
+    /// By default races ``write(_:)`` against a timer: at the deadline the write is cancelled,
+    /// and part of it may have been sent (``WriteDeadlinePassed/nothingSent`` is `false`).
+    public func write(_ buffer: ByteBuffer, deadline: ContinuousClock.Instant) async throws {
+        guard try await withDeadline(deadline, { try await self.write(buffer) }) != nil else {
+            throw WriteDeadlinePassed(nothingSent: false)
+        }
     }
 }
 
@@ -185,6 +234,8 @@ extension WrappingBackend {
     public var maximumWriteSize: Int? { wrapped.maximumWriteSize }
     /// The wrapped connection's: a wrapper that queues bytes of its own says so itself.
     public var unsentByteCount: Int? { wrapped.unsentByteCount }
+    /// The wrapped connection's: a wrapper that holds or transforms bytes of its own says so itself.
+    public var unreadByteCount: Int? { wrapped.unreadByteCount }
     /// Does nothing by default.
     public func willPerform(_ operation: ControlOperation) {}
     /// Does nothing by default.

@@ -119,12 +119,59 @@ extension Connection {
         return String(decoding: line, as: UTF8.self)
     }
 
-    /// Writes `payload` behind its length field.
-    public func writeFrame(_ payload: [UInt8], prefix: LengthPrefix) async throws {
-        guard payload.count <= prefix.maximum else {
-            throw TransportError(.io, "a \(payload.count)-byte frame does not fit a \(prefix.width)-byte length field")
+    /// Writes `payload` as one frame that ``readFrame(_:maxLength:timeout:)`` with the same
+    /// `framing` reads back whole, in one write:
+    /// - `.delimiter(d)`: the payload, then `d`. A payload that contains `d` is refused (the
+    ///   reader would cut it there).
+    /// - `.fixedLength(n)`: the payload, which must be exactly `n` bytes.
+    /// - `.lengthPrefixed(p)`: the length field, then the payload; refused when the payload does
+    ///   not fit the field (more than 255 bytes for `.uint8`, 65,535 for `.uint16`).
+    /// - `.interByteTimeout`: the payload as it is; the reader cuts it where the line goes
+    ///   silent, so leave the gap before the next frame.
+    ///
+    /// - Throws: `.misuse` for a payload the framing cannot carry (nothing is written), and what
+    ///   `write(_:)` throws.
+    ///
+    /// ```swift
+    /// try await connection.writeFrame(Array("hello".utf8), .lengthPrefixed(.uint16(.big)))   // 00 05 h e l l o
+    /// try await modem.writeFrame(Array("ATZ".utf8), .delimiter("\r"))
+    /// ```
+    public func writeFrame(_ payload: [UInt8], _ framing: Framing) async throws {
+        switch framing {
+        case .delimiter(let delimiter):
+            precondition(!delimiter.isEmpty, "the delimiter must not be empty")
+            if let at = Self.firstIndex(of: delimiter, in: payload) {
+                throw TransportError.misuse("a frame for \(url.shown) contains its delimiter at byte \(at); the reader would cut it there "
+                                            + "(escape it, or use .lengthPrefixed framing)")
+            }
+            try await write(payload + delimiter)
+        case .fixedLength(let length):
+            guard payload.count == length else {
+                throw TransportError.misuse("a \(payload.count)-byte frame for \(url.shown) is not the framing's \(length) bytes")
+            }
+            try await write(payload)
+        case .lengthPrefixed(let prefix):
+            guard payload.count <= prefix.maximum else {
+                throw TransportError.misuse("a \(payload.count)-byte frame does not fit a \(prefix.width)-byte length field (at most \(prefix.maximum) bytes)")
+            }
+            try await write(prefix.encode(payload.count) + payload)
+        case .interByteTimeout:
+            try await write(payload)
         }
-        try await write(prefix.encode(payload.count) + payload)
+    }
+
+    /// Writes `payload` behind its length field: ``writeFrame(_:_:)`` with `.lengthPrefixed(prefix)`.
+    @available(*, deprecated, renamed: "writeFrame(_:_:)", message: "write writeFrame(payload, .lengthPrefixed(prefix)), as readFrame spells it")
+    public func writeFrame(_ payload: [UInt8], prefix: LengthPrefix) async throws {
+        try await writeFrame(payload, .lengthPrefixed(prefix))
+    }
+
+    /// Where `pattern` first starts in `bytes`, if it does.
+    private static func firstIndex(of pattern: [UInt8], in bytes: [UInt8]) -> Int? {
+        guard bytes.count >= pattern.count else { return nil }
+        return (0...(bytes.count - pattern.count)).first { start in
+            bytes[start] == pattern[0] && bytes[start..<(start + pattern.count)].elementsEqual(pattern)
+        }
     }
 
     /// The frames of the inbound stream as an `AsyncSequence`; it ends with the stream.

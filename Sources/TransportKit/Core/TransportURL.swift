@@ -4,7 +4,9 @@
 /// schemes of this field need and RFC 3986 parsers reject:
 /// - a Bluetooth address as host: `rfcomm://00:0a:3a:22:68:73` (host = MAC), and
 ///   `rfcomm://00:0a:3a:22:68:73:3` (port = channel 3);
-/// - IPv6 literals in brackets: `tcp://[::1]:4000` (host = `::1`);
+/// - IPv6 literals in brackets: `tcp://[::1]:4000` (host = `::1`), with a zone as RFC 6874 writes
+///   it, `%25` then the zone: `tcp://[fe80::1%25eth0]:4000` (host = `fe80::1%eth0`); a bare `%`
+///   before the zone (`[fe80::1%eth0]`, as ping and ip write it) is read too;
 /// - any number as port: `tty://adapter:19200/dev/ttyUSB0` (port = bit rate), `ble://FFF0:128` (PSM);
 /// - a USB device as `VID:PID` in hexadecimal: `usb://1546:01a7` (``usbDeviceID``; not host and port);
 /// - wrappers around any URL: `spy+tcp://127.0.0.1:4000?spy.format=raw`. Each `+` adds a layer; a
@@ -197,7 +199,12 @@ public struct TransportURL: Sendable, Hashable, CustomStringConvertible {
             if URLParser.isMACAddress(host) {
                 text += host
             } else if host.contains(":") && URLParser.isIPv6Literal(host) {
-                text += "[" + host + "]"
+                // RFC 6874: the zone's '%' is written "%25", the zone itself percent-encoded.
+                if let percent = host.firstIndex(of: "%") {
+                    text += "[" + host[..<percent] + "%25" + TransportURL.percentEncoded(String(host[host.index(after: percent)...])) + "]"
+                } else {
+                    text += "[" + host + "]"
+                }
             } else {
                 // A ':' that came percent-encoded (tcp://x%3Ay:1) goes back percent-encoded.
                 text += TransportURL.percentEncoded(host)
@@ -363,8 +370,7 @@ enum URLParser {
             guard isIPv6Literal(hostPart) else {
                 throw fail(string, "'\(hostPart)' is not an IPv6 address")
             }
-            // A zone such as fe80::1%eth0 is taken verbatim, not percent-decoded.
-            return (String(hostPart), portPart.map(String.init))
+            return (try zoned(hostPart, in: string), portPart.map(String.init))
         }
         let colons = authority.utf8.count { $0 == UInt8(ascii: ":") }
         if colons <= 1 {
@@ -433,6 +439,25 @@ enum URLParser {
     static func isMACAddress(_ text: String) -> Bool {
         let groups = text.split(separator: ":", omittingEmptySubsequences: false)
         return groups.count == 6 && groups.allSatisfy { $0.count == 2 && $0.allSatisfy({ $0.isASCII && $0.isHexDigit }) }
+    }
+
+    /// An IPv6 literal's text with its zone decoded: RFC 6874's `fe80::1%25eth0`, and the bare
+    /// `fe80::1%eth0` that ping(8) and ip(8) print, are both `fe80::1%eth0`. After `%25` the zone
+    /// is percent-decoded; after a bare `%` it is taken as written.
+    static func zoned(_ literal: Substring, in string: String) throws -> String {
+        guard let percent = literal.firstIndex(of: "%") else { return String(literal) }
+        let address = literal[..<percent]
+        let rest = literal[literal.index(after: percent)...]
+        let zone: String
+        if rest.hasPrefix("25") {
+            zone = try decode(rest.dropFirst(2), in: string, what: "the IPv6 zone")
+        } else {
+            zone = String(rest)
+        }
+        guard !zone.isEmpty, !zone.contains("%") else {
+            throw fail(string, "'\(literal)' has no zone after '%' (write it as RFC 6874 does: [fe80::1%25eth0])")
+        }
+        return address + "%" + zone
     }
 
     /// Percent-decodes `text`; refuses malformed escapes, invalid UTF-8 and control characters.

@@ -24,10 +24,13 @@ public enum DescriptorChannel {
     /// adopted (not an open stream socket) it is closed here. `closeWrite()` shuts down the sending
     /// direction (the peer reads an end). A SOCK_SEQPACKET socket is refused: SwiftNIO's reads
     /// would cut records larger than its buffer; ``PacketSocketBackend`` carries those.
+    /// `hangUp` and `shutsDownOnClose` are `ChannelBackend`'s (a Bluetooth link that drops, a
+    /// socket bluetoothd holds too).
     public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String,
                                    buffering: Buffering = .standard, messages: Bool = false, messageKinds: Bool = false,
                                    supportsHalfClose: Bool = true,
-                                   configure: @escaping @Sendable (any Channel) throws -> Void = { _ in }) async throws -> ChannelBackend {
+                                   configure: @escaping @Sendable (any Channel) throws -> Void = { _ in },
+                                   hangUp: HangUp? = nil, shutsDownOnClose: Bool = false) async throws -> ChannelBackend {
         // SwiftNIO traps on a descriptor it cannot use (EBADF); check first.
         var type: Int32 = 0
         var length = socklen_t(MemoryLayout<Int32>.size)
@@ -47,7 +50,8 @@ public enum DescriptorChannel {
                     channel.eventLoop.makeCompletedFuture {
                         try configure(channel)
                         return try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: supportsHalfClose, messages: messages,
-                                                          messageKinds: messageKinds, buffering: buffering)
+                                                          messageKinds: messageKinds, buffering: buffering, hangUp: hangUp,
+                                                          shutsDownOnClose: shutsDownOnClose)
                     }
                 }
         } catch {
@@ -57,9 +61,10 @@ public enum DescriptorChannel {
 
     /// Puts duplicates of a tty or pipe descriptor on the event loop (one for reading, one for
     /// writing, as SwiftNIO's pipe channel wants); the caller keeps `fd` (and closes it), the
-    /// channel owns and closes the duplicates.
+    /// channel owns and closes the duplicates. `hangUp` is `ChannelBackend`'s: a tty whose
+    /// adapter is unplugged, a pty whose other side closed.
     public static func adoptDuplicate(of fd: SystemPackage.FileDescriptor, describing: String,
-                                      buffering: Buffering = .standard) async throws -> ChannelBackend {
+                                      buffering: Buffering = .standard, hangUp: HangUp? = nil) async throws -> ChannelBackend {
         // SwiftNIO refuses regular files before it takes the descriptors, and would hand them back
         // unclosed: refuse them here, before duplicating anything.
         var info = stat()
@@ -79,7 +84,7 @@ public enum DescriptorChannel {
             return try await NIOPipeBootstrap(group: MultiThreadedEventLoopGroup.singleton)
                 .takingOwnershipOfDescriptors(input: input.rawValue, output: output.rawValue) { channel in
                     channel.eventLoop.makeCompletedFuture {
-                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: false, buffering: buffering)
+                        try ChannelBackend.install(on: channel, describing: describing, supportsHalfClose: false, buffering: buffering, hangUp: hangUp)
                     }
                 }
         } catch {

@@ -39,7 +39,7 @@ public final class PacketSocketBackend: ConnectionBackend {
     /// Reads and writes inside a readiness wait or a system call on `fd`; closes it once they left.
     private let gate: DescriptorGate
     private let reader = AsyncCondition<Task<Void, Never>?>(nil)
-    private let hangUp: @Sendable (Errno?) -> TransportError
+    private let hangUp: HangUp
     /// The socket is AF_UNIX (read once, at adoption).
     private let isUnixSocket: Bool
 
@@ -51,9 +51,10 @@ public final class PacketSocketBackend: ConnectionBackend {
     ///   - receiveSize: the largest record expected (the receive MTU); a longer one is cut (MSG_TRUNC).
     ///   - maximumWriteSize: the largest record the peer accepts (the send MTU); the connection chunks writes to it.
     ///   - watermarks: where reading pauses while the application does not read.
-    ///   - hangUp: the error that ends the connection when the peer goes away (with the errno, if any).
+    ///   - hangUp: the error that ends the connection when the peer goes away (with the errno and
+    ///     the call, `recv` or `send`, if any).
     public init(adopting fd: SystemPackage.FileDescriptor, describing: String, receiveSize: Int, maximumWriteSize: Int?,
-                watermarks: InboundQueue.Watermarks = .standard, hangUp: @escaping @Sendable (Errno?) -> TransportError) {
+                watermarks: InboundQueue.Watermarks = .standard, hangUp: @escaping HangUp) {
         self.fd = fd
         gate = DescriptorGate(fd)
         self.describing = describing
@@ -81,6 +82,9 @@ public final class PacketSocketBackend: ConnectionBackend {
     public func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
         try await inbound.next(deadline: deadline).map { TransportMessage(.binary, $0) }
     }
+
+    /// Bytes of the records received and queued for the reader (an empty record counts as one).
+    public var unreadByteCount: Int? { inbound.bufferedBytes }
 
     /// For an AF_UNIX socket, the bytes sent that its peer has not received yet (SIOCOUTQ, unix(7)),
     /// and 0 once it is closed (AF_UNIX keeps what was sent in the receiver's queue, so closing
@@ -113,7 +117,7 @@ public final class PacketSocketBackend: ConnectionBackend {
                 throw TransportError.posix("send", errno: .messageTooLong, what: describing,
                                            hint: "a write of \(bytes.count) bytes is larger than the peer accepts (\(maximumWriteSize.map(String.init) ?? "?") bytes)")
             case .failure(let errno) where Self.hangUps.contains(errno):
-                throw hangUp(errno)
+                throw hangUp(errno, "send")
             case .failure(let errno):
                 throw TransportError.posix("send", errno: errno, what: describing)
             }
@@ -158,7 +162,7 @@ public final class PacketSocketBackend: ConnectionBackend {
             switch result {
             case .success(0):
                 gate.leave()
-                inbound.fail(hangUp(nil))
+                inbound.fail(hangUp(nil, nil))
                 return
             case .success(let count):
                 gate.leave()
@@ -179,7 +183,7 @@ public final class PacketSocketBackend: ConnectionBackend {
             case .failure(let errno):
                 gate.leave()
                 if gate.isClosed { return }
-                inbound.fail(Self.hangUps.contains(errno) ? hangUp(errno) : TransportError.posix("recv", errno: errno, what: describing))
+                inbound.fail(Self.hangUps.contains(errno) ? hangUp(errno, "recv") : TransportError.posix("recv", errno: errno, what: describing))
                 return
             }
         }

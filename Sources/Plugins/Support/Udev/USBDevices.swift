@@ -175,20 +175,16 @@ public enum USBDevices {
             endpoints: endpoints.sorted { $0.address < $1.address })
     }
 
-    /// `usb://VID:PID/SERIAL` when the device has a serial number (the serial percent-encoded),
-    /// else `usb://VID:PID?location=BUS-PORT`: the URL that reaches this device after a replug.
+    /// `usb://VID:PID?serial=SERIAL` when the device has a serial number (percent-encoded where it
+    /// is not URL-safe), else `usb://VID:PID?location=BUS-PORT`: the URL that reaches this device
+    /// after a replug (``USBSelector/identity(vendorId:productId:serialNumber:interface:location:)``).
     public static func identityURL(_ device: USBDeviceInfo) -> String {
         identityURL(vendorId: device.vendorId, productId: device.productId, serialNumber: device.serialNumber, location: device.location)
     }
 
     /// The same from the parts (a tty's USB ancestry names them too).
     public static func identityURL(vendorId: String, productId: String, serialNumber: String?, location: String) -> String {
-        // A serial the URL could not carry (a control character in it) gives way to the location;
-        // a "/" in it is written %2F, which stays inside the one path segment.
-        if let serialNumber, !serialNumber.isEmpty, !serialNumber.unicodeScalars.contains(where: { $0.value < 0x20 || $0.value == 0x7F }) {
-            return TransportURL(scheme: "usb", host: vendorId, portText: productId, segments: [serialNumber]).description
-        }
-        return TransportURL(scheme: "usb", host: vendorId, portText: productId, segments: [], query: [("location", location)]).description
+        USBSelector.identity(vendorId: vendorId, productId: productId, serialNumber: serialNumber, location: location).url(.usb).description
     }
 
     /// "usbN": a root hub (the host controller's own, virtual, device).

@@ -15,7 +15,7 @@ import Synchronization
 ///   written are therefore also counted, and past ``Buffering/inFlight``'s high mark (4 MiB in
 ///   ``Buffering/standard``) the writer waits until its low mark is left.
 ///
-/// Built in one step: ``install(on:describing:supportsHalfClose:messages:messageKinds:buffering:)`` adds the
+/// Built in one step: ``install(on:describing:supportsHalfClose:messages:messageKinds:buffering:hangUp:shutsDownOnClose:)`` adds the
 /// backend's handler at the end of the pipeline, on the channel's event loop, before a byte can
 /// arrive. Handlers a plugin adds first (TLS, a WebSocket codec) sit in front of it; the backend
 /// reads and writes `ByteBuffer`s, and with `messages: true` each inbound `ByteBuffer` is a message.
@@ -34,6 +34,10 @@ import Synchronization
 ///
 /// Ownership: the backend owns the channel and closes it in ``close()``, or at once in
 /// ``connectionDropped()`` when the application let its connection go without closing.
+///
+/// A device or link that can vanish (a serial adapter unplugged, a Bluetooth link dropped) passes
+/// a ``HangUp``: every end this side did not ask for (end of stream, or a `.disconnected` error
+/// from a read or a write) is then reported as that error, after every byte received before it.
 public final class ChannelBackend: ConnectionBackend {
     /// The channel this backend reads and writes.
     public let channel: any Channel
@@ -65,6 +69,11 @@ public final class ChannelBackend: ConnectionBackend {
     public let inFlightCap: Int
     /// Where a writer held at ``inFlightCap`` goes on.
     public let inFlightResume: Int
+    /// The error an end this side did not ask for becomes; `nil`: an end of stream is `nil` from
+    /// `read`, a disconnect the channel's own error.
+    private let hangUp: HangUp?
+    /// The socket is shut down before it is closed (``connectionDroppedShuttingDown()``).
+    private let shutsDownOnClose: Bool
 
     private struct WriteState {
         var failure: TransportError?
@@ -72,8 +81,10 @@ public final class ChannelBackend: ConnectionBackend {
     }
 
     private init(channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool, messageKinds: Bool,
-                 buffering: Buffering) {
+                 buffering: Buffering, hangUp: HangUp?, shutsDownOnClose: Bool) {
         self.channel = channel
+        self.hangUp = hangUp
+        self.shutsDownOnClose = shutsDownOnClose
         self.inFlightCap = buffering.inFlight.high
         self.inFlightResume = buffering.inFlight.low
         self.describing = describing
@@ -100,10 +111,16 @@ public final class ChannelBackend: ConnectionBackend {
     ///   - messageKinds: `true` when the handlers in front pass ``TransportMessage`` values both
     ///     ways (implies `messages`).
     ///   - buffering: how much the backend holds each way (``ConnectRequest/buffering``).
+    ///   - hangUp: for a device or link that can vanish, the error every end this side did not ask
+    ///     for becomes (end of stream included); `nil` keeps ends of stream and the channel's errors.
+    ///   - shutsDownOnClose: `true` for a socket another process holds a descriptor of too (one
+    ///     bluetoothd handed over): closing shuts it down first, which a close alone would not.
     public static func install(on channel: any Channel, describing: String, supportsHalfClose: Bool, messages: Bool = false,
-                               messageKinds: Bool = false, buffering: Buffering = .standard) throws -> ChannelBackend {
+                               messageKinds: Bool = false, buffering: Buffering = .standard, hangUp: HangUp? = nil,
+                               shutsDownOnClose: Bool = false) throws -> ChannelBackend {
         let backend = ChannelBackend(channel: channel, describing: describing, supportsHalfClose: supportsHalfClose,
-                                     messages: messages, messageKinds: messageKinds, buffering: buffering)
+                                     messages: messages, messageKinds: messageKinds, buffering: buffering,
+                                     hangUp: hangUp, shutsDownOnClose: shutsDownOnClose)
         if let options = channel.syncOptions {
             try options.setOption(.writeBufferWaterMark, value: .init(low: buffering.outbound.low, high: buffering.outbound.high))
             try options.setOption(.maxMessagesPerRead, value: UInt(buffering.readsPerWakeup))
@@ -129,20 +146,35 @@ public final class ChannelBackend: ConnectionBackend {
     /// task that prefers it is resumed inside the read that brought its bytes.
     public var preferredExecutor: (any TaskExecutor)? { executor }
 
-    /// The next chunk from the inbound queue.
+    /// The next chunk from the inbound queue; with a ``HangUp``, never `nil`.
     public func read() async throws -> ByteBuffer? {
         if carriesMessageKinds { return try await readMessage()?.payload }
-        return try await inbound.next()
+        guard let hangUp else { return try await inbound.next() }
+        return try await Self.untilHangUp(hangUp) { try await inbound.next() }
     }
 
     /// The next message with its kind (``TransportMessage/Kind/binary`` without `messageKinds`).
     public func readMessage() async throws -> TransportMessage? {
-        message(try await inbound.next())
+        guard let hangUp else { return message(try await inbound.next()) }
+        return message(try await Self.untilHangUp(hangUp) { try await inbound.next() })
     }
 
     /// ``readMessage()`` until `deadline`, parked in the calling task (``InboundQueue/next(deadline:)``).
     public func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
-        message(try await inbound.next(deadline: deadline))
+        guard let hangUp else { return message(try await inbound.next(deadline: deadline)) }
+        return message(try await Self.untilHangUp(hangUp) { try await inbound.next(deadline: deadline) })
+    }
+
+    /// What `read` gives, with its end of stream and a disconnect both told as `hangUp`.
+    private static func untilHangUp<Value>(_ hangUp: HangUp, _ read: () async throws -> Value?) async throws -> Value {
+        let value: Value?
+        do {
+            value = try await read()
+        } catch let error as TransportError where error.kind == .disconnected {
+            throw hangUp(error.errno, error.syscall)
+        }
+        guard let value else { throw hangUp(nil, nil) }
+        return value
     }
 
     private func message(_ payload: ByteBuffer?) -> TransportMessage? {
@@ -170,7 +202,39 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
-    private func send<Data: Sendable>(_ data: Data, size: Int) async throws {
+    /// ``write(_:)`` all or nothing by `deadline`: waits for room (the channel writable, the bytes
+    /// in flight under ``inFlightCap``) before it hands anything over, and not after. When the
+    /// deadline passes first, nothing of `buffer` was sent (``WriteDeadlinePassed``).
+    public func write(_ buffer: ByteBuffer, deadline: ContinuousClock.Instant) async throws {
+        let noRoom = !channel.isWritable || inFlight.load(ordering: .relaxed) > inFlightCap
+        if noRoom {
+            do {
+                let room: Void? = try await withDeadline(deadline) { [self] in
+                    try await writers.wait { [self] in channel.isWritable && inFlight.load(ordering: .relaxed) <= inFlightCap }
+                }
+                if room == nil { throw WriteDeadlinePassed(nothingSent: true) }
+            } catch let error as TransportError where error.kind == .disconnected && hangUp != nil {
+                throw hangUp.map { $0(error.errno, error.syscall) } ?? error
+            }
+        }
+        if carriesMessageKinds {
+            try await send(TransportMessage(.binary, buffer), size: buffer.readableBytes, waitForRoom: false)
+        } else {
+            try await send(buffer, size: buffer.readableBytes, waitForRoom: false)
+        }
+    }
+
+    private func send<Data: Sendable>(_ data: Data, size: Int, waitForRoom: Bool = true) async throws {
+        guard let hangUp else { return try await handOverAndWait(data, size: size, waitForRoom: waitForRoom) }
+        do {
+            try await handOverAndWait(data, size: size, waitForRoom: waitForRoom)
+        } catch let error as TransportError where error.kind == .disconnected {
+            throw hangUp(error.errno, error.syscall)
+        }
+    }
+
+    /// Hands `data` over, then (with `waitForRoom`) waits while the channel has no room for more.
+    private func handOverAndWait<Data: Sendable>(_ data: Data, size: Int, waitForRoom: Bool) async throws {
         if let failure = takeUnreportedWriteFailure() { throw failure }
         // Counted before the hand-over: on the event loop the write may complete inside it.
         let inFlightNow = inFlight.add(size, ordering: .relaxed).newValue
@@ -182,7 +246,7 @@ public final class ChannelBackend: ConnectionBackend {
             // `whenComplete` called off the loop would queue a second job of its own.
             eventLoop.execute { [self] in handOver(data, size: size) }
         }
-        if !channel.isWritable || inFlightNow > inFlightCap {
+        if waitForRoom && (!channel.isWritable || inFlightNow > inFlightCap) {
             // Checked again under the gate's lock. The handler signals when NIO makes the channel
             // writable; the completion that brings the bytes in flight down to the resume mark too.
             try await writers.wait { [self] in
@@ -212,6 +276,9 @@ public final class ChannelBackend: ConnectionBackend {
     /// Bytes handed to the channel that it has not yet written to the kernel (what the kernel
     /// holds is sent after a close too).
     public var unsentByteCount: Int? { max(inFlight.load(ordering: .relaxed), 0) }
+
+    /// Bytes received and queued for the reader (an empty message counts as one).
+    public var unreadByteCount: Int? { inbound.bufferedBytes }
 
     /// Drops bytes received but not read yet (a serial port's input flush) and resumes reading
     /// from the kernel if it was paused for them.
@@ -246,8 +313,18 @@ public final class ChannelBackend: ConnectionBackend {
     }
 
     /// Waits for the bytes in flight, closes the channel, and reports a write that failed after
-    /// it was accepted.
+    /// it was accepted. With `shutsDownOnClose`, shuts the socket down first (after the bytes in
+    /// flight; shutdown(2) of an RFCOMM socket ends the link after what is queued).
     public func close() async throws {
+        if shutsDownOnClose {
+            do {
+                try await closeWrite()
+            } catch {
+                // A write that failed is reported here, and the channel still closed.
+                try? await channel.close().get()
+                throw error
+            }
+        }
         await flushPendingWrites()
         do {
             try await channel.close().get()
@@ -262,8 +339,9 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
-    /// Closes the channel at once.
+    /// Closes the channel at once (shut down first with `shutsDownOnClose`).
     public func connectionDropped() {
+        if shutsDownOnClose { return connectionDroppedShuttingDown() }
         channel.close(promise: nil)
     }
 
