@@ -77,6 +77,9 @@ struct FramingTests {
         // What the framing cannot carry is refused before anything is written.
         let inside = await expectTransportError(.misuse) { try await c.writeFrame(Array("a\r\nb".utf8), .delimiter("\r\n")) }
         #expect(inside?.message.contains("contains its delimiter at byte 1") == true, "\(inside?.message ?? "")")
+        // A delimiter that overlaps itself: "x\r\n" then "\r\n\r\n" would read back as "x".
+        let overlap = await expectTransportError(.misuse) { try await c.writeFrame(Array("x\r\n".utf8), .delimiter("\r\n\r\n")) }
+        #expect(overlap?.message.contains("at byte 1") == true, "\(overlap?.message ?? "")")
         let short = await expectTransportError(.misuse) { try await c.writeFrame([1, 2, 3], .fixedLength(4)) }
         #expect(short?.message.contains("3-byte frame") == true && short?.message.contains("4 bytes") == true, "\(short?.message ?? "")")
         try await c.write([0x55])

@@ -90,7 +90,10 @@ struct TransportURLTests {
         #expect(try TransportURL("tcp://[fe80::1%25en%201]:80").host == "fe80::1%en 1")
         #expect(try TransportURL("tcp://[fe80::1%25en%201]:80").description == "tcp://[fe80::1%25en%201]:80")
         #expect(TransportURL(scheme: "tcp", host: "fe80::1%eth0", port: 80).description == "tcp://[fe80::1%25eth0]:80")
-        for bad in ["tcp://[fe80::1%]:80", "tcp://[fe80::1%25]:80", "tcp://[fe80::1%25%]:80"] {
+        // "%25" alone is the bare zone "25" (an interface index), which RFC 6874 writes "%2525".
+        #expect(try TransportURL("tcp://[fe80::1%25]:80").host == "fe80::1%25")
+        #expect(try TransportURL(TransportURL("tcp://[fe80::1%25]:80").description).host == "fe80::1%25")
+        for bad in ["tcp://[fe80::1%]:80", "tcp://[fe80::1%25%]:80", "tcp://[fe80::1%25a%25b]:80"] {
             #expect(throws: TransportError.self, "\(bad)") { try TransportURL(bad) }
         }
     }

@@ -18,6 +18,7 @@
 //   flowControl, link (a pty always carries 8 data bits without parity). A driver that keeps other
 //   framing than asked for is an error (Termios.apply). See Docs/Schemes.md.
 
+import Glibc
 import NIOCore
 import SystemPackage
 import Synchronization
@@ -177,7 +178,16 @@ final class SerialBackend: ConnectionBackend, SerialControlling {
 
     var unreadByteCount: Int? { channel.unreadByteCount }
 
-    var unsentByteCount: Int? { channel.unsentByteCount }
+    /// TransportKit's bytes in flight plus the driver's output queue (TIOCOUTQ), which close()
+    /// waits for and an abort discards; nil when the driver's cannot be read (the port is closed).
+    var unsentByteCount: Int? {
+        guard let inFlight = channel.unsentByteCount,
+              let driver = try? device.withDescriptor({ fd -> Int? in
+                  var count: Int32 = 0
+                  return ioctl(fd.rawValue, UInt(TIOCOUTQ), &count) == 0 ? Int(count) : nil
+              }) else { return nil }
+        return inFlight + driver
+    }
 
     func closeWrite() async throws {
         throw TransportError(.unsupported, "a serial port cannot half-close; close the connection instead")

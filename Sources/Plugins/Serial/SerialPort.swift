@@ -185,7 +185,10 @@ public struct SerialPort: SerialControl {
     /// }
     /// ```
     public func bytesWaiting() throws -> Int {
-        try inputQueueBytes() + (connection.unreadByteCount ?? 0)
+        // TransportKit's share first: bytes that move from the driver into it between the two
+        // readings are then missed, never counted twice (a caller trusts the count not to wait).
+        let held = connection.unreadByteCount ?? 0
+        return held + (try inputQueueBytes())
     }
 
     /// Bytes the driver still has to send (TIOCOUTQ).

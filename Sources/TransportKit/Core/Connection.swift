@@ -382,8 +382,8 @@ public final class Connection: Sendable {
     /// Writes `bytes` if the transport takes them within `timeout`, as pyserial's `write_timeout`:
     /// throws ``TransportError/Kind/timedOut`` when it does not (the peer stopped reading, flow
     /// control holds a serial port). On tcp, unix, tty, pty, rfcomm, tls and ws connections the
-    /// write then sent nothing: it waits for room before it hands anything over. Elsewhere part of
-    /// it may have gone, and the error says so.
+    /// write then sent nothing: it waits for room before it hands anything over. Elsewhere (and
+    /// through wrappers such as spy+) part of it may have gone, and the error says so.
     ///
     /// ```swift
     /// do {
@@ -410,7 +410,7 @@ public final class Connection: Sendable {
         var sent = 0
         do {
             if backend.maximumWriteSize != nil {
-                try await inTurn {
+                try await inTurn(until: deadline) {
                     var rest = buffer
                     while let chunk = nextChunk(of: &rest) {
                         try await backend.write(chunk, deadline: deadline)
@@ -480,11 +480,21 @@ public final class Connection: Sendable {
     }
 
     /// Runs `body` while no other chunked write runs.
-    private func inTurn(_ body: () async throws -> Void) async throws {
-        try await writeTurn.wait { (taken: inout Bool) -> Void? in
-            if taken { return nil }
-            taken = true
-            return ()
+    /// With `deadline`, the wait for the turn ends there too (``WriteDeadlinePassed``, nothing
+    /// sent): another writer held up by a peer that stopped reading must not hold this one for ever.
+    private func inTurn(until deadline: ContinuousClock.Instant? = nil, _ body: () async throws -> Void) async throws {
+        let take: @Sendable () async throws -> Void = { [writeTurn] in
+            try await writeTurn.wait { (taken: inout Bool) -> Void? in
+                if taken { return nil }
+                taken = true
+                return ()
+            }
+        }
+        if let deadline {
+            // resultWins: a turn taken as the timer fired is this writer's, and is given back below.
+            guard try await withDeadline(deadline, resultWins: true, take) != nil else { throw WriteDeadlinePassed(nothingSent: true) }
+        } else {
+            try await take()
         }
         defer { writeTurn.update { $0 = false } }
         try await body()

@@ -140,7 +140,9 @@ extension Connection {
         switch framing {
         case .delimiter(let delimiter):
             precondition(!delimiter.isEmpty, "the delimiter must not be empty")
-            if let at = Self.firstIndex(of: delimiter, in: payload) {
+            // Searched in the payload with its delimiter: a delimiter that overlaps itself ("\r\n\r\n"
+            // after a payload ending in "\r\n") would otherwise end the frame early.
+            if let at = Self.firstIndex(of: delimiter, in: payload + delimiter), at < payload.count {
                 throw TransportError.misuse("a frame for \(url.shown) contains its delimiter at byte \(at); the reader would cut it there "
                                             + "(escape it, or use .lengthPrefixed framing)")
             }
@@ -161,7 +163,7 @@ extension Connection {
     }
 
     /// Writes `payload` behind its length field: ``writeFrame(_:_:)`` with `.lengthPrefixed(prefix)`.
-    @available(*, deprecated, renamed: "writeFrame(_:_:)", message: "write writeFrame(payload, .lengthPrefixed(prefix)), as readFrame spells it")
+    @available(*, deprecated, message: "write writeFrame(payload, .lengthPrefixed(prefix)), as readFrame spells it")
     public func writeFrame(_ payload: [UInt8], prefix: LengthPrefix) async throws {
         try await writeFrame(payload, .lengthPrefixed(prefix))
     }

@@ -449,13 +449,18 @@ enum URLParser {
         let address = literal[..<percent]
         let rest = literal[literal.index(after: percent)...]
         let zone: String
-        if rest.hasPrefix("25") {
+        // "%25" and more is RFC 6874's spelling; "%25" alone is the bare zone "25" (an interface
+        // index), which the RFC spelling writes "%2525".
+        if rest.hasPrefix("25"), rest.count > 2 {
             zone = try decode(rest.dropFirst(2), in: string, what: "the IPv6 zone")
         } else {
             zone = String(rest)
         }
-        guard !zone.isEmpty, !zone.contains("%") else {
+        guard !zone.isEmpty else {
             throw fail(string, "'\(literal)' has no zone after '%' (write it as RFC 6874 does: [fe80::1%25eth0])")
+        }
+        guard !zone.contains("%") else {
+            throw fail(string, "the zone of '\(literal)' contains a '%'; no interface name does")
         }
         return address + "%" + zone
     }

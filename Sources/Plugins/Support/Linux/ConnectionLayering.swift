@@ -193,6 +193,8 @@ final class LayeredBackend: WrappingBackend {
     var preferredExecutor: (any TaskExecutor)? { top.preferredExecutor }
     /// Not known: the relay between the layers and the wrapped connection holds bytes of its own.
     var unsentByteCount: Int? { nil }
+    /// What the top of the stack (the decrypted side) holds for the reader.
+    var unreadByteCount: Int? { top.unreadByteCount }
 
     func read() async throws -> ByteBuffer? {
         do {

@@ -273,8 +273,10 @@ public final class ChannelBackend: ConnectionBackend {
         }
     }
 
-    /// Bytes handed to the channel that it has not yet written to the kernel (what the kernel
-    /// holds is sent after a close too).
+    /// Bytes handed to the channel that it has not yet written to the kernel. What a socket's
+    /// kernel queue holds is sent after a close too: TCP's, and RFCOMM's, whose close queues its
+    /// DISC behind the data (`__rfcomm_dlc_close`). A tty's driver queue is not: a tty backend
+    /// adds TIOCOUTQ itself.
     public var unsentByteCount: Int? { max(inFlight.load(ordering: .relaxed), 0) }
 
     /// Bytes received and queued for the reader (an empty message counts as one).
