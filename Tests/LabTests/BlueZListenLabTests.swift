@@ -233,7 +233,9 @@ struct BlueZListenLabTests {
         _ = try await Self.setUp()
         let again = try await Transport.listen(on: "rfcomm://any?uuid=\(Self.service)")
         let next = Self.acceptOne(again)
-        let client = try await BlueZLabTests.connect("rfcomm://\(controllers.peripheralText)?adapter=hci0&uuid=\(Self.service)")
+        // As after the pairing test: a refusal that lasts (the new bluetoothd's pairing wanted a
+        // confirmation nobody gives; 2 of 4 runs of 1b19809) gets the devices forgotten and one more try.
+        let client = try await Self.connectAfterAPairingTest("rfcomm://\(controllers.peripheralText)?adapter=hci0&uuid=\(Self.service)")
         let server = try #require(try await next.value, "a connection through the new bluetoothd")
         try await client.close()
         try? await server.close()

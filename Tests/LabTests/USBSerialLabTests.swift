@@ -27,7 +27,7 @@ struct USBSerialLabTests {
         #expect((device["links"] as? [String])?.contains(Gadget.byID) == true, "\(device["links"] ?? "none")")
         #expect(device["url"] as? String == "\(Gadget.selector)&interface=0")
         // The tty row links to its USB device, which is listed too, with its two CDC interfaces.
-        let usbURL = "usb://\(Gadget.vendorID):\(Gadget.productID)/\(Gadget.serial)"
+        let usbURL = "usb://\(Gadget.vendorID):\(Gadget.productID)?serial=\(Gadget.serial)"
         #expect((device["properties"] as? [String: String])?["usbDevice"] == usbURL, "\(device)")
         let usb = try #require(objects.first { $0["url"] as? String == usbURL }, "\(result.stdout)")
         #expect((usb["properties"] as? [String: String])?["interface.0"]?.contains("driver cdc_acm") == true, "\(usb)")
