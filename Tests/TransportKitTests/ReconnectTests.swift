@@ -274,7 +274,7 @@ struct ReconnectTests {
             let serial = try #require(device.serialPort)
             return (client, device, Task { await session.serve(serial) })
         }
-        let connecting = Task { try await Transport.connect(to: "reconnect+rfc2217://127.0.0.1:\(port)?baud=19200&\(Self.quick)") }
+        let connecting = Task { try await Transport.connect(to: "reconnect+rfc2217://127.0.0.1:\(port)?baud=19200&answerTimeout=20&\(Self.quick)") }
         let first = try await serveOne()
         let connection = try await connecting.value
         let events = Gathered(connection.events())
