@@ -181,11 +181,7 @@ final class SerialBackend: ConnectionBackend, SerialControlling {
     /// TransportKit's bytes in flight plus the driver's output queue (TIOCOUTQ), which close()
     /// waits for and an abort discards; nil when the driver's cannot be read (the port is closed).
     var unsentByteCount: Int? {
-        guard let inFlight = channel.unsentByteCount,
-              let driver = try? device.withDescriptor({ fd -> Int? in
-                  var count: Int32 = 0
-                  return ioctl(fd.rawValue, UInt(TIOCOUTQ), &count) == 0 ? Int(count) : nil
-              }) else { return nil }
+        guard let inFlight = channel.unsentByteCount, let driver = try? device.queuedBytes("ioctl(TIOCOUTQ)", UInt(TIOCOUTQ)) else { return nil }
         return inFlight + driver
     }
 

@@ -199,10 +199,7 @@ public struct SerialPort: SerialControl {
     /// One of the driver's queue counts (TIOCINQ, TIOCOUTQ), as a traced control call.
     private func queueBytes(_ operation: String, _ call: String, _ request: UInt) throws -> Int {
         try connection.performControl(ControlOperation(operation), describe: { "\($0) bytes" }) {
-            let fd = try device.descriptor()
-            var count: Int32 = 0
-            try Syscall.run(call, on: path) { ioctl(fd.rawValue, request, &count) }
-            return Int(count)
+            try device.queuedBytes(call, request)
         }
     }
 
@@ -262,6 +259,16 @@ final class TTYDevice: Sendable {
     func descriptor() throws -> FileDescriptor {
         guard let fd = self.fd.withLock({ $0 }) else { throw TransportError(.disconnected, "the serial port \(path) is closed") }
         return fd
+    }
+
+    /// One of the driver's queue counts (`call` names the request: TIOCINQ, TIOCOUTQ), read under
+    /// the descriptor's lock.
+    func queuedBytes(_ call: String, _ request: UInt) throws -> Int {
+        try withDescriptor { fd in
+            var count: Int32 = 0
+            try Syscall.run(call, on: path) { ioctl(fd.rawValue, request, &count) }
+            return Int(count)
+        }
     }
 
     /// Runs `body` with the descriptor under the lock `close()` takes, so the number is neither
