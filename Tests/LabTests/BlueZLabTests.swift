@@ -72,33 +72,53 @@ struct BlueZLabTests {
     /// RFCOMM connects between the two controllers fail with EACCES or ECONNRESET; BlueZListenLabTests
     /// starts each test with this and ends with it. LE connects then need a discovery again.
     static func forgetDevices() async throws {
+        // Until neither adapter has a device object or a link left (up to 10 s). RemoveDevice
+        // disconnects in the background, and a link still up can bring an object back (an LE link
+        // of a GATT test before): an LE-only object for the other controller left on hci1 makes
+        // bluetoothd drop every BR/EDR profile connection from it ("device not found" in
+        // src/profile.c's create_conn): the likely cause of an RFCOMM listener that accepted
+        // nothing for 20 s while its reconnect+ client connected, in one CI run.
+        let until = ContinuousClock.now + .seconds(10)
+        var clearedKeys = false
+        var left = (devices: [String](), links: 0)
+        while true {
+            left = (try await removeDeviceObjects(), 0)
+            if !clearedKeys {
+                // The kernel's link keys too (mgmt Load Link Keys with none, `btmgmt keys`), in case
+                // a device object went while its key stayed: a responder that still holds a key for
+                // the initiator leaves a new Just Works pairing to user space
+                // (hci_user_confirm_request_evt: "Local host already has link key"), which
+                // bluetoothd refuses without an agent. A guess at the occasional EACCES "pairing
+                // failed"; it did not stop it (OptionModeLabTests).
+                for index in ["0", "1"] { _ = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "keys"]) }
+                clearedKeys = true
+            }
+            // So that the next test pairs afresh on a new link rather than reusing one whose
+            // security a removed key set up (an RFCOMM connect right after was refused, EACCES
+            // "pairing failed", in one CI run).
+            for index in ["0", "1"] {
+                let listed = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "con"])
+                left.links += listed.stdout.split(separator: "\n").filter { $0.contains("type") && $0.split(separator: ":").count >= 6 }.count
+            }
+            if left.devices.isEmpty && left.links == 0 { return }
+            guard ContinuousClock.now < until else { break }
+            try await Task.sleep(for: .milliseconds(100))
+        }
+        print("lab: forgetDevices: after 10 s, still \(left.links) link(s) and device objects \(left.devices)")
+    }
+
+    /// Asks bluetoothd to remove every device object it has; returns the paths it had.
+    static func removeDeviceObjects() async throws -> [String] {
         let bus = try DBusConnection(.system)
         let reply = try await bus.call(destination: "org.bluez", path: "/", interface: "org.freedesktop.DBus.ObjectManager", member: "GetManagedObjects")
+        var removed: [String] = []
         for (path, interfaces) in reply.first?.dictionary ?? [:] {
             guard let adapter = interfaces.dictionary?["org.bluez.Device1"]?.dictionary?["Adapter"]?.text else { continue }
+            removed.append(path)
             _ = try? await bus.call(destination: "org.bluez", path: adapter, interface: "org.bluez.Adapter1", member: "RemoveDevice", [.objectPath(path)])
         }
         await bus.close()
-        // The kernel's link keys too (mgmt Load Link Keys with none, `btmgmt keys`), in case a
-        // device object went while its key stayed: a responder that still holds a key for the
-        // initiator leaves a new Just Works pairing to user space (hci_user_confirm_request_evt:
-        // "Local host already has link key"), which bluetoothd refuses without an agent. A guess
-        // at the occasional EACCES "pairing failed"; it did not stop it (OptionModeLabTests).
-        for index in ["0", "1"] { _ = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "keys"]) }
-        // RemoveDevice disconnects in the background: wait (up to 5 s) until neither controller has
-        // a link left, so that the next test pairs afresh on a new link rather than reusing one
-        // whose security a removed key set up (an RFCOMM connect right after was refused, EACCES
-        // "pairing failed", in one CI run).
-        let until = ContinuousClock.now + .seconds(5)
-        while ContinuousClock.now < until {
-            var links = 0
-            for index in ["0", "1"] {
-                let listed = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "con"])
-                links += listed.stdout.split(separator: "\n").filter { $0.contains("type") && $0.split(separator: ":").count >= 6 }.count
-            }
-            if links == 0 { return }
-            try await Task.sleep(for: .milliseconds(100))
-        }
+        return removed
     }
 
     /// Connects, retrying while the peer's listener is not up yet (refused) for up to 10 s, and
