@@ -48,7 +48,7 @@ struct OptionModeLabTests {
     static let covered: Set<String> = [
         "rfcomm:// connection to a channel", "rfcomm:// connection found through SDP", "rfcomm:// listener",
         "ble:// L2CAP connection", "ble:// GATT serial connection", "ble:// L2CAP listener", "ble:// GATT serial listener",
-        "usb:// connection", "tty:// connection to a USB adapter", "tty:// connection to a device node",
+        "usb:// connection", "usb:// control-only connection", "tty:// connection to a USB adapter", "tty:// connection to a device node",
     ]
 
     /// The options of `mode` that `url` does not give (as the plain suite's `missing`).
@@ -786,7 +786,7 @@ struct OptionModeLabTests {
             #expect(busy?.message.contains("detach=true") == true, "without detach=: \(String(describing: busy))")
 
             let url = USBLabTests.url + "&interface=0&alt=0&in=0x81&out=0x02&location=\(location)&detach=true"
-                + "&transfers=3&transferSize=1024&zlp=true&wait=true&timeout=10"
+                + "&transfers=3&transferSize=1024&zlp=true&wait=true&timeout=10&controlOnly=false"
             #expect(try Self.missing(url, mode: "usb:// connection", scheme: "usb").isEmpty)
             // usbmon's text trace of the bus, while the connection lives.
             // SIGKILL: the test process's children inherit a signal mask that blocks timeout's SIGTERM.
@@ -819,6 +819,63 @@ struct OptionModeLabTests {
             #expect(!ins.isEmpty && ins.allSatisfy { $0 == 1024 }, "transferSize=1024: IN transfers of 1024 bytes: \(ins)")
             let outs = submitted("Bo")
             #expect(outs.max() == 1024 && outs.contains(3000 - 2 * 1024), "transferSize=1024: writes cut into 1024-byte transfers: \(outs)")
+        } catch {
+            Issue.record(error)
+        }
+        _ = try await Lab.run("/sbin/rmmod", ["usbserial"])
+    }
+
+    /// Issue 30, item 7: a device reached for its control requests alone. The loopback gadget has
+    /// a bulk pair, but the control-only mode never looks at it; usbserial_generic bound to its
+    /// interface shows what is claimed and what is not.
+    @Test func usbControlOnlyTakesEveryOption() async throws {
+        try await Lab.ctl("usb-loopback", "plug")
+        let record = try #require(try await USBPlugin().devices(includeAll: false).first { $0.url == USBLabTests.url })
+        let location = try #require(record.location)
+        let node = try #require(record.devnode)
+        _ = try await Lab.run("/sbin/modprobe", ["usbserial", "vendor=0x1d6b", "product=0x0104"])
+        let tty = "/dev/ttyUSB0"
+        do {
+            #expect(await eventually(10) { access(tty, F_OK) == 0 }, "usbserial_generic made no \(tty)")
+            // Without interface=, nothing is claimed: the driver keeps its interface, and requests
+            // to the device go through; reads and writes are refused, saying why.
+            let plain = try await Transport.connect(to: USBLabTests.url + "&controlOnly=true")
+            let usb = try #require(plain.usbDevice)
+            let descriptor = try await usb.controlIn(requestType: 0x80, request: 6, value: 0x0100, index: 0, length: 18)
+            #expect(Array(descriptor.dropFirst(8).prefix(4)) == [0x6b, 0x1d, 0x04, 0x01], "GET_DESCRIPTOR(DEVICE): \(descriptor)")
+            #expect(access(tty, F_OK) == 0, "no interface claimed: usbserial_generic keeps its tty")
+            #expect(plain.metadata.extra["controlOnly"] == "true" && plain.metadata.extra["interface"] == nil && plain.metadata.extra["in"] == nil,
+                    "\(plain.metadata.extra)")
+            let read = await #expect(throws: TransportError.self) { _ = try await plain.read() }
+            #expect(read?.kind == .unsupported && read?.message.contains("control transfers only (controlOnly=true)") == true, "\(String(describing: read))")
+            let write = await #expect(throws: TransportError.self) { try await plain.write([1, 2]) }
+            #expect(write?.kind == .unsupported, "\(String(describing: write))")
+            #expect(try await usb.controlIn(requestType: 0x80, request: 6, value: 0x0100, index: 0, length: 18) == descriptor,
+                    "a refused read leaves the connection up")
+            try await plain.close()
+
+            // Every option of the mode: interface=0 (alt 0) claimed, taken from usbserial_generic
+            // with detach=true and given back on close.
+            let url = USBLabTests.url + "&controlOnly=true&interface=0&alt=0&location=\(location)&detach=true&wait=true&timeout=10"
+            #expect(try Self.missing(url, mode: "usb:// control-only connection", scheme: "usb").isEmpty)
+            let claimed = try await Transport.connect(to: url)
+            #expect(await eventually(5) { access(tty, F_OK) != 0 }, "detach=true took the interface from usbserial_generic")
+            #expect(claimed.metadata.extra["interface"] == "0" && claimed.metadata.extra["alt"] == "0", "\(claimed.metadata.extra)")
+            #expect(try await claimed.usbDevice?.controlIn(requestType: 0x80, request: 6, value: 0x0100, index: 0, length: 18) == descriptor)
+            let busy = await expectLabError(.busy) { try await Transport.connect(to: USBLabTests.url) }
+            #expect(busy != nil, "the claimed interface is busy for a streaming connect")
+            try await claimed.close()
+            #expect(await eventually(10) { access(tty, F_OK) == 0 }, "usbserial_generic got the interface back on close")
+
+            // Unplugged under a control-only connection: the next request says the device went away.
+            let gone = try await Transport.connect(to: USBLabTests.url + "&controlOnly=true")
+            try await Lab.ctl("usb-loopback", "unplug")
+            #expect(await eventually(10) { access(node, F_OK) != 0 }, "\(node) left")
+            let unplugged = await #expect(throws: TransportError.self) {
+                _ = try await gone.usbDevice?.controlIn(requestType: 0x80, request: 6, value: 0x0100, index: 0, length: 18)
+            }
+            #expect(unplugged?.kind == .disconnected, "\(String(describing: unplugged))")
+            try? await gone.close()
         } catch {
             Issue.record(error)
         }

@@ -39,6 +39,7 @@ struct OptionModeTests {
         "ble:// GATT serial listener": "ble://nus",
         "ea:// connection": "ea://com.example",
         "usb:// connection": "usb://0403:6001",
+        "usb:// control-only connection": "usb://0403:6001?controlOnly=true",
         "tls:// connection": "tls://127.0.0.1:9",
         "tls:// listener": "tls://127.0.0.1:0",
         "tls+ over another URL": "tls+loop://",
@@ -74,6 +75,8 @@ struct OptionModeTests {
     /// The URL of `sample` with `spec` added (with its wrapper prefix).
     static func url(_ sample: String, adding spec: OptionSpec, wrapper: String?) -> String {
         let name = wrapper.map { "\($0).\(spec.name)" } ?? spec.name
+        // The option that selects the sample's mode is in it already.
+        if sample.contains("?\(name)=") || sample.contains("&\(name)=") { return sample }
         return sample + (sample.contains("?") ? "&" : "?") + "\(name)=\(value(for: spec))"
     }
 
@@ -154,6 +157,44 @@ struct OptionModeTests {
         let problems = descriptor.declarationProblems().joined(separator: "; ")
         #expect(problems.contains("uses the option 'ghost', which the scheme does not declare"), "\(problems)")
         #expect(problems.contains("the option 'stray' is used by none of the modes"), "\(problems)")
+    }
+
+    @Test func aBooleanOptionTurnedOnSelectsItsMode() throws {
+        let descriptor = try #require(Transport.registry.descriptor(for: "usb"))
+        for (query, mode) in [("?controlOnly=true", "usb:// control-only connection"), ("?controlOnly", "usb:// control-only connection"),
+                              ("?CONTROLONLY=yes", "usb:// control-only connection"), ("?controlOnly=false", "usb:// connection"),
+                              ("", "usb:// connection")] {
+            #expect(descriptor.mode(for: try TransportURL("usb://0403:6001\(query)"), role: .connect)?.name == mode, "\(query)")
+        }
+        let error = #expect(throws: TransportError.self) { try Transport.registry.resolve("usb://0403:6001?controlOnly=maybe", role: .connect) }
+        #expect(error?.kind == .invalidURL && error?.message.contains("controlOnly") == true, "\(String(describing: error))")
+        let refused = #expect(throws: TransportError.self) { try Transport.registry.resolve("usb://0403:6001?controlOnly=true&transfers=8", role: .connect) }
+        #expect(refused?.message.contains("option 'transfers' is not used by this mode, usb:// control-only connection") == true,
+                "\(String(describing: refused))")
+    }
+
+    @Test func aModeSelectedByAnOptionThatIsNotABooleanOfItsOwnIsRefusedAtRegistration() {
+        let on = URLOption.bool("on", default: false, help: "Selects")
+        let name = URLOption.string("name", help: "Not a boolean")
+        let descriptor = SchemeDescriptor(scheme: "switched", summary: "", grammar: "switched://", host: .forbidden, port: .forbidden, path: .forbidden,
+                                          options: [on, name],
+                                          modes: [SchemeMode("switched:// by name", form: "switched://?name=X", selectedBy: name, options: [name]),
+                                                  SchemeMode("switched:// on", form: "switched://?on", selectedBy: on, options: [name]),
+                                                  SchemeMode("switched:// connection", form: "switched://", options: [on, name])])
+        let problems = descriptor.declarationProblems().joined(separator: "; ")
+        #expect(problems.contains("'switched:// by name' is selected by 'name', which is not a boolean option"), "\(problems)")
+        #expect(problems.contains("'switched:// on' is selected by 'on' but does not list it among its options"), "\(problems)")
+    }
+
+    @Test func usbControlOnlyRefusesAltOrDetachWithoutAnInterfaceBeforeWaitingForTheDevice() async throws {
+        for (option, says) in [("alt=1", "alt= sets the alternate setting"), ("detach=true", "detach=true takes the claimed interface")] {
+            let started = ContinuousClock.now
+            let error = await expectTransportError(.invalidURL) {
+                try await Transport.connect(to: "usb://0403:6001?controlOnly=true&\(option)&wait=true&timeout=20")
+            }
+            #expect(error?.message.contains(says) == true && error?.message.contains("give interface= too") == true, "\(String(describing: error))")
+            #expect(ContinuousClock.now - started < .seconds(5), "refused before waiting for the device")
+        }
     }
 
     // MARK: - Every option of a mode, and its effect

@@ -1,9 +1,10 @@
 import Foundation
 import Glibc
+import NIOCore
 import Synchronization
 import TestSupport
 import Testing
-@testable import TransportKit
+@_spi(Plugins) @testable import TransportKit
 @testable import TransportKitSerial
 
 /// `reconnect+URL` over real sockets and real ptys: a server that drops its client and one that
@@ -70,6 +71,40 @@ struct ReconnectTests {
         try await next.close()
         try await connection.close()
         try await again.close()
+    }
+
+    /// A scheme that takes writes and has nothing to read (as usb://…?controlOnly=true).
+    struct WriteOnlyPlugin: TransportPlugin {
+        final class Backend: ConnectionBackend {
+            let supportsHalfClose = false
+            let written = Locked<[UInt8]>([])
+            func read() async throws -> ByteBuffer? { throw TransportError(.unsupported, "writeonly:// has nothing to read") }
+            func write(_ buffer: ByteBuffer) async throws { written.withLock { $0 += Array(buffer.readableBytesView) } }
+            func closeWrite() async throws {}
+            func close() async throws {}
+        }
+
+        var schemes: [Scheme] {
+            [Scheme(SchemeDescriptor(scheme: "writeonly", summary: "Writes only", grammar: "writeonly://",
+                                     host: .forbidden, port: .forbidden, path: .forbidden, options: [])) { request in
+                Connection(url: request.url, backend: Backend())
+            }]
+        }
+    }
+
+    @Test func aReadTheConnectionDoesNotOfferIsRefusedWithoutALoss() async throws {
+        let registry = try TransportRegistry(plugins: [ReconnectPlugin(), WriteOnlyPlugin()])
+        let connection = try await registry.connect(to: "reconnect+writeonly://?\(Self.quick)")
+        let events = Gathered(connection.events())
+        for _ in 1...2 {
+            let error = await expectTransportError(.unsupported) { _ = try await connection.read() }
+            #expect(error?.message.contains("nothing to read") == true, "\(String(describing: error))")
+        }
+        try await connection.write([1, 2, 3])
+        try await Task.sleep(for: .milliseconds(200))
+        #expect(connection.generation == 1, "no reconnect: \(events.elements)")
+        #expect(!events.elements.contains { if case .disconnected = $0 { true } else { false } }, "\(events.elements)")
+        try await connection.close()
     }
 
     @Test func writesAreAtMostOnceAcrossALoss() async throws {

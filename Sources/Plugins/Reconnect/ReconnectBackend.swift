@@ -110,6 +110,10 @@ final class ReconnectCore: Sendable {
                 lost(generation, nil)
             } catch let error as CancellationError {
                 throw error
+            } catch let error as TransportError where error.kind == .unsupported {
+                // A read the connection does not offer (usb://…?controlOnly=true has no data to
+                // read): the next connection would refuse it too, so it is not a loss.
+                throw error
             } catch {
                 if Task.isCancelled { throw CancellationError() }
                 lost(generation, TransportError.from(error, context: describing))

@@ -229,7 +229,7 @@ func chooseEndpoints(_ alternates: [USBAlternate], interface: Int?, alternate: I
     let named = [input.map { "in=0x\(Hex.digits($0))" }, output.map { "out=0x\(Hex.digits($0))" }].compactMap { $0 }
     throw TransportError(.notFound, "\(describing): no \(interface.map { "interface \($0) " } ?? "interface ")with "
                          + (named.isEmpty ? "a bulk (or interrupt) IN and OUT endpoint pair" : named.joined(separator: " and "))
-                         + "; the device offers \(offered). Name them with interface=, in= and out=")
+                         + "; the device offers \(offered). Name them with interface=, in= and out=; for control transfers alone, controlOnly=true")
 }
 
 /// An endpoint option (`in=0x81`, `in=81`, `in=129`): hexadecimal with 0x or as USB tools print

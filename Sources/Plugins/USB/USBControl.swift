@@ -9,7 +9,8 @@ import Synchronization
 @_spi(Plugins) import TransportKitCore
 
 /// Control requests to the device behind a `usb://` connection (also through wrappers such as
-/// `spy+usb://`, which trace them).
+/// `spy+usb://`, which trace them). A device with no bulk or interrupt pair is opened for these
+/// alone with `usb://VID:PID?controlOnly=true`.
 ///
 /// ```swift
 /// let connection = try await Transport.connect(to: "usb://1d50:6089?serial=0000000000000000a06063c8234e925f")

@@ -5,6 +5,8 @@
 // Grammar:
 //   usb://VID:PID[?serial=S&location=BUS-PORT&interface=N&alt=N&in=EP&out=EP&detach=BOOL&transfers=N
 //                 &transferSize=BYTES&zlp=BOOL&wait=BOOL&timeout=SECONDS]
+//   usb://VID:PID?controlOnly=true[&serial=S&location=BUS-PORT&interface=N&alt=N&detach=BOOL&wait=BOOL]
+//                                       control transfers only, for a device without data endpoints
 //   usb://VID:PID/SERIAL[?OPTIONS]      the serial's other spelling, still read (USBSelector)
 //     usb://1d50:6089?serial=0000000000000000a06063c8234e925f     a HackRF by serial number
 //     usb://1d6b:0104?location=1-1                                  the device plugged into bus 1, port 1
@@ -39,6 +41,12 @@ public struct USBPlugin: TransportPlugin {
     static let zlp = URLOption.bool("zlp", default: false,
                                     help: "End a write whose length is a multiple of the packet size with a zero-length packet")
     static let wait = URLOption.bool("wait", default: false, help: "Wait (up to timeout) for the device to be plugged in instead of failing at once")
+    static let controlOnly = URLOption.bool("controlOnly", default: false,
+                                            help: "Open the device for control transfers only (connection.usbDevice), with no data endpoints: "
+                                                + "for devices that have none; reads and writes are refused")
+
+    /// The options that choose the device: every mode takes them.
+    static let identity: [any OptionDeclaration] = [serial, location, wait]
 
     /// The `usb` scheme.
     public var schemes: [Scheme] {
@@ -46,11 +54,18 @@ public struct USBPlugin: TransportPlugin {
             scheme: "usb",
             summary: "USB device by identity: a bulk (or interrupt) IN and OUT endpoint pair through libusb",
             grammar: "usb://VID:PID[?serial=S&location=BUS-PORT&interface=N&alt=N&in=EP&out=EP&detach=BOOL&transfers=N&transferSize=BYTES&zlp=BOOL&wait=BOOL]"
+                + " | usb://VID:PID?controlOnly=true[&serial=S&location=BUS-PORT&interface=N&alt=N&detach=BOOL&wait=BOOL]"
                 + " | usb://VID:PID/SERIAL[?OPTIONS]",
-            examples: ["usb://1d50:6089?serial=0000000000000000a06063c8234e925f", "usb://1d6b:0104?location=1-1", "usb://0483:5740?interface=1&detach=true"],
+            examples: ["usb://1d50:6089?serial=0000000000000000a06063c8234e925f", "usb://1d6b:0104?location=1-1", "usb://0483:5740?interface=1&detach=true",
+                       "usb://1209:0001?controlOnly=true"],
             authority: .usbDevice, host: .forbidden, port: .forbidden, path: .optional,
             options: [Self.interface, Self.alt, Self.inEndpoint, Self.outEndpoint, Self.serial, Self.location, Self.detach, Self.transfers,
-                      Self.transferSize, Self.zlp, Self.wait],
+                      Self.transferSize, Self.zlp, Self.wait, Self.controlOnly],
+            modes: [SchemeMode("usb:// control-only connection", form: "usb://VID:PID?controlOnly=true", selectedBy: Self.controlOnly,
+                               options: Self.identity + [Self.controlOnly, Self.interface, Self.alt, Self.detach]),
+                    SchemeMode("usb:// connection", form: "usb://VID:PID",
+                               options: Self.identity + [Self.interface, Self.alt, Self.inEndpoint, Self.outEndpoint, Self.detach, Self.transfers,
+                                                         Self.transferSize, Self.zlp, Self.controlOnly])],
             exclusive: true, reachesDevice: true
         ), check: Self.check, connect: Self.connect)]
     }
@@ -58,11 +73,71 @@ public struct USBPlugin: TransportPlugin {
     /// What a server checks before it listens: the device's identity and the endpoint addresses.
     @Sendable static func check(_ request: ConnectRequest) async throws {
         _ = try USBDiscovery.selector(request)
+        if request[controlOnly] {
+            try checkControlOnly(request)
+            return
+        }
         _ = try parseEndpoint(request[inEndpoint], option: "in", describing: request.url.description)
         _ = try parseEndpoint(request[outEndpoint], option: "out", describing: request.url.description)
     }
 
+    /// `alt=` and `detach=` are about the interface claimed: without `interface=` there is none.
+    static func checkControlOnly(_ request: ConnectRequest) throws {
+        guard request[interface] == nil else { return }
+        if request[alt] != nil {
+            throw TransportError(.invalidURL, "\(request.url.shown): alt= sets the alternate setting of the interface a control-only connection "
+                                 + "claims, and it claims one only with interface=; give interface= too, or leave alt= out. Grammar: \(request.scheme.grammar)")
+        }
+        if request[detach] {
+            throw TransportError(.invalidURL, "\(request.url.shown): detach=true takes the claimed interface from its kernel driver, and a "
+                                 + "control-only connection claims one only with interface=; give interface= too, or leave detach= out. "
+                                 + "Grammar: \(request.scheme.grammar)")
+        }
+    }
+
+    /// A connection for control transfers only: the device opened, `interface=` claimed when given
+    /// (for class or vendor requests to it; usbfs lets requests to the device through unclaimed),
+    /// no data transfers.
+    static func connectControlOnly(_ request: ConnectRequest) async throws -> Connection {
+        let describing = request.url.description
+        let selector = try USBDiscovery.selector(request)
+        try checkControlOnly(request)
+        let device = try await USBDiscovery.resolve(selector, wait: request[wait], deadline: request.deadline, timeout: request.timeout)
+        guard let node = device.devnode else {
+            throw TransportError(.notFound, "\(describing): \(device.sysPath) has no device node below /dev/bus/usb (is devtmpfs mounted?)")
+        }
+        let usb = try LibUSBDevice(node: node, device: device, describing: describing)
+        let engine: USBTransferEngine
+        var claimed: Int?
+        do {
+            if let number = request[interface] {
+                let alternate = request[alt] ?? 0
+                let alternates = try usb.alternates(describing: describing)
+                guard alternates.contains(where: { $0.interface == number && $0.alternate == alternate }) else {
+                    let offered = Set(alternates.map { "interface \($0.interface) alt \($0.alternate)" }).sorted().joined(separator: ", ")
+                    throw TransportError(.notFound, "\(describing): no interface \(number) with alternate setting \(alternate); the device offers \(offered)")
+                }
+                let driver = device.interfaces.first { $0.number == number }?.driver
+                try usb.claim(number, alternate: alternate, detach: request[detach], driver: driver, describing: describing)
+                claimed = number
+            }
+            engine = try USBTransferEngine(device: usb, choice: nil, claimed: claimed, transfers: 0, transferSize: 64, zlp: false,
+                                           sysPath: device.sysPath, describing: describing)
+        } catch {
+            usb.close(releasing: claimed)
+            throw error
+        }
+        var described = Self.metadata(device, nil)
+        described.extra["controlOnly"] = "true"
+        if let claimed {
+            described.extra["interface"] = String(claimed)
+            described.extra["alt"] = String(request[alt] ?? 0)
+        }
+        return Connection(url: request.url, backend: USBBackend(engine: engine), metadata: described)
+    }
+
     static func connect(_ request: ConnectRequest) async throws -> Connection {
+        if request[controlOnly] { return try await connectControlOnly(request) }
         let describing = request.url.description
         let selector = try USBDiscovery.selector(request)
         let input = try parseEndpoint(request[inEndpoint], option: "in", describing: describing)
@@ -81,7 +156,7 @@ public struct USBPlugin: TransportPlugin {
             let driver = device.interfaces.first { $0.number == choice.interface }?.driver
             try usb.claim(choice.interface, alternate: choice.alternate, detach: request[detach], driver: driver, describing: describing)
             claimed = choice.interface
-            engine = try USBTransferEngine(device: usb, choice: choice, transfers: request[transfers], transferSize: request[transferSize],
+            engine = try USBTransferEngine(device: usb, choice: choice, claimed: choice.interface, transfers: request[transfers], transferSize: request[transferSize],
                                            zlp: request[zlp], sysPath: device.sysPath, describing: describing)
         } catch {
             usb.close(releasing: claimed)
@@ -98,20 +173,22 @@ public struct USBPlugin: TransportPlugin {
     }
 
     /// CornucopiaStreams' CC_meta for USB: the device's strings, and the interface and endpoints in use.
-    static func metadata(_ device: USBDeviceInfo, _ choice: USBEndpointChoice) -> ConnectionMetadata {
+    static func metadata(_ device: USBDeviceInfo, _ choice: USBEndpointChoice?) -> ConnectionMetadata {
         var metadata = ConnectionMetadata()
         metadata.name = device.product
         metadata.manufacturer = device.manufacturer
         metadata.model = device.product
         metadata.serialNumber = device.serialNumber
         metadata.remoteAddress = device.location
-        metadata.extra = [
-            "vendorId": device.vendorId, "productId": device.productId, "location": device.location,
-            "interface": String(choice.interface), "alt": String(choice.alternate),
-            "in": choice.input.addressText, "out": choice.output.addressText,
-            "inPacketSize": String(choice.input.maxPacketSize), "outPacketSize": String(choice.output.maxPacketSize),
-            "inType": choice.input.typeName, "outType": choice.output.typeName,
-        ]
+        metadata.extra = ["vendorId": device.vendorId, "productId": device.productId, "location": device.location]
+        if let choice {
+            metadata.extra.merge([
+                "interface": String(choice.interface), "alt": String(choice.alternate),
+                "in": choice.input.addressText, "out": choice.output.addressText,
+                "inPacketSize": String(choice.input.maxPacketSize), "outPacketSize": String(choice.output.maxPacketSize),
+                "inType": choice.input.typeName, "outType": choice.output.typeName,
+            ]) { _, new in new }
+        }
         if let speed = device.speed { metadata.extra["speed"] = "\(device.speedName ?? speed) (\(speed) Mbit/s)" }
         return metadata
     }

@@ -64,7 +64,11 @@ final class USBTransferEngine: @unchecked Sendable {
     }
 
     let device: LibUSBDevice
-    let choice: USBEndpointChoice
+    /// The endpoint pair data moves on; `nil` for a control-only connection (`controlOnly=true`),
+    /// which has no data transfers: its reads and writes are refused.
+    let choice: USBEndpointChoice?
+    /// The interface claimed, given back on close (`nil`: none).
+    let claimed: Int?
     let inbound: InboundQueue
     let describing: String
     let transferSize: Int
@@ -94,19 +98,22 @@ final class USBTransferEngine: @unchecked Sendable {
     private let outOrder = Locked<Void>(())
 
     /// Allocates the transfers and starts the event thread; `start()` submits the IN transfers.
-    init(device: LibUSBDevice, choice: USBEndpointChoice, transfers: Int, transferSize: Int, zlp: Bool, sysPath: String?,
+    /// Without `choice`, no transfer is allocated: the thread runs control transfers only.
+    init(device: LibUSBDevice, choice: USBEndpointChoice?, claimed: Int?, transfers: Int, transferSize: Int, zlp: Bool, sysPath: String?,
          describing: String) throws {
         self.device = device
         self.sysPath = sysPath
         self.choice = choice
+        self.claimed = claimed
+        let transfers = choice == nil ? 0 : transfers
         self.describing = describing
         self.zlp = zlp
         self.transferSize = transferSize
         // IN transfers are a multiple of the packet size, or a full packet into the remainder
         // overflows; an interrupt IN transfer is one packet, so that each report arrives at once.
-        let packet = max(1, choice.input.maxPacketSize)
-        let inSize = choice.input.type == 3 ? packet : (transferSize + packet - 1) / packet * packet
-        let outPacket = max(1, choice.output.maxPacketSize)
+        let packet = max(1, choice?.input.maxPacketSize ?? 1)
+        let inSize = choice?.input.type == 3 ? packet : (transferSize + packet - 1) / packet * packet
+        let outPacket = max(1, choice?.output.maxPacketSize ?? 1)
         let outSize = max(outPacket, transferSize / outPacket * outPacket)
         self.outSize = outSize
         self.inSize = inSize
@@ -115,7 +122,9 @@ final class USBTransferEngine: @unchecked Sendable {
         func release() {
             for transfer in ins + outs { libusb_free_transfer(transfer) }
         }
+        // No transfers without a choice (transfers is 0 then).
         for index in 0..<(2 * transfers) {
+            guard let choice else { break }
             let isIn = index < transfers
             guard let transfer = libusb_alloc_transfer(0) else {
                 release()
@@ -145,7 +154,7 @@ final class USBTransferEngine: @unchecked Sendable {
         hook.set { [weak self] in self?.resumeReading() }
         do {
             // The device (Sendable) carries the context into the thread.
-            let thread = try WorkerThread(name: "usb \(choice.input.addressText)") { [state, inbound] isStopping in
+            let thread = try WorkerThread(name: "usb \(choice?.input.addressText ?? "ep0")") { [state, inbound] isStopping in
                 var wait = timeval(tv_sec: 1, tv_usec: 0)
                 while !(isStopping() && state.withLock({ $0.inFlight == 0 && $0.submitting == 0 })) {
                     _ = libusb_handle_events_timeout_completed(device.context, &wait, nil)
@@ -316,6 +325,13 @@ final class USBTransferEngine: @unchecked Sendable {
         return body()
     }
 
+    /// A read or write on a control-only connection.
+    func controlOnlyRefusal(_ call: String) -> TransportError {
+        TransportError(.unsupported, "\(describing): this connection was opened for control transfers only (controlOnly=true): it has no data "
+                       + "endpoints to \(call); use connection.usbDevice's controlIn and controlOut, or leave controlOnly out to stream "
+                       + "over a bulk or interrupt pair")
+    }
+
     var gone: TransportError {
         TransportError(.disconnected, "\(describing): the USB device went away (unplugged or reset); reconnect when it is back (?wait=true waits for it)",
                        errno: .operationNotSupportedByDevice, syscall: "libusb_submit_transfer")
@@ -334,7 +350,7 @@ final class USBTransferEngine: @unchecked Sendable {
     }
 
     private func failure(_ status: libusb_transfer_status, direction: String) -> TransportError {
-        let endpoint = direction == "IN" ? choice.input.addressText : choice.output.addressText
+        let endpoint = (direction == "IN" ? choice?.input.addressText : choice?.output.addressText) ?? "?"
         var status = status
         if status != LIBUSB_TRANSFER_NO_DEVICE && !deviceStays() { status = LIBUSB_TRANSFER_NO_DEVICE }
         switch status {
@@ -482,7 +498,7 @@ final class USBTransferEngine: @unchecked Sendable {
         // Transfers first: libusb_free_transfer logs through the transfer's handle and context.
         for transfer in inTransfers + outTransfers { libusb_free_transfer(transfer) }
         freeMemory()
-        device.close(releasing: choice.interface)
+        device.close(releasing: claimed)
         if state.withLock({ $0.failure }) == nil {
             inbound.finish()
             state.update { $0.failure = TransportError(.misuse, "\(describing): the connection is closed") }
@@ -504,9 +520,15 @@ final class USBBackend: ConnectionBackend {
 
     init(engine: USBTransferEngine) { self.engine = engine }
 
-    func read() async throws -> ByteBuffer? { try await engine.inbound.next() }
+    func read() async throws -> ByteBuffer? {
+        if engine.choice == nil { throw engine.controlOnlyRefusal("read") }
+        return try await engine.inbound.next()
+    }
 
-    func write(_ buffer: ByteBuffer) async throws { try await engine.write(buffer) }
+    func write(_ buffer: ByteBuffer) async throws {
+        if engine.choice == nil { throw engine.controlOnlyRefusal("write") }
+        try await engine.write(buffer)
+    }
 
     func closeWrite() async throws {
         throw TransportError(.unsupported, "usb:// has no half-close (a bulk endpoint has no end-of-stream); close the connection instead")

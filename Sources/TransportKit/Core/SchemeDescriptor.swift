@@ -169,6 +169,14 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
             for name in mode.options where !options.contains(where: { URLParser.sameName($0.name, name) }) {
                 problems.append("the mode '\(mode.name)' uses the option '\(name)', which the scheme does not declare")
             }
+            if let selector = mode.selectedBy {
+                if options.first(where: { URLParser.sameName($0.name, selector) })?.kind != .bool {
+                    problems.append("the mode '\(mode.name)' is selected by '\(selector)', which is not a boolean option of the scheme")
+                }
+                if !mode.options.contains(where: { URLParser.sameName($0, selector) }) {
+                    problems.append("the mode '\(mode.name)' is selected by '\(selector)' but does not list it among its options")
+                }
+            }
             if modes.contains(where: { $0 != mode && $0.name == mode.name && $0.role == mode.role }) {
                 problems.append("the mode '\(mode.name)' is declared twice")
             }

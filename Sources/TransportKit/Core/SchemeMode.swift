@@ -39,17 +39,27 @@ public struct SchemeMode: Sendable, Codable, Equatable {
     /// The mode serves URLs whose host is this word (case-insensitive), such as `usb` for
     /// `tty://usb/VID:PID`; `nil`: any host.
     public var host: String?
+    /// The mode serves URLs that turn this boolean option on (`?controlOnly` or `controlOnly=true`
+    /// selects `usb://`'s control-only mode); `nil`: the option plays no part in choosing.
+    public var selectedBy: String?
     /// The names of the scheme's options this mode uses.
     public var options: [String]
 
-    /// A mode; `options` are the ``URLOption`` constants of the descriptor that it uses.
+    /// A mode; `options` are the ``URLOption`` constants of the descriptor that it uses, and
+    /// `selectedBy` a boolean one of them that, turned on in a URL, selects this mode.
+    ///
+    /// ```swift
+    /// SchemeMode("usb:// control-only connection", form: "usb://VID:PID?controlOnly=true", selectedBy: controlOnly,
+    ///            options: [controlOnly, serial, interface])
+    /// ```
     public init(_ name: String, role: Role = .connect, form: String, port: SchemeDescriptor.Presence? = nil, host: String? = nil,
-                options: [any OptionDeclaration]) {
+                selectedBy: (any OptionDeclaration)? = nil, options: [any OptionDeclaration]) {
         self.name = name
         self.role = role
         self.form = form
         self.port = port
         self.host = host
+        self.selectedBy = selectedBy?.spec.name
         self.options = options.map(\.spec.name)
     }
 
@@ -62,6 +72,10 @@ public struct SchemeMode: Sendable, Codable, Equatable {
         default: break
         }
         if let host, url.host.map({ URLParser.sameName($0, host) }) != true { return false }
+        if let selectedBy {
+            // A value that is not a boolean selects nothing here; validation names the problem.
+            guard let text = url.queryValue(selectedBy), case .bool(true)? = try? OptionKind.bool.parse(text) else { return false }
+        }
         return true
     }
 
