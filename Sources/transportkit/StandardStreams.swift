@@ -86,26 +86,73 @@ final class WakePipe: Sendable {
     }
 }
 
-/// Waits in poll(2) for one descriptor on a thread of its own. Cancelling the waiting task writes
-/// to a pipe that the same poll(2) watches, so the thread returns at once; a cancelled waiter
-/// stays cancelled. One waiter serves one wait at a time.
+/// Waits in poll(2) for one descriptor, on one thread of its own for all its waits (started by the
+/// first): a relay into a slow pipe waits once per piece, and a thread per wait was a `clone3`
+/// each time. Cancelling the waiting task writes to a pipe that the same poll(2) watches, so the
+/// wait returns at once; a cancelled waiter stays cancelled. One waiter serves one wait at a time.
+/// The thread ends with the waiter (its deinit, or a cancel).
 final class DescriptorWait: Sendable {
-    private let fd: Int32
-    private let events: Int16
-    /// Cancels the poll(2).
-    private let wake = WakePipe()
+    /// What the waiting task and the thread share; the thread holds this, not the waiter, so that
+    /// dropping the waiter ends the thread.
+    private final class Shared: Sendable {
+        let fd: Int32
+        let events: Int16
+        /// Cancels the poll(2); readable from the first cancel on.
+        let wake = WakePipe()
+        /// Signalled once per wait asked for, and to stop the thread.
+        let asked = DispatchSemaphore(value: 0)
+        let waiting = Locked<CheckedContinuation<Int16?, Never>?>(nil)
+        let stopping = Atomic(false)
+
+        init(fd: Int32, events: Int16) {
+            self.fd = fd
+            self.events = events
+        }
+
+        func run() {
+            while true {
+                asked.wait()
+                let result = stopping.load(ordering: .acquiring) ? nil : blockingPoll()
+                waiting.withLock { $0.take() }?.resume(returning: result)
+                if result == nil && stopping.load(ordering: .acquiring) { return }
+            }
+        }
+
+        private func blockingPoll() -> Int16? {
+            var fds = [pollfd(fd: fd, events: events, revents: 0), pollfd(fd: wake.read, events: Int16(POLLIN), revents: 0)]
+            while true {
+                let ready = poll(&fds, 2, -1)
+                if ready < 0 && errno == EINTR { continue }
+                if ready < 0 || fds[1].revents != 0 { return nil }
+                return fds[0].revents
+            }
+        }
+    }
+
+    private let shared: Shared
+    private let started = Atomic(false)
 
     init(fd: Int32, events: Int16) {
-        self.fd = fd
-        self.events = events
+        shared = Shared(fd: fd, events: events)
+    }
+
+    deinit {
+        shared.stopping.store(true, ordering: .releasing)
+        shared.wake.signal()
+        shared.asked.signal()
     }
 
     /// The events poll(2) reported for the descriptor, or `nil` when the task was cancelled.
     func next() async -> Int16? {
-        await withTaskCancellationHandler {
+        if !started.exchange(true, ordering: .acquiringAndReleasing) {
+            let thread = Thread { [shared] in shared.run() }
+            thread.name = "transportkit wait \(shared.fd)"
+            thread.start()
+        }
+        return await withTaskCancellationHandler {
             await withCheckedContinuation { (continuation: CheckedContinuation<Int16?, Never>) in
-                let thread = Thread { [self] in continuation.resume(returning: blockingPoll()) }
-                thread.start()
+                shared.waiting.withLock { $0 = continuation }
+                shared.asked.signal()
             }
         } onCancel: {
             cancel()
@@ -114,17 +161,7 @@ final class DescriptorWait: Sendable {
 
     /// Makes the current and every later wait return `nil`.
     func cancel() {
-        wake.signal()
-    }
-
-    private func blockingPoll() -> Int16? {
-        var fds = [pollfd(fd: fd, events: events, revents: 0), pollfd(fd: wake.read, events: Int16(POLLIN), revents: 0)]
-        while true {
-            let ready = poll(&fds, 2, -1)
-            if ready < 0 && errno == EINTR { continue }
-            if ready < 0 || fds[1].revents != 0 { return nil }
-            return fds[0].revents
-        }
+        shared.wake.signal()
     }
 }
 

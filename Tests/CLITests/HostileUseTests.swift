@@ -75,6 +75,57 @@ struct HostileUseTests {
         try await listener.close()
     }
 
+    /// Issue 30, item 4: a relay into a pipe read slowly waits for room once per 4 KiB piece, all
+    /// on one thread (it was a new thread per wait: a clone3 per piece).
+    @Test func aSlowlyReadStandardOutputIsWaitedForWithoutAThreadPerWait() async throws {
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let streaming = Task {
+            guard let connection = try await listener.accept() else { return }
+            let chunk = [UInt8](repeating: UInt8(ascii: "y"), count: 65536)
+            while (try? await connection.write(chunk)) != nil {}
+            try? await connection.close()
+        }
+        // 4 KiB every 10 ms: the tool's standard output is full nearly all the time.
+        let script = "\"$0\" connect \"$1\" | python3 -c 'import os, time\nwhile os.read(0, 4096): time.sleep(0.01)'"
+        let running = try CLI.Running([], program: ["/bin/bash", "-c", script, CLI.binary, "tcp://127.0.0.1:\(listener.url.port ?? 0)"])
+        var tool: Int32?
+        for _ in 0..<500 where tool == nil {
+            tool = Self.child(of: running.process.processIdentifier, named: "transportkit")
+            try await Task.sleep(for: .milliseconds(10))
+        }
+        let pid = try #require(tool, "bash started no transportkit")
+        try await Task.sleep(for: .seconds(1))   // the relay's own threads are up by now
+        let first = Self.threadIDs(of: pid)
+        var seen = first
+        for _ in 0..<30 {
+            try await Task.sleep(for: .milliseconds(50))
+            seen.formUnion(Self.threadIDs(of: pid))
+        }
+        #expect(!first.isEmpty)
+        #expect(seen.subtracting(first).count < 10, "threads that came and went while standard output was read slowly: \(seen.subtracting(first).count)")
+        kill(pid, SIGTERM)
+        let result = await running.wait(timeout: 15)
+        #expect(!running.isRunning, "the pipeline ended after the tool: \(result.stderr)")
+        streaming.cancel()
+        try await listener.close()
+    }
+
+    /// The process whose parent is `parent` and whose command is `name` (/proc/PID/stat).
+    static func child(of parent: Int32, named name: String) -> Int32? {
+        for entry in (try? FileManager.default.contentsOfDirectory(atPath: "/proc")) ?? [] {
+            guard let pid = Int32(entry), let stat = try? String(contentsOfFile: "/proc/\(entry)/stat", encoding: .utf8),
+                  let open = stat.firstIndex(of: "("), let close = stat.lastIndex(of: ")") else { continue }
+            let fields = stat[stat.index(after: close)...].split(separator: " ")
+            if fields.count > 1, Int32(fields[1]) == parent, stat[stat.index(after: open)..<close] == name { return pid }
+        }
+        return nil
+    }
+
+    /// The thread ids of `pid` now (/proc/PID/task).
+    static func threadIDs(of pid: Int32) -> Set<String> {
+        Set((try? FileManager.default.contentsOfDirectory(atPath: "/proc/\(pid)/task")) ?? [])
+    }
+
     @Test func anUnreadableStandardInputIsAnError() async throws {
         let running = try CLI.Running(["connect", "loop://"], stdinPath: "/tmp")
         let result = await running.wait(timeout: 15)
