@@ -90,7 +90,7 @@ final class WakePipe: Sendable {
 /// first): a relay into a slow pipe waits once per piece, and a thread per wait was a `clone3`
 /// each time. Cancelling the waiting task writes to a pipe that the same poll(2) watches, so the
 /// wait returns at once; a cancelled waiter stays cancelled. One waiter serves one wait at a time.
-/// The thread ends with the waiter (its deinit, or a cancel).
+/// The thread ends with the waiter (its deinit); after a cancel it answers every wait at once.
 final class DescriptorWait: Sendable {
     /// What the waiting task and the thread share; the thread holds this, not the waiter, so that
     /// dropping the waiter ends the thread.
