@@ -106,32 +106,35 @@ public struct USBPlugin: TransportPlugin {
         guard let node = device.devnode else {
             throw TransportError(.notFound, "\(describing): \(device.sysPath) has no device node below /dev/bus/usb (is devtmpfs mounted?)")
         }
-        let usb = try LibUSBDevice(node: node, device: device, describing: describing)
-        let engine: USBTransferEngine
-        var claimed: Int?
-        do {
-            if let number = request[interface] {
-                let alternate = request[alt] ?? 0
-                let alternates = try usb.alternates(describing: describing)
-                guard alternates.contains(where: { $0.interface == number && $0.alternate == alternate }) else {
-                    let offered = Set(alternates.map { "interface \($0.interface) alt \($0.alternate)" }).sorted().joined(separator: ", ")
-                    throw TransportError(.notFound, "\(describing): no interface \(number) with alternate setting \(alternate); the device offers \(offered)")
+        let (chosen, alternate, detaching) = (request[Self.interface], request[Self.alt] ?? 0, request[Self.detach])
+        // usbfs ioctls, and a detach unbinds a kernel driver: on TransportKit's pool (as connect's).
+        let (engine, claimed) = try await Blocking.run { () throws -> (USBTransferEngine, Int?) in
+            let usb = try LibUSBDevice(node: node, device: device, describing: describing)
+            var claimed: Int?
+            do {
+                if let number = chosen {
+                    let alternates = try usb.alternates(describing: describing)
+                    guard alternates.contains(where: { $0.interface == number && $0.alternate == alternate }) else {
+                        let offered = Set(alternates.map { "interface \($0.interface) alt \($0.alternate)" }).sorted().joined(separator: ", ")
+                        throw TransportError(.notFound, "\(describing): no interface \(number) with alternate setting \(alternate); the device offers \(offered)")
+                    }
+                    let driver = device.interfaces.first { $0.number == number }?.driver
+                    try usb.claim(number, alternate: alternate, detach: detaching, driver: driver, describing: describing)
+                    claimed = number
                 }
-                let driver = device.interfaces.first { $0.number == number }?.driver
-                try usb.claim(number, alternate: alternate, detach: request[detach], driver: driver, describing: describing)
-                claimed = number
+                let engine = try USBTransferEngine(device: usb, choice: nil, claimed: claimed, transfers: 0, transferSize: 64, zlp: false,
+                                                   sysPath: device.sysPath, describing: describing)
+                return (engine, claimed)
+            } catch {
+                usb.close(releasing: claimed)
+                throw error
             }
-            engine = try USBTransferEngine(device: usb, choice: nil, claimed: claimed, transfers: 0, transferSize: 64, zlp: false,
-                                           sysPath: device.sysPath, describing: describing)
-        } catch {
-            usb.close(releasing: claimed)
-            throw error
         }
         var described = Self.metadata(device, nil)
         described.extra["controlOnly"] = "true"
         if let claimed {
             described.extra["interface"] = String(claimed)
-            described.extra["alt"] = String(request[alt] ?? 0)
+            described.extra["alt"] = String(alternate)
         }
         return Connection(url: request.url, backend: USBBackend(engine: engine), metadata: described)
     }
@@ -146,21 +149,26 @@ public struct USBPlugin: TransportPlugin {
         guard let node = device.devnode else {
             throw TransportError(.notFound, "\(describing): \(device.sysPath) has no device node below /dev/bus/usb (is devtmpfs mounted?)")
         }
-        let usb = try LibUSBDevice(node: node, device: device, describing: describing)
-        let engine: USBTransferEngine
-        let choice: USBEndpointChoice
-        var claimed: Int?
-        do {
-            choice = try chooseEndpoints(try usb.alternates(describing: describing), interface: request[interface], alternate: request[alt],
-                                         input: input, output: output, describing: describing)
-            let driver = device.interfaces.first { $0.number == choice.interface }?.driver
-            try usb.claim(choice.interface, alternate: choice.alternate, detach: request[detach], driver: driver, describing: describing)
-            claimed = choice.interface
-            engine = try USBTransferEngine(device: usb, choice: choice, claimed: choice.interface, transfers: request[transfers], transferSize: request[transferSize],
-                                           zlp: request[zlp], sysPath: device.sysPath, describing: describing)
-        } catch {
-            usb.close(releasing: claimed)
-            throw error
+        let (number, alternate, detaching) = (request[Self.interface], request[Self.alt], request[Self.detach])
+        let (count, size, zeroPacket) = (request[Self.transfers], request[Self.transferSize], request[Self.zlp])
+        // Opening, the configuration walk and the claim are usbfs ioctls, and a detach unbinds a
+        // kernel driver: on TransportKit's pool, not on the caller's thread.
+        let (engine, choice) = try await Blocking.run { () throws -> (USBTransferEngine, USBEndpointChoice) in
+            let usb = try LibUSBDevice(node: node, device: device, describing: describing)
+            var claimed: Int?
+            do {
+                let choice = try chooseEndpoints(try usb.alternates(describing: describing), interface: number, alternate: alternate,
+                                                 input: input, output: output, describing: describing)
+                let driver = device.interfaces.first { $0.number == choice.interface }?.driver
+                try usb.claim(choice.interface, alternate: choice.alternate, detach: detaching, driver: driver, describing: describing)
+                claimed = choice.interface
+                let engine = try USBTransferEngine(device: usb, choice: choice, claimed: choice.interface, transfers: count,
+                                                   transferSize: size, zlp: zeroPacket, sysPath: device.sysPath, describing: describing)
+                return (engine, choice)
+            } catch {
+                usb.close(releasing: claimed)
+                throw error
+            }
         }
         // From here the engine owns the device and closes it.
         do {

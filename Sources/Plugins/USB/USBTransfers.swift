@@ -498,7 +498,10 @@ final class USBTransferEngine: @unchecked Sendable {
         // Transfers first: libusb_free_transfer logs through the transfer's handle and context.
         for transfer in inTransfers + outTransfers { libusb_free_transfer(transfer) }
         freeMemory()
-        device.close(releasing: claimed)
+        // Releasing the interface gives it back to a kernel driver it was detached from (a bind):
+        // on TransportKit's pool; at once here if the pool cannot take it.
+        let (device, claimed) = (device, claimed)
+        if (try? await Blocking.run { device.close(releasing: claimed) }) == nil { device.close(releasing: claimed) }
         if state.withLock({ $0.failure }) == nil {
             inbound.finish()
             state.update { $0.failure = TransportError(.misuse, "\(describing): the connection is closed") }
