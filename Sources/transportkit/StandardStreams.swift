@@ -146,12 +146,15 @@ final class DescriptorWait: Sendable {
     func next() async -> Int16? {
         if !started.exchange(true, ordering: .acquiringAndReleasing) {
             let thread = Thread { [shared] in shared.run() }
-            thread.name = "transportkit wait \(shared.fd)"
+            thread.name = "tk wait \(shared.fd)"   // Linux keeps 15 bytes of a thread's name
             thread.start()
         }
         return await withTaskCancellationHandler {
             await withCheckedContinuation { (continuation: CheckedContinuation<Int16?, Never>) in
-                shared.waiting.withLock { $0 = continuation }
+                shared.waiting.withLock { waiting in
+                    precondition(waiting == nil, "DescriptorWait serves one wait at a time")
+                    waiting = continuation
+                }
                 shared.asked.signal()
             }
         } onCancel: {

@@ -102,6 +102,8 @@ struct SchemeJSON: Encodable {
         var name: String
         var role: String
         var form: String
+        /// The boolean option that, turned on, selects this mode (`usb://`'s `controlOnly`).
+        var selectedBy: String?
         var options: [String]
     }
 
@@ -122,7 +124,8 @@ struct SchemeJSON: Encodable {
         let prefix = descriptor.wraps ? descriptor.scheme + "." : ""
         options = descriptor.allOptions.map { Option(name: prefix + $0.name, type: $0.kind.label, default: $0.defaultValue, help: $0.help) }
         modes = descriptor.effectiveModes.map { mode in
-            Mode(name: mode.name, role: mode.role.rawValue, form: mode.form, options: descriptor.options(of: mode).map { prefix + $0.name })
+            Mode(name: mode.name, role: mode.role.rawValue, form: mode.form, selectedBy: mode.selectedBy.map { prefix + $0 },
+                 options: descriptor.options(of: mode).map { prefix + $0.name })
         }
     }
 }

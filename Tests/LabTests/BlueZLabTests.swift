@@ -72,13 +72,13 @@ struct BlueZLabTests {
     /// RFCOMM connects between the two controllers fail with EACCES or ECONNRESET; BlueZListenLabTests
     /// starts each test with this and ends with it. LE connects then need a discovery again.
     static func forgetDevices() async throws {
-        // Until neither adapter has a device object or a link left (up to 10 s). RemoveDevice
+        // Until neither adapter has a device object or a link left (up to 5 s). RemoveDevice
         // disconnects in the background, and a link still up can bring an object back (an LE link
         // of a GATT test before): an LE-only object for the other controller left on hci1 makes
         // bluetoothd drop every BR/EDR profile connection from it ("device not found" in
         // src/profile.c's create_conn): the likely cause of an RFCOMM listener that accepted
         // nothing for 20 s while its reconnect+ client connected, in one CI run.
-        let until = ContinuousClock.now + .seconds(10)
+        let until = ContinuousClock.now + .seconds(5)
         var clearedKeys = false
         var left = (devices: [String](), links: 0)
         while true {
@@ -104,7 +104,7 @@ struct BlueZLabTests {
             guard ContinuousClock.now < until else { break }
             try await Task.sleep(for: .milliseconds(100))
         }
-        print("lab: forgetDevices: after 10 s, still \(left.links) link(s) and device objects \(left.devices)")
+        print("lab: forgetDevices: after 5 s, still \(left.links) link(s) and device objects \(left.devices)")
     }
 
     /// Asks bluetoothd to remove every device object it has; returns the paths it had.
@@ -241,7 +241,7 @@ struct BlueZLabTests {
         defer { peer.kill() }
         let connection = try await Self.connect("ble://FFF0:129/\(controllers.peripheralText)?adapter=hci0")
         #expect(connection.metadata.extra["addressType"] == "public")
-        #expect((connection.metadata.mtu ?? 0) > 0)
+        #expect((connection.metadata.maximumWriteSize ?? 0) > 0)
         #expect(connection.metadata.extra["psm"] == "129")
         #expect(connection.metadata.extra["security"] == "low", "the level the link has, read back")
         var messages: [[UInt8]] = []
@@ -265,7 +265,7 @@ struct BlueZLabTests {
         let toUs = Array(Self.pattern(10 * 1024).reversed())
         let peerSide = Self.peer(listener: listener, expecting: toPeer.count, reply: toUs, piece: 200)
         let connection = try await Self.connect("ble://FFF0:131/\(controllers.peripheralText)?adapter=hci0&mtu=512")
-        let sendMTU = try #require(connection.metadata.mtu)
+        let sendMTU = try #require(connection.metadata.maximumWriteSize)
         #expect(connection.metadata.extra["sendMTU"] == String(sendMTU))
         #expect(connection.metadata.extra["receiveMTU"] == "512", "the mtu= option is the receive MTU offered")
         try #require(sendMTU < toPeer.count)

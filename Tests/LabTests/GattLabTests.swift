@@ -56,7 +56,7 @@ struct GattLabTests {
     static func echo(through url: String, _ controllers: BluetoothLabTests.Controllers, _ peripheral: LabPeripheral) async throws -> Connection {
         let connection = try await Transport.connect(to: url)
         let toPeer = BlueZLabTests.pattern(10 * 1024)
-        let writeSize = try #require(connection.metadata.mtu)
+        let writeSize = try #require(connection.metadata.maximumWriteSize)
         #expect(writeSize > 20 && writeSize <= 510, "writes cut to min(ATT MTU - 3, 510): \(writeSize)")
         try await connection.write(toPeer)   // one write, larger than the MTU: chunked
         var messages: [[UInt8]] = []

@@ -67,7 +67,7 @@ struct GattServerLabTests {
             #expect(try await device.read(Self.counter) == [1])
             #expect(try await device.read(Self.counter) == [2])
             let request = try #require(seen.reads.withLock { $0.first })
-            #expect(request.central == controllers.centralText && request.offset == 0 && (request.mtu ?? 0) >= 23, "\(request)")
+            #expect(request.central == controllers.centralText && request.offset == 0 && (request.attMTU ?? 0) >= 23, "\(request)")
             // A 300-byte value: bluetoothd reads it in parts (Read Blob), each cut at its offset here.
             #expect(try await device.read(Self.long) == (0..<300).map { UInt8(truncatingIfNeeded: $0) })
 

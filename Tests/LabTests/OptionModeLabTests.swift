@@ -425,7 +425,7 @@ struct OptionModeLabTests {
             connections += [third, three]
 
             #expect(one.metadata.extra["receiveMTU"] == "300", "mtu= is the listener's receive MTU")
-            #expect(first.metadata.mtu == 300, "the client sends records of at most 300")
+            #expect(first.metadata.maximumWriteSize == 300, "the client sends records of at most 300")
             #expect(one.metadata.extra["adapter"] == "hci1" && one.metadata.localAddress == controllers.peripheralText)
             #expect(one.metadata.remoteAddress == controllers.centralText)
             #expect(one.metadata.extra["security"] == "low")
@@ -592,7 +592,7 @@ struct OptionModeLabTests {
             let first = try await client.readMessage(timeout: .seconds(10))
             #expect(first == Array("to the central".utf8), "a notification: \(String(describing: first))")
             let block = BlueZLabTests.pattern(2048)
-            print("lab: the GATT serial peripheral writes \(server.metadata.mtu.map(String.init) ?? "?")-byte notifications, now \(server.maximumWriteSize.map(String.init) ?? "?")")
+            print("lab: the GATT serial peripheral writes \(server.metadata.maximumWriteSize.map(String.init) ?? "?")-byte notifications, now \(server.maximumWriteSize.map(String.init) ?? "?")")
             try await server.write(block)   // notifications of at most ATT MTU - 3
             var received: [UInt8] = []
             do {

@@ -101,7 +101,7 @@ struct GattApplicationTests {
         ])], root: "/t")
         let options: DBusValue = .dictionary(["offset": .uint16(22), "mtu": .uint16(23), "device": .objectPath("/org/bluez/hci1/dev_00_AA_01_00_00_23")])
         #expect(Self.replyBytes(await core.answer(Self.call("/t/service0/char0", "ReadValue", [options]))) == Array(long[22...]))
-        #expect(reads.withLock { $0 } == [GATTServer.ReadRequest(characteristic: "00002a19-0000-1000-8000-00805f9b34fb", offset: 22, mtu: 23,
+        #expect(reads.withLock { $0 } == [GATTServer.ReadRequest(characteristic: "00002a19-0000-1000-8000-00805f9b34fb", offset: 22, attMTU: 23,
                                                                   central: "00:AA:01:00:00:23")])
         #expect(Self.replyBytes(await core.answer(Self.call("/t/service0/char1", "ReadValue", [.dictionary([:])]))) == [1, 2, 3])
         #expect(Self.replyBytes(await core.answer(Self.call("/t/service0/char1", "ReadValue", [.dictionary(["offset": .uint16(3)])]))) == [],

@@ -72,9 +72,15 @@ struct OptionModeTests {
         }
     }
 
-    /// The URL of `sample` with `spec` added (with its wrapper prefix).
-    static func url(_ sample: String, adding spec: OptionSpec, wrapper: String?) -> String {
+    /// The URL of `sample` with `spec` added (with its wrapper prefix). An option that selects
+    /// another mode (`controlOnly`) is given as off, so the URL stays in `mode`.
+    static func url(_ sample: String, adding spec: OptionSpec, wrapper: String?, mode: SchemeMode? = nil,
+                    of descriptor: SchemeDescriptor? = nil) -> String {
         let name = wrapper.map { "\($0).\(spec.name)" } ?? spec.name
+        if let mode, let descriptor, mode.selectedBy?.lowercased() != spec.name.lowercased(),
+           descriptor.effectiveModes.contains(where: { $0.selectedBy?.lowercased() == spec.name.lowercased() }) {
+            return sample + (sample.contains("?") ? "&" : "?") + "\(name)=false"
+        }
         // The option that selects the sample's mode is in it already.
         if sample.contains("?\(name)=") || sample.contains("&\(name)=") { return sample }
         return sample + (sample.contains("?") ? "&" : "?") + "\(name)=\(value(for: spec))"
@@ -115,8 +121,9 @@ struct OptionModeTests {
         for (descriptor, mode) in Self.modes {
             guard let sample = Self.samples[mode.name] else { continue }
             for spec in descriptor.options(of: mode) {
-                let url = Self.url(sample, adding: spec, wrapper: descriptor.wraps ? descriptor.scheme : nil)
+                let url = Self.url(sample, adding: spec, wrapper: descriptor.wraps ? descriptor.scheme : nil, mode: mode, of: descriptor)
                 #expect(throws: Never.self, "\(url) (\(mode.role))") { try Transport.registry.resolve(url, role: mode.role) }
+                #expect(descriptor.mode(for: try TransportURL(url), role: mode.role)?.name == mode.name, "\(url) stays in \(mode.name)")
             }
         }
     }
@@ -175,15 +182,22 @@ struct OptionModeTests {
 
     @Test func aModeSelectedByAnOptionThatIsNotABooleanOfItsOwnIsRefusedAtRegistration() {
         let on = URLOption.bool("on", default: false, help: "Selects")
+        let yes = URLOption.bool("yes", default: true, help: "True unless given")
+        let late = URLOption.bool("late", default: false, help: "Selects a mode declared too late")
         let name = URLOption.string("name", help: "Not a boolean")
         let descriptor = SchemeDescriptor(scheme: "switched", summary: "", grammar: "switched://", host: .forbidden, port: .forbidden, path: .forbidden,
-                                          options: [on, name],
+                                          options: [on, yes, late, name],
                                           modes: [SchemeMode("switched:// by name", form: "switched://?name=X", selectedBy: name, options: [name]),
                                                   SchemeMode("switched:// on", form: "switched://?on", selectedBy: on, options: [name]),
-                                                  SchemeMode("switched:// connection", form: "switched://", options: [on, name])])
+                                                  SchemeMode("switched:// yes", form: "switched://?yes", selectedBy: yes, options: [yes]),
+                                                  SchemeMode("switched:// connection", form: "switched://", options: [on, name]),
+                                                  SchemeMode("switched:// late", form: "switched://?late", selectedBy: late, options: [late])])
         let problems = descriptor.declarationProblems().joined(separator: "; ")
         #expect(problems.contains("'switched:// by name' is selected by 'name', which is not a boolean option"), "\(problems)")
         #expect(problems.contains("'switched:// on' is selected by 'on' but does not list it among its options"), "\(problems)")
+        #expect(problems.contains("'switched:// yes' is selected by 'yes', whose default is true"), "\(problems)")
+        #expect(problems.contains("'switched:// late' comes after a connect mode without selectors"), "\(problems)")
+        #expect(!problems.contains("'switched:// on' comes after"), "\(problems)")
     }
 
     @Test func usbControlOnlyRefusesAltOrDetachWithoutAnInterfaceBeforeWaitingForTheDevice() async throws {
@@ -288,7 +302,7 @@ struct OptionModeTests {
         let url = "loop://?buffer=100&messages=true&mtu=10&timeout=5"
         #expect(try Self.missing(url, mode: "loop:// connection", scheme: "loop").isEmpty)
         let loop = try await Transport.connect(to: url)
-        #expect(loop.metadata.mtu == 10)
+        #expect(loop.metadata.maximumWriteSize == 10)
         #expect(loop.carriesMessages)
         try await loop.close()
     }

@@ -92,6 +92,20 @@ struct ReconnectTests {
         }
     }
 
+    @Test func aReadTheConnectionDoesNotOfferLeavesAPlainConnectionUp() async throws {
+        let registry = try TransportRegistry(plugins: [WriteOnlyPlugin()])
+        let connection = try await registry.connect(to: "writeonly://")
+        let events = Gathered(connection.events())
+        _ = await expectTransportError(.unsupported) { _ = try await connection.read() }
+        try await connection.write([1])
+        try await Task.sleep(for: .milliseconds(100))
+        #expect(!events.elements.contains { if case .disconnected = $0 { true } else { false } }, "not an end of the stream: \(events.elements)")
+        try await connection.close()
+        // An .unsupported with an errno (EOPNOTSUPP from the system) is a failure like any other.
+        #expect(!TransportError(.unsupported, "x", errno: .notSupported).isRefusedCall)
+        #expect(TransportError(.unsupported, "x").isRefusedCall)
+    }
+
     @Test func aReadTheConnectionDoesNotOfferIsRefusedWithoutALoss() async throws {
         let registry = try TransportRegistry(plugins: [ReconnectPlugin(), WriteOnlyPlugin()])
         let connection = try await registry.connect(to: "reconnect+writeonly://?\(Self.quick)")

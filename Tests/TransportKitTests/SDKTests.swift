@@ -1,3 +1,4 @@
+import Foundation
 import NIOCore
 import Synchronization
 import TestSupport
@@ -315,9 +316,19 @@ struct MessageTests {
         }
     }
 
+    /// `mtu` became `maximumWriteSize` (issue 30, item 5): metadata encoded before still decodes.
+    @Test func metadataEncodedUnderTheFormerMTUKeyStillDecodes() throws {
+        let former = try JSONDecoder().decode(ConnectionMetadata.self, from: Data(#"{"name":"coc","mtu":250,"extra":{"psm":"128"}}"#.utf8))
+        #expect(former == ConnectionMetadata(name: "coc", maximumWriteSize: 250, extra: ["psm": "128"]))
+        let encoded = String(decoding: try JSONEncoder().encode(ConnectionMetadata(maximumWriteSize: 20)), as: UTF8.self)
+        #expect(encoded.contains(#""maximumWriteSize":20"#) && !encoded.contains("mtu"), "\(encoded)")
+        #expect(try JSONDecoder().decode(ConnectionMetadata.self, from: Data(encoded.utf8)).maximumWriteSize == 20)
+        #expect(try JSONDecoder().decode(ConnectionMetadata.self, from: Data("{}".utf8)) == ConnectionMetadata())
+    }
+
     @Test func writesAreChunkedToTheMTUOnceInTheSDK() async throws {
         try await Transport.withConnection(to: "loop://?messages=true&mtu=20&buffer=4096") { loop in
-            #expect(loop.metadata.mtu == 20)
+            #expect(loop.metadata.maximumWriteSize == 20)
             #expect(loop.maximumWriteSize == 20)
             let payload = (0..<95).map { UInt8($0) }
             try await loop.write(payload)

@@ -39,7 +39,7 @@ import TransportKitLinux
 /// ```swift
 /// let spp = try await Transport.connect(to: "rfcomm://00:AA:01:01:00:01")   // channel found through SDP
 /// let coc = try await Transport.connect(to: "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0")
-/// print(coc.metadata.mtu ?? 0)   // the channel's send MTU
+/// print(coc.metadata.maximumWriteSize ?? 0)   // the channel's send MTU
 ///
 /// let server = try await Transport.listen(on: "rfcomm://any")    // published through BlueZ (SDP)
 /// print(server.url.port ?? 0)                                    // the channel it took
@@ -376,7 +376,7 @@ enum BluetoothConnector {
         let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
                                           maximumWriteSize: channel.sendMTU, watermarks: request.buffering.inbound, hangUp: device.hangUp)
         var metadata = metadata(device: known, address: device, adapter: adapter)
-        metadata.mtu = channel.sendMTU
+        metadata.maximumWriteSize = channel.sendMTU
         metadata.extra["addressType"] = addressType
         metadata.extra["psm"] = String(psm)
         metadata.extra["sendMTU"] = String(channel.sendMTU)

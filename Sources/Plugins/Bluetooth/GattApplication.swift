@@ -170,10 +170,14 @@ public final class GATTServer: Sendable {
         public var characteristic: String
         /// Where in the value the central reads from (a long read's later parts).
         public var offset: Int
-        /// The link's ATT MTU, when bluetoothd said.
-        public var mtu: Int?
+        /// The link's ATT MTU, when bluetoothd said (a value's longest read is 3 bytes less).
+        public var attMTU: Int?
         /// The central's address, when bluetoothd said.
         public var central: String?
+
+        /// The former name of ``attMTU``.
+        @available(*, deprecated, renamed: "attMTU")
+        public var mtu: Int? { attMTU }
     }
 
     /// A central's write, as bluetoothd passed it on.
@@ -185,9 +189,13 @@ public final class GATTServer: Sendable {
         /// Where in the characteristic's value they go.
         public var offset: Int
         /// The link's ATT MTU, when bluetoothd said.
-        public var mtu: Int?
+        public var attMTU: Int?
         /// The central's address, when bluetoothd said.
         public var central: String?
+
+        /// The former name of ``attMTU``.
+        @available(*, deprecated, renamed: "attMTU")
+        public var mtu: Int? { attMTU }
     }
 
     /// What a handler throws to send the central an ATT error.
@@ -496,7 +504,7 @@ extension GATTServer {
             case (.characteristic(let characteristic, _), GattSerial.characteristicInterface, "ReadValue"):
                 let options = call.arguments.first?.dictionary ?? [:]
                 let offset = Int(options["offset"]?.integer ?? 0)
-                let request = ReadRequest(characteristic: characteristic.uuid, offset: offset, mtu: options["mtu"]?.integer.map { Int($0) },
+                let request = ReadRequest(characteristic: characteristic.uuid, offset: offset, attMTU: options["mtu"]?.integer.map { Int($0) },
                                           central: options["device"]?.text.map(BlueZ.address(inDevicePath:)))
                 do {
                     let value = try await characteristic.onRead?(request) ?? values.withLock { $0[call.path] ?? [] }
@@ -508,7 +516,7 @@ extension GATTServer {
                 let value = call.arguments.first?.bytes ?? []
                 let options = call.arguments.dropFirst().first?.dictionary ?? [:]
                 let request = WriteRequest(characteristic: characteristic.uuid, value: value, offset: Int(options["offset"]?.integer ?? 0),
-                                           mtu: options["mtu"]?.integer.map { Int($0) }, central: options["device"]?.text.map(BlueZ.address(inDevicePath:)))
+                                           attMTU: options["mtu"]?.integer.map { Int($0) }, central: options["device"]?.text.map(BlueZ.address(inDevicePath:)))
                 do {
                     // What the stored value would become is checked first: a write refused for
                     // its offset or length reaches no handler.

@@ -152,7 +152,7 @@ enum GattSerial {
             let backend = try await GattBackend.open(link: link, rx: rx, tx: tx, acquire: request[BluetoothPlugin.acquire] == .auto,
                                                      events: events, describing: describing)
             var metadata = BluetoothConnector.metadata(device: device, address: address, adapter: adapter)
-            metadata.mtu = backend.maximumWriteSize
+            metadata.maximumWriteSize = backend.maximumWriteSize
             metadata.extra["addressType"] = device.addressType
             metadata.extra["service"] = wanted.uuid
             metadata.extra["rx"] = rx.uuid

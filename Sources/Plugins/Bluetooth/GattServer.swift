@@ -254,7 +254,7 @@ final class GattServerListener: ListenerBackend {
         await backend.learnCentral(bluez: bluez, adapter: adapter)
         var metadata = ConnectionMetadata(name: nil, localAddress: adapter.address, remoteAddress: backend.centralPath.map(BlueZ.address(inDevicePath:)))
         metadata.extra["adapter"] = adapter.name
-        metadata.mtu = backend.maximumWriteSize
+        metadata.maximumWriteSize = backend.maximumWriteSize
         return Connection(url: url, backend: backend, metadata: metadata)
     }
 

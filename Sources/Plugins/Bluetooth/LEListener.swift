@@ -98,7 +98,7 @@ final class LEListener: ListenerBackend {
                                           maximumWriteSize: channel.sendMTU, watermarks: buffering.inbound, hangUp: peer.hangUp)
         let device = (try? await bluez.objects().devices).flatMap { BlueZ.device(peer.description, onAdapter: adapter.path, among: $0) }
         var metadata = BluetoothConnector.metadata(device: device, address: peer, adapter: adapter)
-        metadata.mtu = channel.sendMTU
+        metadata.maximumWriteSize = channel.sendMTU
         metadata.extra["addressType"] = addressType
         metadata.extra["psm"] = String(psm)
         metadata.extra["sendMTU"] = String(channel.sendMTU)

@@ -6,7 +6,7 @@
 //             full suspends until the reader makes room, so a slow reader bounds memory.
 //   messages  each write is read back as one message (readMessage), as on a SEQPACKET socket.
 //   mtu       the largest write the loop takes at once; longer writes are chunked by the connection,
-//             as on a BLE or L2CAP link. Shown as metadata.mtu.
+//             as on a BLE or L2CAP link. Shown as metadata.maximumWriteSize.
 // Half-close: closeWrite() makes the reader see the end after the buffered bytes.
 
 import NIOCore
@@ -30,7 +30,7 @@ public struct LoopPlugin: TransportPlugin {
     /// `messages`: each write is read back as one message.
     public static let messages = URLOption.bool("messages", default: false, help: "Carry messages: each write is read back whole by readMessage()")
     /// `mtu`: the largest write taken at once; longer writes are chunked.
-    public static let mtu = URLOption.integer("mtu", in: 1...(64 << 20), help: "Largest write taken at once; longer writes are chunked (metadata.mtu)")
+    public static let mtu = URLOption.integer("mtu", in: 1...(64 << 20), help: "Largest write taken at once; longer writes are chunked (metadata.maximumWriteSize)")
 
     /// The `loop` scheme.
     public var schemes: [Scheme] {
@@ -47,7 +47,7 @@ public struct LoopPlugin: TransportPlugin {
             var extra = ["buffer": String(capacity)]
             if request[Self.messages] { extra["messages"] = "true" }
             return Connection(url: request.url, backend: LoopBackend(capacity: capacity, messages: request[Self.messages], mtu: mtu),
-                              metadata: ConnectionMetadata(name: "loopback", mtu: mtu, extra: extra))
+                              metadata: ConnectionMetadata(name: "loopback", maximumWriteSize: mtu, extra: extra))
         }]
     }
 

@@ -110,7 +110,7 @@ final class ReconnectCore: Sendable {
                 lost(generation, nil)
             } catch let error as CancellationError {
                 throw error
-            } catch let error as TransportError where error.kind == .unsupported {
+            } catch let error as TransportError where error.isRefusedCall {
                 // A read the connection does not offer (usb://…?controlOnly=true has no data to
                 // read): the next connection would refuse it too, so it is not a loss.
                 throw error

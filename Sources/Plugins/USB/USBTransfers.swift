@@ -499,9 +499,10 @@ final class USBTransferEngine: @unchecked Sendable {
         for transfer in inTransfers + outTransfers { libusb_free_transfer(transfer) }
         freeMemory()
         // Releasing the interface gives it back to a kernel driver it was detached from (a bind):
-        // on TransportKit's pool; at once here if the pool cannot take it.
+        // on a thread of its own, which a cancelled task (a signal's close) still gets; here only
+        // if no thread can be started.
         let (device, claimed) = (device, claimed)
-        if (try? await Blocking.run { device.close(releasing: claimed) }) == nil { device.close(releasing: claimed) }
+        if (try? await Blocking.runOnThread("tk usb close") { device.close(releasing: claimed) }) == nil { device.close(releasing: claimed) }
         if state.withLock({ $0.failure }) == nil {
             inbound.finish()
             state.update { $0.failure = TransportError(.misuse, "\(describing): the connection is closed") }

@@ -254,7 +254,8 @@ public final class Connection: Sendable {
             let next: TransportMessage?
             do {
                 next = if let timeout { try await readWithTimeout(timeout) } else { try await readBackend() }
-            } catch let error as TransportError where error.kind != .timedOut && error.kind != .misuse {
+            } catch let error as TransportError where error.kind != .timedOut && error.kind != .misuse && !error.isRefusedCall {
+                // A read the connection does not offer (usb://…?controlOnly=true) leaves it up.
                 streamEnded(error)
                 throw error
             }
@@ -465,7 +466,7 @@ public final class Connection: Sendable {
         try checkWritable()
         try await inTurn {
             if let limit = backend.maximumWriteSize, message.readableBytes > limit {
-                throw TransportError.misuse("a \(message.readableBytes)-byte message does not fit the \(limit)-byte MTU of \(url.shown); keep messages within metadata.mtu")
+                throw TransportError.misuse("a \(message.readableBytes)-byte message does not fit the \(limit)-byte MTU of \(url.shown); keep messages within metadata.maximumWriteSize")
             }
             try await backend.writeMessage(typed)
             counters.written.add(message.readableBytes, ordering: .relaxed)
@@ -613,7 +614,7 @@ public final class Connection: Sendable {
     /// Lets a plugin update metadata that changes while connected (a negotiated MTU).
     ///
     /// ```swift
-    /// connection.updateMetadata { $0.mtu = negotiated - 3 }
+    /// connection.updateMetadata { $0.maximumWriteSize = negotiated - 3 }
     /// ```
     @_spi(Plugins)
     public func updateMetadata(_ update: (inout ConnectionMetadata) -> Void) {

@@ -256,8 +256,11 @@ public struct ConnectionMetadata: Sendable, Equatable, Codable {
     public var serialNumber: String?
     /// The firmware's version, where the transport learns it.
     public var firmwareVersion: String?
-    /// The largest write the transport carries in one unit (BLE ATT payload, L2CAP MTU).
-    public var mtu: Int?
+    /// The largest write the transport carries in one unit, when it has one: a GATT write's or
+    /// notification's payload (the ATT MTU less 3), an LE L2CAP channel's send MTU, `loop://`'s
+    /// `mtu=`. Longer writes are cut into units of this size; a longer message is refused.
+    /// (Formerly `mtu`, a name that meant four different things across the Bluetooth API.)
+    public var maximumWriteSize: Int?
     /// This end's address (a socket address, an adapter).
     public var localAddress: String?
     /// The other end's address (a socket address, a device node, a Bluetooth address).
@@ -271,17 +274,57 @@ public struct ConnectionMetadata: Sendable, Equatable, Codable {
     /// ConnectionMetadata(name: "loopback", extra: ["buffer": "4096"])
     /// ```
     public init(name: String? = nil, manufacturer: String? = nil, model: String? = nil, serialNumber: String? = nil,
-                firmwareVersion: String? = nil, mtu: Int? = nil, localAddress: String? = nil,
+                firmwareVersion: String? = nil, maximumWriteSize: Int? = nil, localAddress: String? = nil,
                 remoteAddress: String? = nil, extra: [String: String] = [:]) {
         self.name = name
         self.manufacturer = manufacturer
         self.model = model
         self.serialNumber = serialNumber
         self.firmwareVersion = firmwareVersion
-        self.mtu = mtu
+        self.maximumWriteSize = maximumWriteSize
         self.localAddress = localAddress
         self.remoteAddress = remoteAddress
         self.extra = extra
+    }
+
+    /// The former spelling of ``init(name:manufacturer:model:serialNumber:firmwareVersion:maximumWriteSize:localAddress:remoteAddress:extra:)``.
+    @available(*, deprecated, renamed: "init(name:manufacturer:model:serialNumber:firmwareVersion:maximumWriteSize:localAddress:remoteAddress:extra:)")
+    public init(name: String? = nil, manufacturer: String? = nil, model: String? = nil, serialNumber: String? = nil,
+                firmwareVersion: String? = nil, mtu: Int?, localAddress: String? = nil,
+                remoteAddress: String? = nil, extra: [String: String] = [:]) {
+        self.init(name: name, manufacturer: manufacturer, model: model, serialNumber: serialNumber, firmwareVersion: firmwareVersion,
+                  maximumWriteSize: mtu, localAddress: localAddress, remoteAddress: remoteAddress, extra: extra)
+    }
+
+    /// The former name of ``maximumWriteSize``.
+    @available(*, deprecated, renamed: "maximumWriteSize")
+    public var mtu: Int? {
+        get { maximumWriteSize }
+        set { maximumWriteSize = newValue }
+    }
+
+    private enum CodingKeys: String, CodingKey {
+        case name, manufacturer, model, serialNumber, firmwareVersion, maximumWriteSize, localAddress, remoteAddress, extra
+    }
+
+    /// The key ``maximumWriteSize`` was encoded under before it was renamed.
+    private enum FormerKeys: String, CodingKey {
+        case mtu
+    }
+
+    /// Decodes what `encode(to:)` writes, and what it wrote before the rename (`mtu`).
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        name = try container.decodeIfPresent(String.self, forKey: .name)
+        manufacturer = try container.decodeIfPresent(String.self, forKey: .manufacturer)
+        model = try container.decodeIfPresent(String.self, forKey: .model)
+        serialNumber = try container.decodeIfPresent(String.self, forKey: .serialNumber)
+        firmwareVersion = try container.decodeIfPresent(String.self, forKey: .firmwareVersion)
+        maximumWriteSize = try container.decodeIfPresent(Int.self, forKey: .maximumWriteSize)
+            ?? decoder.container(keyedBy: FormerKeys.self).decodeIfPresent(Int.self, forKey: .mtu)
+        localAddress = try container.decodeIfPresent(String.self, forKey: .localAddress)
+        remoteAddress = try container.decodeIfPresent(String.self, forKey: .remoteAddress)
+        extra = try container.decodeIfPresent([String: String].self, forKey: .extra) ?? [:]
     }
 }
 

@@ -170,8 +170,17 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
                 problems.append("the mode '\(mode.name)' uses the option '\(name)', which the scheme does not declare")
             }
             if let selector = mode.selectedBy {
-                if options.first(where: { URLParser.sameName($0.name, selector) })?.kind != .bool {
+                let spec = options.first { URLParser.sameName($0.name, selector) }
+                if spec?.kind != .bool {
                     problems.append("the mode '\(mode.name)' is selected by '\(selector)', which is not a boolean option of the scheme")
+                } else if spec?.defaultValue == "true" {
+                    // The URL would pick another mode while the plugin reads true.
+                    problems.append("the mode '\(mode.name)' is selected by '\(selector)', whose default is true: a selector must default to false")
+                }
+                let before = modes.prefix { $0 != mode }
+                if before.contains(where: { $0.role == mode.role && $0.port == nil && $0.host == nil && $0.selectedBy == nil }) {
+                    problems.append("the mode '\(mode.name)' comes after a \(mode.role.rawValue) mode without selectors, which takes every URL first: "
+                                    + "declare it before that one")
                 }
                 if !mode.options.contains(where: { URLParser.sameName($0, selector) }) {
                     problems.append("the mode '\(mode.name)' is selected by '\(selector)' but does not list it among its options")

@@ -6,7 +6,7 @@ import Synchronization
 /// refused before any I/O with a message that names the form, never taken and ignored.
 ///
 /// A URL's mode is the first of the descriptor's ``SchemeDescriptor/modes`` whose role and
-/// selectors (``port``, ``host``) fit it. Connect modes also take the common options
+/// selectors (``port``, ``host``, ``selectedBy``) fit it. Connect modes also take the common options
 /// (``OptionSpec/common``); listen modes do not (a listener has no connect deadline).
 ///
 /// ```swift

@@ -192,3 +192,11 @@ extension Errno {
         .hostIsDown: "EHOSTDOWN", .alreadyInProcess: "EALREADY", .nowInProgress: "EINPROGRESS",
     ]
 }
+
+extension TransportError {
+    /// A call the connection does not offer at all (`.unsupported` without an errno, such as a
+    /// read on `usb://…?controlOnly=true`): refused before any I/O and the same on every attempt,
+    /// so neither an end of the stream nor a loss to reconnect after. An `.unsupported` that
+    /// carries an errno (EOPNOTSUPP, ENOSYS from the system) is a failure like any other.
+    @_spi(Plugins) public var isRefusedCall: Bool { kind == .unsupported && errno == nil }
+}
