@@ -163,13 +163,22 @@ struct BlueZLabTests {
         }
     }
 
-    /// Forgets both controllers' devices and keys and sets both to NoInputNoOutput (as
-    /// BlueZListenLabTests.setUp does), saying why in the lab's output.
+    /// Forgets both controllers' devices and keys and sets both to NoInputNoOutput, saying why in
+    /// the lab's output.
     static func resetPairing(after error: TransportError, _ url: String) async throws {
         print("lab: \(url): \(error.message) — forgetting the devices, NoInputNoOutput again, and 10 s more")
-        for index in ["0", "1"] { _ = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "io-cap", "3"]) }
-        try await forgetDevices()
+        try await justWorksAfresh()
         try await Task.sleep(for: .seconds(1))
+    }
+
+    /// Both controllers NoInputNoOutput, so that their pairing is Just Works, which needs no
+    /// agent, and every device and key forgotten, so that it happens afresh.
+    static func justWorksAfresh() async throws {
+        for index in ["0", "1"] {
+            let result = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "io-cap", "3"])
+            try #require(result.status == 0, "btmgmt --index \(index) io-cap 3: \(result.stderr)")
+        }
+        try await forgetDevices()
     }
 
     static func pattern(_ count: Int) -> [UInt8] { (0..<count).map { UInt8(truncatingIfNeeded: $0 &* 7 &+ $0 / 256) } }

@@ -21,11 +21,7 @@ struct BlueZListenLabTests {
     /// nobody confirmed is the likely cause.)
     static func setUp() async throws -> BluetoothLabTests.Controllers {
         let controllers = try await BlueZLabTests.setUp()
-        for index in ["0", "1"] {
-            let result = try await Lab.run("/usr/bin/btmgmt", ["--index", index, "io-cap", "3"])
-            try #require(result.status == 0, "btmgmt --index \(index) io-cap 3: \(result.stderr)")
-        }
-        try await BlueZLabTests.forgetDevices()
+        try await BlueZLabTests.justWorksAfresh()
         return controllers
     }
 

@@ -195,15 +195,7 @@ final class LibUSBDevice: @unchecked Sendable {
 /// A bulk endpoint beside an interrupt one is used only when the URL names them.
 func chooseEndpoints(_ alternates: [USBAlternate], interface: Int?, alternate: Int?, input: UInt8?, output: UInt8?,
                      describing: String) throws -> USBEndpointChoice {
-    func describe(_ alternate: USBAlternate) -> String {
-        "interface \(alternate.interface) alt \(alternate.alternate): "
-            + (alternate.endpoints.isEmpty ? "no endpoints" : alternate.endpoints.map { "\($0.typeName) \($0.isIn ? "in" : "out") \($0.addressText)" }.joined(separator: ", "))
-    }
-    let offered = alternates.map(describe).joined(separator: "; ")
-    let candidates = alternates.filter { (interface == nil || $0.interface == interface) && $0.alternate == (alternate ?? 0) }
-    guard !candidates.isEmpty else {
-        throw TransportError(.notFound, "\(describing): no interface \(interface.map(String.init) ?? "?") with alternate setting \(alternate ?? 0); the device offers \(offered)")
-    }
+    let (candidates, offered) = try matchingAlternates(alternates, interface: interface, alternate: alternate, describing: describing)
     // Bulk pairs first; interrupt pairs only where no interface has a bulk pair.
     for type: UInt8 in [2, 3] {
         for candidate in candidates {
@@ -230,6 +222,23 @@ func chooseEndpoints(_ alternates: [USBAlternate], interface: Int?, alternate: I
     throw TransportError(.notFound, "\(describing): no \(interface.map { "interface \($0) " } ?? "interface ")with "
                          + (named.isEmpty ? "a bulk (or interrupt) IN and OUT endpoint pair" : named.joined(separator: " and "))
                          + "; the device offers \(offered). Name them with interface=, in= and out=; for control transfers alone, controlOnly=true")
+}
+
+/// The alternate settings `interface=` and `alt=` name (of any interface without `interface=`;
+/// setting 0 without `alt=`), and what the device offers, for messages. `.notFound` listing the
+/// offer when none matches.
+func matchingAlternates(_ alternates: [USBAlternate], interface: Int?, alternate: Int?,
+                        describing: String) throws -> (matches: [USBAlternate], offered: String) {
+    func describe(_ alternate: USBAlternate) -> String {
+        "interface \(alternate.interface) alt \(alternate.alternate): "
+            + (alternate.endpoints.isEmpty ? "no endpoints" : alternate.endpoints.map { "\($0.typeName) \($0.isIn ? "in" : "out") \($0.addressText)" }.joined(separator: ", "))
+    }
+    let offered = alternates.map(describe).joined(separator: "; ")
+    let matches = alternates.filter { (interface == nil || $0.interface == interface) && $0.alternate == (alternate ?? 0) }
+    guard !matches.isEmpty else {
+        throw TransportError(.notFound, "\(describing): no interface \(interface.map(String.init) ?? "?") with alternate setting \(alternate ?? 0); the device offers \(offered)")
+    }
+    return (matches, offered)
 }
 
 /// An endpoint option (`in=0x81`, `in=81`, `in=129`): hexadecimal with 0x or as USB tools print

@@ -95,40 +95,52 @@ public struct USBPlugin: TransportPlugin {
         }
     }
 
+    /// The URL's device (waiting for it with `wait=`) and its node below /dev/bus/usb.
+    static func resolve(_ request: ConnectRequest, describing: String) async throws -> (USBDeviceInfo, String) {
+        let selector = try USBDiscovery.selector(request)
+        let device = try await USBDiscovery.resolve(selector, wait: request[wait], deadline: request.deadline, timeout: request.timeout)
+        guard let node = device.devnode else {
+            throw TransportError(.notFound, "\(describing): \(device.sysPath) has no device node below /dev/bus/usb (is devtmpfs mounted?)")
+        }
+        return (device, node)
+    }
+
+    /// Opens `node` and runs `setUp` with it, both on TransportKit's pool, not on the caller's
+    /// thread: opening, the configuration walk and a claim are usbfs ioctls, and a detach unbinds
+    /// a kernel driver. When `setUp` throws, the interface it recorded in its second argument as
+    /// claimed is given back and the device closed.
+    static func opened<Value: Sendable>(_ node: String, _ device: USBDeviceInfo, describing: String,
+                                        _ setUp: @escaping @Sendable (LibUSBDevice, inout Int?) throws -> Value) async throws -> Value {
+        try await Blocking.run {
+            let usb = try LibUSBDevice(node: node, device: device, describing: describing)
+            var claimed: Int?
+            do {
+                return try setUp(usb, &claimed)
+            } catch {
+                usb.close(releasing: claimed)
+                throw error
+            }
+        }
+    }
+
     /// A connection for control transfers only: the device opened, `interface=` claimed when given
     /// (for class or vendor requests to it; usbfs lets requests to the device through unclaimed),
     /// no data transfers.
     static func connectControlOnly(_ request: ConnectRequest) async throws -> Connection {
         let describing = request.url.description
-        let selector = try USBDiscovery.selector(request)
         try checkControlOnly(request)
-        let device = try await USBDiscovery.resolve(selector, wait: request[wait], deadline: request.deadline, timeout: request.timeout)
-        guard let node = device.devnode else {
-            throw TransportError(.notFound, "\(describing): \(device.sysPath) has no device node below /dev/bus/usb (is devtmpfs mounted?)")
-        }
+        let (device, node) = try await resolve(request, describing: describing)
         let (chosen, alternate, detaching) = (request[Self.interface], request[Self.alt] ?? 0, request[Self.detach])
-        // usbfs ioctls, and a detach unbinds a kernel driver: on TransportKit's pool (as connect's).
-        let (engine, claimed) = try await Blocking.run { () throws -> (USBTransferEngine, Int?) in
-            let usb = try LibUSBDevice(node: node, device: device, describing: describing)
-            var claimed: Int?
-            do {
-                if let number = chosen {
-                    let alternates = try usb.alternates(describing: describing)
-                    guard alternates.contains(where: { $0.interface == number && $0.alternate == alternate }) else {
-                        let offered = Set(alternates.map { "interface \($0.interface) alt \($0.alternate)" }).sorted().joined(separator: ", ")
-                        throw TransportError(.notFound, "\(describing): no interface \(number) with alternate setting \(alternate); the device offers \(offered)")
-                    }
-                    let driver = device.interfaces.first { $0.number == number }?.driver
-                    try usb.claim(number, alternate: alternate, detach: detaching, driver: driver, describing: describing)
-                    claimed = number
-                }
-                let engine = try USBTransferEngine(device: usb, choice: nil, claimed: claimed, transfers: 0, transferSize: 64, zlp: false,
-                                                   sysPath: device.sysPath, describing: describing)
-                return (engine, claimed)
-            } catch {
-                usb.close(releasing: claimed)
-                throw error
+        let (engine, claimed) = try await opened(node, device, describing: describing) { usb, claimed in
+            if let number = chosen {
+                _ = try matchingAlternates(try usb.alternates(describing: describing), interface: number, alternate: alternate, describing: describing)
+                let driver = device.interfaces.first { $0.number == number }?.driver
+                try usb.claim(number, alternate: alternate, detach: detaching, driver: driver, describing: describing)
+                claimed = number
             }
+            let engine = try USBTransferEngine(device: usb, choice: nil, claimed: claimed, transfers: 0, transferSize: 64, zlp: false,
+                                               sysPath: device.sysPath, describing: describing)
+            return (engine, claimed)
         }
         var described = Self.metadata(device, nil)
         described.extra["controlOnly"] = "true"
@@ -142,33 +154,20 @@ public struct USBPlugin: TransportPlugin {
     static func connect(_ request: ConnectRequest) async throws -> Connection {
         if request[controlOnly] { return try await connectControlOnly(request) }
         let describing = request.url.description
-        let selector = try USBDiscovery.selector(request)
         let input = try parseEndpoint(request[inEndpoint], option: "in", describing: describing)
         let output = try parseEndpoint(request[outEndpoint], option: "out", describing: describing)
-        let device = try await USBDiscovery.resolve(selector, wait: request[wait], deadline: request.deadline, timeout: request.timeout)
-        guard let node = device.devnode else {
-            throw TransportError(.notFound, "\(describing): \(device.sysPath) has no device node below /dev/bus/usb (is devtmpfs mounted?)")
-        }
+        let (device, node) = try await resolve(request, describing: describing)
         let (number, alternate, detaching) = (request[Self.interface], request[Self.alt], request[Self.detach])
         let (count, size, zeroPacket) = (request[Self.transfers], request[Self.transferSize], request[Self.zlp])
-        // Opening, the configuration walk and the claim are usbfs ioctls, and a detach unbinds a
-        // kernel driver: on TransportKit's pool, not on the caller's thread.
-        let (engine, choice) = try await Blocking.run { () throws -> (USBTransferEngine, USBEndpointChoice) in
-            let usb = try LibUSBDevice(node: node, device: device, describing: describing)
-            var claimed: Int?
-            do {
-                let choice = try chooseEndpoints(try usb.alternates(describing: describing), interface: number, alternate: alternate,
-                                                 input: input, output: output, describing: describing)
-                let driver = device.interfaces.first { $0.number == choice.interface }?.driver
-                try usb.claim(choice.interface, alternate: choice.alternate, detach: detaching, driver: driver, describing: describing)
-                claimed = choice.interface
-                let engine = try USBTransferEngine(device: usb, choice: choice, claimed: choice.interface, transfers: count,
-                                                   transferSize: size, zlp: zeroPacket, sysPath: device.sysPath, describing: describing)
-                return (engine, choice)
-            } catch {
-                usb.close(releasing: claimed)
-                throw error
-            }
+        let (engine, choice) = try await opened(node, device, describing: describing) { usb, claimed in
+            let choice = try chooseEndpoints(try usb.alternates(describing: describing), interface: number, alternate: alternate,
+                                             input: input, output: output, describing: describing)
+            let driver = device.interfaces.first { $0.number == choice.interface }?.driver
+            try usb.claim(choice.interface, alternate: choice.alternate, detach: detaching, driver: driver, describing: describing)
+            claimed = choice.interface
+            let engine = try USBTransferEngine(device: usb, choice: choice, claimed: choice.interface, transfers: count,
+                                               transferSize: size, zlp: zeroPacket, sysPath: device.sysPath, describing: describing)
+            return (engine, choice)
         }
         // From here the engine owns the device and closes it.
         do {
