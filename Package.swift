@@ -5,7 +5,8 @@ import PackageDescription
 //   TransportKitCore        URL model, options, registry, connection, errors, framing, and the plugin SDK
 //                           (inbound queue, writer gate, ChannelBackend). No C module, no Foundation.
 //   TransportKitLinux       shared Linux support for plugins: syscalls, fd readiness, fd adoption,
-//                           worker threads. Glibc, swift-system and NIOPosix only; never imported by the core.
+//                           worker threads, the readiness poller (the only importer of CEpoll). Glibc,
+//                           swift-system and NIOPosix only; never imported by the core.
 //   TransportKitUdev        shared device discovery for plugins: sysfs records, USB ancestry, the udev
 //                           monitor. The only importer of CUdev (it links libudev).
 //   TransportKitDBus        a D-Bus client for plugins (sd-bus on a thread of its own: calls, signals,
@@ -53,6 +54,7 @@ let package = Package(
         .systemLibrary(name: "CBlueZ", path: "Sources/CBlueZ", pkgConfig: "bluez", providers: [.apt(["libbluetooth-dev"])]),
         .systemLibrary(name: "CUdev", path: "Sources/CUdev", pkgConfig: "libudev", providers: [.apt(["libudev-dev"])]),
         .systemLibrary(name: "CSDBus", path: "Sources/CSDBus", pkgConfig: "libsystemd", providers: [.apt(["libsystemd-dev"])]),
+        .systemLibrary(name: "CEpoll", path: "Sources/CEpoll"),
         .systemLibrary(name: "CZlib", path: "Sources/CZlib", providers: [.apt(["zlib1g-dev"])]),
         .systemLibrary(name: "CLibUSB", path: "Sources/CLibUSB", pkgConfig: "libusb-1.0", providers: [.apt(["libusb-1.0-0-dev"])]),
 
@@ -64,7 +66,7 @@ let package = Package(
         ),
         .target(
             name: "TransportKitLinux",
-            dependencies: ["TransportKitCore", nioCore, nioPosix, system],
+            dependencies: ["TransportKitCore", "CEpoll", nioCore, nioPosix, system],
             path: "Sources/Plugins/Support/Linux",
             swiftSettings: strict
         ),
@@ -176,7 +178,7 @@ let package = Package(
         .target(name: "CBenchLoops", path: "Sources/Benchmarks/CBenchLoops", linkerSettings: [.linkedLibrary("udev"), .linkedLibrary("usb-1.0")]),
         .executableTarget(
             name: "transportkit-bench",
-            dependencies: ["TransportKit", "CBenchLoops", nioCore, nioPosix, .product(name: "NIOHTTP1", package: "swift-nio"),
+            dependencies: ["TransportKit", "TransportKitLinux", "CBenchLoops", nioCore, nioPosix, system, .product(name: "NIOHTTP1", package: "swift-nio"),
                            .product(name: "NIOWebSocket", package: "swift-nio")],
             path: "Sources/Benchmarks/transportkit-bench",
             swiftSettings: strict
@@ -221,7 +223,7 @@ let package = Package(
         .testTarget(
             name: "CShimTests",
             // Every C module (Sources/C*); DocsDriftTests checks it.
-            dependencies: ["CBlueZ", "CUdev", "CLibUSB", "CSDBus", "CZlib"],
+            dependencies: ["CBlueZ", "CEpoll", "CUdev", "CLibUSB", "CSDBus", "CZlib"],
             swiftSettings: strict
         ),
     ],

@@ -1,4 +1,5 @@
 import CBlueZ
+import CEpoll
 import CLibUSB
 import CSDBus
 import CUdev
@@ -22,6 +23,17 @@ struct CShimTests {
         #expect(tk_bt_ioctl_hcidevup() == 0x4004_48C9)
         #expect(tk_bt_ioctl_hcigetdevlist() == 0x8004_48D2)
         #expect(AF_BLUETOOTH == 31)
+    }
+
+    @Test func epollConstantsAndACall() {
+        // The values sys/epoll.h gives (and the kernel's uapi/linux/eventpoll.h).
+        #expect(EPOLLIN.rawValue == 0x001 && EPOLLOUT.rawValue == 0x004 && EPOLLRDHUP.rawValue == 0x2000)
+        #expect(EPOLLONESHOT.rawValue == 1 << 30 && EPOLL_CTL_MOD == 3)
+        let epoll = epoll_create1(Int32(EPOLL_CLOEXEC))
+        #expect(epoll >= 0)
+        var event = epoll_event()
+        #expect(epoll_wait(epoll, &event, 1, 0) == 0, "an empty set has nothing ready")
+        close(epoll)
     }
 
     @Test func udevContextWorksWithoutUdevd() {

@@ -137,6 +137,109 @@ struct DescriptorChannelTests {
     }
 }
 
+@Suite("TransportKitLinux: the readiness poller")
+struct ReadinessPollerTests {
+    /// Fills `fd`'s send buffer (non-blocking sends until EAGAIN); returns how many bytes it took.
+    private func fill(_ fd: Int32) -> Int {
+        let chunk = [UInt8](repeating: 7, count: 4096)
+        var sent = 0
+        while true {
+            let count = chunk.withUnsafeBytes { send(fd, $0.baseAddress, $0.count, Int32(MSG_DONTWAIT | MSG_NOSIGNAL)) }
+            guard count > 0 else { return sent }
+            sent += count
+        }
+    }
+
+    @Test func aReaderAndAWriterWaitOnOneDescriptorAndEachWakesForItsOwnEvent() async throws {
+        let (mine, peer) = try socketPair()
+        defer { _ = Glibc.close(mine); _ = Glibc.close(peer) }
+        let fd = FileDescriptor(rawValue: mine)
+        let filled = fill(mine)
+        #expect(filled > 0)
+        let writerWoke = Atomic(false)
+        let writer = Task {
+            try await fd.wait(until: .writable)
+            writerWoke.store(true, ordering: .sequentiallyConsistent)
+        }
+        let reader = Task { try await fd.wait(until: .readable) }
+        try await Task.sleep(for: .milliseconds(30))
+        Support.writeAll(peer, [1])
+        try await reader.value
+        try await Task.sleep(for: .milliseconds(30))
+        let wokeEarly = writerWoke.load(ordering: .sequentiallyConsistent)
+        #expect(!wokeEarly, "the send buffer is still full: the writer must still wait")
+        // Draining the peer frees the buffer: the writer, re-armed after the reader's event, wakes.
+        var sink = [UInt8](repeating: 0, count: 65536)
+        var drained = 0
+        while drained < filled {
+            let count = sink.withUnsafeMutableBytes { recv(peer, $0.baseAddress, $0.count, 0) }
+            guard count > 0 else { break }
+            drained += count
+        }
+        try await writer.value
+        let woke = writerWoke.load(ordering: .sequentiallyConsistent)
+        #expect(woke)
+    }
+
+    @Test func aNumberReusedForAnotherFileIsWatchedAgain() async throws {
+        let (first, firstPeer) = try socketPair()
+        defer { _ = Glibc.close(first) }
+        let fd = FileDescriptor(rawValue: first)
+        try await fd.wait(until: .writable)   // in the epoll set now
+        _ = Glibc.close(firstPeer)
+        let (second, secondPeer) = try socketPair()
+        defer { _ = Glibc.close(secondPeer) }
+        // The same number, another file: the old registration left with the old file.
+        #expect(dup2(second, first) == first)
+        _ = Glibc.close(second)
+        let reader = Task { try await fd.wait(until: .readable) }
+        try await Task.sleep(for: .milliseconds(20))
+        Support.writeAll(secondPeer, [1])
+        try await reader.value
+    }
+
+    @Test func aRegularFileIsReadyAtOnceAndABadDescriptorNamesEpollCtl() async throws {
+        let path = Support.temporaryPath("readiness")
+        let file = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
+        defer { _ = Glibc.close(file); unlink(path) }
+        try await FileDescriptor(rawValue: file).wait(until: .readable)   // poll(2) calls files always ready
+        let error = await expectTransportError(.io) { try await FileDescriptor(rawValue: 1_000_000).wait(until: .readable) }
+        #expect(error?.syscall == "epoll_ctl")
+        #expect(error?.errno == .badFileDescriptor)
+    }
+
+    @Test func aGateWakesItsWaitersWhenItClosesAndLaterWaitsReturnAtOnce() async throws {
+        let (mine, peer) = try socketPair()
+        defer { _ = Glibc.close(peer) }
+        let gate = DescriptorGate(FileDescriptor(rawValue: mine))
+        #expect(gate.enter())
+        let waiter = Task {
+            try await gate.wait(until: .readable)
+            return gate.isClosed
+        }
+        try await Task.sleep(for: .milliseconds(30))
+        let closing = Task { await gate.close() }
+        #expect(try await waiter.value, "woken by the close, not by data")
+        try await gate.wait(until: .readable)   // closed: at once
+        gate.leave()
+        #expect(await closing.value)
+    }
+
+    @Test func manyWaitsShareOneThread() async throws {
+        let (mine, peer) = try socketPair()
+        defer { _ = Glibc.close(mine); _ = Glibc.close(peer) }
+        let fd = FileDescriptor(rawValue: mine)
+        var byte: UInt8 = 0
+        for _ in 0..<200 {
+            let reader = Task { try await fd.wait(until: .readable) }
+            Support.writeAll(peer, [1])
+            try await reader.value
+            _ = Glibc.read(mine, &byte, 1)
+        }
+        #expect(PluginExampleTests.threads(named: "tk readiness") == 1)
+    }
+}
+
 @Suite("TransportKitLinux: threads")
 struct WorkerThreadTests {
     @Test func aWorkerRunsUntilInterruptedAndIsJoined() async throws {

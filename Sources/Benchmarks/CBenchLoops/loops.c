@@ -122,3 +122,18 @@ long tk_bench_c_sink_join(void) {
     sink_listener = -1;
     return (long)total;
 }
+
+int tk_bench_c_connect(int port) {
+    return connect_to(port);
+}
+
+int tk_bench_c_tcp_pair(int fds[2]) {
+    int port, listener = listen_any(&port), one = 1;
+    if (listener < 0) return -1;
+    fds[0] = connect_to(port);
+    fds[1] = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+    close(listener);
+    if (fds[0] < 0 || fds[1] < 0) return -1;
+    setsockopt(fds[1], IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return 0;
+}

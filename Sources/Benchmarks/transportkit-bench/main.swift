@@ -229,6 +229,13 @@ let variants = [
     RoundTripVariant(key: "rtt-loop", heading: nil, label: "TransportKit at both ends") {
         try await transportKitRoundTrips(peerInC: false, onLoop: true)
     },
+    RoundTripVariant(key: "poller-cpeer", heading: "reference: raw sockets, tasks parked on TransportKitLinux's readiness poller (the floor under a backend owning its descriptors)",
+                     label: "task client, C echo peer") {
+        try await PollerBench.roundTrips(peerInC: true)
+    },
+    RoundTripVariant(key: "poller", heading: nil, label: "tasks at both ends") {
+        try await PollerBench.roundTrips(peerInC: false)
+    },
     RoundTripVariant(key: "nio", heading: "reference: plain SwiftNIO channel handlers, no tasks (the floor under TransportKit's engine)",
                      label: "SwiftNIO handlers at both ends") {
         try await rawNIORoundTrips()

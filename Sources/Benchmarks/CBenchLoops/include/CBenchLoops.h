@@ -16,6 +16,10 @@ double tk_bench_c_tcp_round_trips(int rounds);
 /// A 32-byte echo server for the TransportKit round-trip run: listens on 127.0.0.1, returns the
 /// port, and serves one connection on a pthread until it closes.
 int tk_bench_c_echo_server(void);
+/// A blocking loopback TCP connection to `port` with TCP_NODELAY; -1 on failure.
+int tk_bench_c_connect(int port);
+/// A connected loopback TCP pair (client, accepted), both with TCP_NODELAY; -1 on failure.
+int tk_bench_c_tcp_pair(int fds[2]);
 
 /// A sink for the TransportKit throughput run: listens on 127.0.0.1, returns the port, and reads
 /// one connection to its end on a pthread. `tk_bench_c_sink_join` waits for that end and returns

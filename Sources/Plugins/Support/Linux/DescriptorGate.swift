@@ -1,6 +1,6 @@
 // DescriptorGate.swift: closing a descriptor only once no task is inside a readiness wait or a
 // system call on it. Closed under such a use, the number could be reused by another file meanwhile
-// (and libdispatch would still watch it, or recv(2) read the other file's bytes).
+// (and epoll would watch the other file, or recv(2) read its bytes).
 
 import SystemPackage
 import TransportKitCore
@@ -60,13 +60,10 @@ public final class DescriptorGate: Sendable {
     /// Suspends, inside a use, until the descriptor is ready or the gate closes, whichever comes
     /// first; check ``isClosed`` after it. Cancelling the task ends the wait with `CancellationError`.
     public func wait(until readiness: FileDescriptor.Readiness) async throws {
-        let (fd, state) = (fd, state)
-        try await withThrowingTaskGroup(of: Void.self) { group in
-            group.addTask { try await fd.wait(until: readiness) }
-            group.addTask { try await state.wait { $0.closed ? () : nil } }
-            _ = try await group.next()
-            group.cancelAll()
-        }
+        let state = state
+        // close(waking:) marks the gate closed before it wakes the waiters: a wait that begins
+        // after the mark returns at once, one that began before it is woken.
+        try await ReadinessPoller.shared().wait(fd.rawValue, for: readiness) { state.withLock { $0.closed } }
     }
 
     /// Closes the descriptor, once: marks the gate closed (no use begins after this, and
@@ -80,6 +77,7 @@ public final class DescriptorGate: Sendable {
             return !state.closed
         }
         guard first else { return false }
+        (try? ReadinessPoller.shared())?.wakeAll(fd.rawValue)
         await wake()
         let uses = state
         await uncancellable { _ = try? await uses.wait { $0.users == 0 ? () : nil } }

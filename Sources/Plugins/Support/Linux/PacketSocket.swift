@@ -105,9 +105,8 @@ public final class PacketSocketBackend: ConnectionBackend {
     public func write(_ buffer: ByteBuffer) async throws {
         guard gate.enter() else { throw TransportError(.misuse, "\(describing) is closed") }
         defer { gate.leave() }
-        let bytes = Array(buffer.readableBytesView)
         while true {
-            let result = Syscall.attempt { bytes.withUnsafeBytes { send(fd.rawValue, $0.baseAddress, $0.count, Int32(MSG_NOSIGNAL | MSG_DONTWAIT)) } }
+            let result = Syscall.attempt { buffer.withUnsafeReadableBytes { send(fd.rawValue, $0.baseAddress, $0.count, Int32(MSG_NOSIGNAL | MSG_DONTWAIT)) } }
             switch result {
             case .success: return
             case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
@@ -115,7 +114,7 @@ public final class PacketSocketBackend: ConnectionBackend {
                 if gate.isClosed { throw TransportError(.misuse, "\(describing) was closed during a write") }
             case .failure(.messageTooLong):
                 throw TransportError.posix("send", errno: .messageTooLong, what: describing,
-                                           hint: "a write of \(bytes.count) bytes is larger than the peer accepts (\(maximumWriteSize.map(String.init) ?? "?") bytes)")
+                                           hint: "a write of \(buffer.readableBytes) bytes is larger than the peer accepts (\(maximumWriteSize.map(String.init) ?? "?") bytes)")
             case .failure(let errno) where Self.hangUps.contains(errno):
                 throw hangUp(errno, "send")
             case .failure(let errno):

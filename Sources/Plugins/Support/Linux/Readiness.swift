@@ -1,12 +1,19 @@
-// Readiness.swift: waiting, without a thread, until a descriptor SwiftNIO does not own is readable
-// or writable (a netlink socket, a D-Bus connection, a SEQPACKET socket BlueZ hands out).
+// Readiness.swift: waiting, without a thread per wait, until a descriptor SwiftNIO does not own is
+// readable or writable (a netlink socket, a SEQPACKET socket BlueZ hands out, a listening L2CAP
+// socket), through epoll(7).
 //
-// SwiftNIO 2.101 has no public way to register a foreign descriptor with its event loop, so this
-// uses libdispatch's read and write sources (its own epoll): one source per wait, cancelled when
-// the wait ends, and no thread is parked. Level-triggered: a descriptor that is already ready
-// returns at once.
+// SwiftNIO 2.101 has no public way to register a foreign descriptor with its event loop, so the
+// process has one epoll instance of TransportKit's own, watched by one thread started on first use
+// and kept for the life of the process. A wait arms the descriptor with EPOLLONESHOT for what its
+// waiters want (EPOLL_CTL_MOD, or EPOLL_CTL_ADD the first time: one system call), and the thread
+// resumes the waiters an event matches, then re-arms for the waiters left. Level-triggered: a
+// descriptor already ready is reported at once. A closed descriptor leaves the epoll set by
+// itself (its last reference gone); a number reused for another file is added again (ENOENT).
+// The dispatch source per wait this replaced cost two conditions, a source, its registration and
+// a cancellation handshake for every wait; this costs one epoll_ctl and one lock.
 
-@preconcurrency import Dispatch  // DispatchSource types are not marked Sendable; they are thread-safe (libdispatch)
+import CEpoll
+import Glibc
 import SystemPackage
 import TransportKitCore
 
@@ -19,11 +26,10 @@ extension FileDescriptor {
         case writable
     }
 
-    private static let readinessQueue = DispatchQueue(label: "TransportKit.Readiness")
-
-    /// Suspends until the descriptor is readable or writable. Cancelling the task ends the wait
-    /// with `CancellationError`. The descriptor must stay open while this waits; when it returns
-    /// (or throws), libdispatch is done with it and it may be closed.
+    /// Suspends until the descriptor is readable or writable (or has an error or a hang-up).
+    /// Cancelling the task ends the wait with `CancellationError`. The descriptor must stay open
+    /// while this waits; once it returns (or throws), it may be closed. Throws a `TransportError`
+    /// naming epoll_ctl when the descriptor cannot be watched (EBADF: it is not open).
     ///
     /// ```swift
     /// while true {
@@ -35,29 +41,147 @@ extension FileDescriptor {
     /// }
     /// ```
     public func wait(until readiness: Readiness) async throws {
-        let ready = AsyncCondition(false)
-        let cancelled = AsyncCondition(false)
-        let source: any DispatchSourceProtocol = switch readiness {
-        case .readable: DispatchSource.makeReadSource(fileDescriptor: rawValue, queue: Self.readinessQueue)
-        case .writable: DispatchSource.makeWriteSource(fileDescriptor: rawValue, queue: Self.readinessQueue)
-        }
-        source.setEventHandler {
-            source.cancel()
-            ready.update { $0 = true }
-        }
-        // libdispatch stops watching the descriptor only when the cancel handler runs: until then
-        // the descriptor must stay open (its number could be reused by another file).
-        source.setCancelHandler { cancelled.update { $0 = true } }
-        source.resume()
-        var failure: (any Error)?
+        try await ReadinessPoller.shared().wait(rawValue, for: readiness)
+    }
+}
+
+/// The process's epoll instance and the thread that watches it. Waiters are kept by descriptor
+/// number; an event resumes those it matches (an error or hang-up resumes all) outside the lock.
+final class ReadinessPoller: Sendable {
+    private struct Waiter {
+        let id: UInt64
+        let readiness: FileDescriptor.Readiness
+        let continuation: CheckedContinuation<Void, any Error>
+    }
+
+    private struct State {
+        var nextID: UInt64 = 0
+        var waiters: [Int32: [Waiter]] = [:]
+    }
+
+    private let epoll: Int32
+    private let state = Locked(State())
+
+    private static let instance: Result<ReadinessPoller, TransportError> = Result { try ReadinessPoller() }
+        .mapError { $0 as? TransportError ?? TransportError(.io, "cannot start the readiness poller: \($0)") }
+
+    /// The poller, started on first use; throws what made it fail (no epoll instance or no thread).
+    static func shared() throws -> ReadinessPoller { try instance.get() }
+
+    private init() throws {
+        let epoll = try Syscall.run("epoll_create1", on: "TransportKit's readiness poller") { epoll_create1(Int32(EPOLL_CLOEXEC)) }
+        self.epoll = epoll
+        let state = self.state
         do {
-            try await ready.wait { $0 ? () : nil }
+            // Lives as long as the process: never stopped, so never joined.
+            _ = try WorkerThread(name: "tk readiness") { _ in
+                Self.run(epoll: epoll, state: state)
+            } interrupt: {}
         } catch {
-            failure = error
+            _ = close(epoll)
+            throw error
         }
-        source.cancel()
-        // Not cancellable: the descriptor may be closed once this returns.
-        await uncancellable { _ = try? await cancelled.wait { $0 ? () : nil } }
-        if let failure { throw failure }
+    }
+
+    /// Suspends until `fd` is ready for `readiness`, or `unless()` (checked under the poller's
+    /// lock, after ``wakeAll(_:)``'s caller changed what it reads) is true at the start.
+    func wait(_ fd: Int32, for readiness: FileDescriptor.Readiness, unless: @Sendable () -> Bool = { false }) async throws {
+        let id = state.withLock { state -> UInt64 in
+            state.nextID &+= 1
+            return state.nextID
+        }
+        try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Void, any Error>) in
+                let outcome = state.withLock { state -> Result<Bool, any Error> in
+                    // Cancelled before this ran: the handler below found no waiter to resume.
+                    if Task.isCancelled { return .failure(CancellationError()) }
+                    if unless() { return .success(true) }
+                    state.waiters[fd, default: []].append(Waiter(id: id, readiness: readiness, continuation: continuation))
+                    switch arm(fd, for: state.waiters[fd] ?? []) {
+                    case .success: return .success(false)
+                    case .failure(.notPermitted):
+                        // epoll(7) refuses regular files and directories, which poll(2) calls always ready.
+                        state.waiters[fd]?.removeAll { $0.id == id }
+                        return .success(true)
+                    case .failure(let errno):
+                        state.waiters[fd]?.removeAll { $0.id == id }
+                        if state.waiters[fd]?.isEmpty == true { state.waiters[fd] = nil }
+                        return .failure(TransportError.posix("epoll_ctl", errno: errno, what: "descriptor \(fd)"))
+                    }
+                }
+                switch outcome {
+                case .success(true): continuation.resume()
+                case .success(false): break
+                case .failure(let error): continuation.resume(throwing: error)
+                }
+            }
+        } onCancel: {
+            let cancelled = state.withLock { state -> CheckedContinuation<Void, any Error>? in
+                guard let index = state.waiters[fd]?.firstIndex(where: { $0.id == id }) else { return nil }
+                let waiter = state.waiters[fd]?.remove(at: index)
+                if state.waiters[fd]?.isEmpty == true { state.waiters[fd] = nil }
+                // What is left stays armed for itself; a wider mask only costs a spurious event.
+                return waiter?.continuation
+            }
+            cancelled?.resume(throwing: CancellationError())
+        }
+    }
+
+    /// Resumes every waiter on `fd` at once (they check why they woke): for a closing owner, after
+    /// it changed what their `unless` reads.
+    func wakeAll(_ fd: Int32) {
+        let woken = state.withLock { $0.waiters.removeValue(forKey: fd) ?? [] }
+        for waiter in woken { waiter.continuation.resume() }
+    }
+
+    /// Arms `fd` for its waiters' union, once (EPOLLONESHOT); adds it when the epoll set lacks it.
+    /// Under the lock.
+    private func arm(_ fd: Int32, for waiters: [Waiter]) -> Result<Void, Errno> {
+        var event = epoll_event()
+        event.events = EPOLLONESHOT.rawValue
+        for waiter in waiters {
+            event.events |= waiter.readiness == .readable ? EPOLLIN.rawValue | EPOLLRDHUP.rawValue : EPOLLOUT.rawValue
+        }
+        event.data.u64 = UInt64(UInt32(bitPattern: fd))
+        if epoll_ctl(epoll, EPOLL_CTL_MOD, fd, &event) == 0 { return .success(()) }
+        guard Syscall.errno == .noSuchFileOrDirectory else { return .failure(Syscall.errno) }
+        return Syscall.attempt { epoll_ctl(epoll, EPOLL_CTL_ADD, fd, &event) }.map { _ in () }
+    }
+
+    /// The thread's loop: wait, then resume what each event matches and re-arm for the rest.
+    private static func run(epoll: Int32, state: Locked<State>) {
+        var events = [epoll_event](repeating: epoll_event(), count: 64)
+        let both = EPOLLERR.rawValue | EPOLLHUP.rawValue
+        while true {
+            let count = events.withUnsafeMutableBufferPointer { epoll_wait(epoll, $0.baseAddress, Int32($0.count), -1) }
+            guard count > 0 else { continue }   // EINTR
+            for event in events.prefix(Int(count)) {
+                let fd = Int32(bitPattern: UInt32(truncatingIfNeeded: event.data.u64))
+                let readable = event.events & (EPOLLIN.rawValue | EPOLLRDHUP.rawValue | both) != 0
+                let writable = event.events & (EPOLLOUT.rawValue | both) != 0
+                let ready = state.withLock { state -> [Waiter] in
+                    guard let waiting = state.waiters[fd] else { return [] }
+                    let (ready, left) = waiting.reduce(into: ([Waiter](), [Waiter]())) { split, waiter in
+                        if waiter.readiness == .readable ? readable : writable { split.0.append(waiter) } else { split.1.append(waiter) }
+                    }
+                    if left.isEmpty {
+                        state.waiters[fd] = nil
+                    } else {
+                        state.waiters[fd] = left
+                        var rearm = epoll_event()
+                        rearm.events = EPOLLONESHOT.rawValue | (left.contains { $0.readiness == .readable } ? EPOLLIN.rawValue | EPOLLRDHUP.rawValue : 0)
+                            | (left.contains { $0.readiness == .writable } ? EPOLLOUT.rawValue : 0)
+                        rearm.data = event.data
+                        if epoll_ctl(epoll, EPOLL_CTL_MOD, fd, &rearm) != 0 {
+                            // Gone from the set (closed under a waiter, which its owner must not do): wake them to find out.
+                            state.waiters[fd] = nil
+                            return waiting
+                        }
+                    }
+                    return ready
+                }
+                for waiter in ready { waiter.continuation.resume() }
+            }
+        }
     }
 }
