@@ -5,7 +5,8 @@ import PackageDescription
 //   TransportKitCore        URL model, options, registry, connection, errors, framing, and the plugin SDK
 //                           (inbound queue, writer gate, ChannelBackend). No C module, no Foundation.
 //   TransportKitLinux       shared Linux support for plugins: syscalls, fd readiness, fd adoption,
-//                           worker threads, the readiness poller (the only importer of CEpoll). Glibc,
+//                           worker threads, the readiness poller, stream sockets. The only importer of
+//                           CLinux (epoll, accept4). Glibc,
 //                           swift-system and NIOPosix only; never imported by the core.
 //   TransportKitUdev        shared device discovery for plugins: sysfs records, USB ancestry, the udev
 //                           monitor. The only importer of CUdev (it links libudev).
@@ -54,7 +55,7 @@ let package = Package(
         .systemLibrary(name: "CBlueZ", path: "Sources/CBlueZ", pkgConfig: "bluez", providers: [.apt(["libbluetooth-dev"])]),
         .systemLibrary(name: "CUdev", path: "Sources/CUdev", pkgConfig: "libudev", providers: [.apt(["libudev-dev"])]),
         .systemLibrary(name: "CSDBus", path: "Sources/CSDBus", pkgConfig: "libsystemd", providers: [.apt(["libsystemd-dev"])]),
-        .systemLibrary(name: "CEpoll", path: "Sources/CEpoll"),
+        .systemLibrary(name: "CLinux", path: "Sources/CLinux"),
         .systemLibrary(name: "CZlib", path: "Sources/CZlib", providers: [.apt(["zlib1g-dev"])]),
         .systemLibrary(name: "CLibUSB", path: "Sources/CLibUSB", pkgConfig: "libusb-1.0", providers: [.apt(["libusb-1.0-0-dev"])]),
 
@@ -66,7 +67,7 @@ let package = Package(
         ),
         .target(
             name: "TransportKitLinux",
-            dependencies: ["TransportKitCore", "CEpoll", nioCore, nioPosix, system],
+            dependencies: ["TransportKitCore", "CLinux", nioCore, nioPosix, system],
             path: "Sources/Plugins/Support/Linux",
             swiftSettings: strict
         ),
@@ -223,7 +224,7 @@ let package = Package(
         .testTarget(
             name: "CShimTests",
             // Every C module (Sources/C*); DocsDriftTests checks it.
-            dependencies: ["CBlueZ", "CEpoll", "CUdev", "CLibUSB", "CSDBus", "CZlib"],
+            dependencies: ["CBlueZ", "CLinux", "CUdev", "CLibUSB", "CSDBus", "CZlib"],
             swiftSettings: strict
         ),
     ],

@@ -1,5 +1,5 @@
 import CBlueZ
-import CEpoll
+import CLinux
 import CLibUSB
 import CSDBus
 import CUdev

@@ -51,16 +51,30 @@ struct SpyTests {
         #expect(spied.url.inner?.scheme == "tcp")
         #expect(spied.metadata.remoteAddress?.contains("127.0.0.1") == true, "metadata is the wrapped connection's")
         #expect(spied.supportsHalfClose)
-        let executor = try #require(spied.preferredExecutor, "the wrapped connection's executor")
+        #expect(spied.preferredExecutor == nil, "the wrapped connection's executor: tcp:// has none")
+        for round in 0..<20 {
+            try await spied.write("ping \(round)\n")
+            let line = await Support.readSome(peer)
+            Support.writeAll(peer, line)
+            #expect(try await spied.readLine(timeout: .seconds(5)) == "ping \(round)")
+        }
+        let unix = Support.temporaryPath("spy-executor") + ".sock"
+        let listener = try await Transport.listen(on: "unix://\(unix)")
+        let spiedUnix = try await Transport.connect(to: "spy+unix://\(unix)?spy.file=\(file)")
+        let executor = try #require(spiedUnix.preferredExecutor, "the wrapped unix:// connection's event loop")
+        let server = try #require(try await listener.accept())
         // A request/response loop on that executor, through the wrapper.
         try await withTaskExecutorPreference(executor) {
             for round in 0..<20 {
-                try await spied.write("ping \(round)\n")
-                let line = await Support.readSome(peer)
-                Support.writeAll(peer, line)
-                #expect(try await spied.readLine(timeout: .seconds(5)) == "ping \(round)")
+                try await spiedUnix.write("ping \(round)\n")
+                let line = try #require(try await server.readLine(timeout: .seconds(5)))
+                try await server.write(line + "\n")
+                #expect(try await spiedUnix.readLine(timeout: .seconds(5)) == "ping \(round)")
             }
         }
+        try await spiedUnix.close()
+        try await server.close()
+        try await listener.close()
         try await spied.close()
         #expect(await eventually { Support.openSockets(port: raw.port, excluding: [peer]) == 0 }, "closing the wrapper closed the wrapped socket")
     }

@@ -225,6 +225,33 @@ struct ReadinessPollerTests {
         #expect(await closing.value)
     }
 
+    @Test func acceptGivesANonBlockingCloseOnExecSocketOrEAGAIN() async throws {
+        let listener = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        defer { _ = Glibc.close(listener) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = UInt32(0x7F00_0001).bigEndian
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        withUnsafeMutablePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) {
+                _ = bind(listener, $0, length)
+                _ = getsockname(listener, $0, &length)
+            }
+        }
+        #expect(Glibc.listen(listener, 4) == 0)
+        let fd = FileDescriptor(rawValue: listener)
+        #expect(throws: Errno.resourceTemporarilyUnavailable) { try Syscall.accept(fd).get() }
+        let client = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        defer { _ = Glibc.close(client) }
+        let connected = withUnsafePointer(to: &address) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(client, $0, length) } }
+        #expect(connected == 0)
+        try await fd.wait(until: .readable)
+        let accepted = try Syscall.accept(fd).get()
+        defer { accepted.closeOwned() }
+        #expect(fcntl(accepted.rawValue, F_GETFL) & O_NONBLOCK != 0)
+        #expect(fcntl(accepted.rawValue, F_GETFD) & FD_CLOEXEC != 0)
+    }
+
     @Test func manyWaitsShareOneThread() async throws {
         let (mine, peer) = try socketPair()
         defer { _ = Glibc.close(mine); _ = Glibc.close(peer) }

@@ -5,6 +5,7 @@ import NIOPosix
 import Synchronization
 import TestSupport
 import Testing
+import TransportKitLinux
 @_spi(Plugins) @testable import TransportKit
 
 /// Issue 25, item 7: an option a mode of a scheme takes must do something, and one it does not use
@@ -229,6 +230,9 @@ struct OptionModeTests {
     }
 
     static func socketOption(_ connection: Connection, _ level: NIOBSDSocket.OptionLevel, _ name: Int32) async throws -> Int {
+        if let socket = connection.backend(as: StreamSocketBackend.self) {
+            return Int(try socket.integerOption(level: level.rawValue, name: name))
+        }
         let backend = try #require(connection.backend(as: ChannelBackend.self))
         let option = ChannelOptions.Types.SocketOption(level: level, name: NIOBSDSocket.Option(rawValue: name))
         return try await backend.channel.getOption(option).get()

@@ -6,13 +6,16 @@ import Testing
 
 /// Tasks that prefer `connection.preferredExecutor`: they run on the connection's event loop, and a
 /// parked reader is resumed inside the read that brought its bytes (EventLoopTaskExecutor.resumeInline).
+/// On unix:// connections, which are SwiftNIO channels; tcp:// has no event loop of its own
+/// (StreamSocketBackend: its reads and writes are system calls on the task's thread).
 @Suite("preferredExecutor", .timeLimit(.minutes(1)))
 struct PreferredExecutorTests {
-    /// A listener, a client and the accepted server connection.
+    /// A listener, a client and the accepted server connection, over a Unix socket at a path of its own.
     private static func pair() async throws -> (Listener, Connection, Connection) {
-        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let path = Support.temporaryPath("executor") + ".sock"
+        let listener = try await Transport.listen(on: "unix://\(path)")
         async let accepted = listener.accept()
-        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(listener.url.port ?? 0)")
+        let client = try await Transport.connect(to: "unix://\(path)")
         let server = try #require(try await accepted)
         return (listener, client, server)
     }
@@ -23,7 +26,7 @@ struct PreferredExecutorTests {
 
     @Test func requestResponseWithBothEndsOnTheirLoops() async throws {
         let (listener, client, server) = try await Self.pair()
-        let port = listener.url.port ?? 0
+        let path = listener.url.path
         let serverLoop = try Self.loop(of: server)
         let echo = Task {
             try await withTaskExecutorPreference(server.preferredExecutor) {
@@ -56,7 +59,7 @@ struct PreferredExecutorTests {
         #expect(onTheLoop)
         try await client.close()
         try await listener.close()
-        #expect(await eventually { Support.openSockets(port: port) == 0 })
+        #expect(await eventually { Support.openUnixSockets(path: path) == 0 })
     }
 
     @Test func aParkedReadOnTheLoopIsCancellableAndLosesNoByte() async throws {
@@ -114,7 +117,7 @@ struct PreferredExecutorTests {
     /// on something else, must work as it does anywhere.
     @Test func aTaskResumedInsideTheReadCanSuspendElsewhereAndClose() async throws {
         let (listener, client, server) = try await Self.pair()
-        let port = listener.url.port ?? 0
+        let path = listener.url.path
         let responder = Task {
             try await withTaskExecutorPreference(server.preferredExecutor) {
                 let request = try await server.readFrame(.delimiter(Array("\n".utf8)))
@@ -129,7 +132,7 @@ struct PreferredExecutorTests {
         try await responder.value
         try await client.close()
         try await listener.close()
-        #expect(await eventually { Support.openSockets(port: port) == 0 })
+        #expect(await eventually { Support.openUnixSockets(path: path) == 0 })
     }
 
     @Test func aFailedWriteOnTheLoopCarriesErrno() async throws {

@@ -5,6 +5,8 @@ import Testing
 import NIOCore
 import NIOPosix
 @_spi(Plugins) @testable import TransportKit
+@testable import TransportKitSockets
+import TransportKitLinux
 
 @Suite("tcp://")
 struct TCPTests {
@@ -74,6 +76,75 @@ struct TCPTests {
         }
         try await v6.close()
         try await v4.close()
+    }
+
+    /// RFC 8305 §4 and §5, on addresses given (this machine's localhost may have one family only):
+    /// families alternate; a refused attempt starts the next at once; one that does not answer
+    /// lets the next start after the attempt delay, and its socket is closed once another won.
+    /// Only lower bounds and generous upper ones on time: the suite runs in parallel.
+    @Test func happyEyeballsAlternatesFamiliesAndRacesAttempts() async throws {
+        let v4 = { (port: Int) in try SocketAddress(ipAddress: "127.0.0.1", port: port) }
+        let v6 = { (port: Int) in try SocketAddress(ipAddress: "::1", port: port) }
+        #expect(HappyEyeballs.interleave([try v4(1), try v4(2), try v4(1), try v6(3), try v6(4)]).map(\.port) == [1, 3, 2, 4])
+        #expect(HappyEyeballs.interleave([try v6(3), try v4(1), try v4(2)]).map(\.port) == [3, 1, 2])
+
+        let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
+        let port = try #require(listener.url.port)
+        let refusing = try Support.RawListener(listening: false)
+        defer { refusing.close() }
+        let never: @Sendable ([TransportError]) -> TransportError = { $0.first ?? TransportError(.io, "none") }
+        // Refused first: the next address at once, not after the (here 60 s) attempt delay.
+        var started = ContinuousClock.now
+        let (first, _) = try await HappyEyeballs.connect(to: [try v4(refusing.port), try v4(port)], attemptDelay: .seconds(60),
+                                                         configure: { _ in }, failure: never)
+        #expect(ContinuousClock.now - started < .seconds(30), "a refusal starts the next attempt at once")
+        first.closeOwned()
+        // No answer first (a full backlog): the next starts after the attempt delay and wins.
+        let hole = try await Support.blackHole()
+        defer { hole.listener.close(); hole.fillers.forEach { _ = Glibc.close($0) } }
+        started = ContinuousClock.now
+        let (second, address) = try await HappyEyeballs.connect(to: [try v4(hole.listener.port), try v4(port)], attemptDelay: .milliseconds(300),
+                                                                configure: { _ in }, failure: never)
+        let elapsed = ContinuousClock.now - started
+        #expect(address.port == port)
+        #expect(elapsed >= .milliseconds(300), "the second attempt waited for the delay: \(elapsed)")
+        second.closeOwned()
+        #expect(await eventually { Support.openSockets(port: hole.listener.port, excluding: hole.fillers) == 0 }, "the losing attempt's socket is closed")
+        // All refused: every failure, in order.
+        let error = await expectTransportError(.refused) {
+            _ = try await HappyEyeballs.connect(to: [try v4(refusing.port), try v6(refusing.port)], configure: { _ in }) { failures in
+                TransportError(.refused, "\(failures.count) failures")
+            }
+        }
+        #expect(error?.message == "2 failures")
+        try await listener.close()
+    }
+
+    /// Two tasks writing at once: each write reaches the peer whole, never interleaved with the
+    /// other, even when the kernel takes them in parts (the peer reads slowly).
+    @Test func concurrentWritesDoNotInterleave() async throws {
+        let raw = try Support.RawListener()
+        defer { raw.close() }
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(raw.port)")
+        let peer = await raw.accept()
+        defer { _ = Glibc.close(peer) }
+        let size = 4 << 20
+        let writers = (0..<2).map { index in
+            Task { try await client.write([UInt8](repeating: UInt8(ascii: index == 0 ? "A" : "B"), count: size)) }
+        }
+        var received: [UInt8] = []
+        received.reserveCapacity(2 * size)
+        while received.count < 2 * size {
+            let chunk = await Support.readSome(peer)
+            guard !chunk.isEmpty else { break }
+            received += chunk
+        }
+        for writer in writers { try await writer.value }
+        #expect(received.count == 2 * size)
+        let firstChange = received.firstIndex { $0 != received[0] }
+        #expect(firstChange == size, "the first write's \(size) bytes came whole (changed at \(String(describing: firstChange)))")
+        #expect(received[size...].allSatisfy { $0 == received[size] })
+        try await client.close()
     }
 
     @Test func unresolvableHostIsNotFound() async {

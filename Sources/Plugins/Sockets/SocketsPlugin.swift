@@ -1,4 +1,5 @@
-// tcp:// and unix:// — stream sockets through SwiftNIO (connect and listen).
+// tcp:// and unix:// — stream sockets (connect and listen): tcp:// on sockets of its own
+// (TCPSocket.connectStream, listenStream: StreamSocketBackend), unix:// through SwiftNIO.
 //
 // Grammar:
 //   tcp://HOST:PORT[?noDelay=BOOL&keepAlive=BOOL&keepAliveIdle=SECONDS&timeout=SECONDS]
@@ -61,8 +62,8 @@ public struct SocketsPlugin: TransportPlugin {
                 modes: [SchemeMode("tcp:// connection", form: "tcp://HOST:PORT", options: Self.tcpOptions),
                         SchemeMode("tcp:// listener", role: .listen, form: "tcp://ADDRESS:PORT", options: Self.tcpOptions + [Self.backlog])]
             ), connect: { request in
-                try await TCPSocket.connect(request, host: request.host, port: request.port)
-            }, listen: TCPSocket.listen),
+                try await TCPSocket.connectStream(request, host: request.host, port: request.port)
+            }, listen: TCPSocket.listenStream),
             Scheme(SchemeDescriptor(
                 scheme: "unix",
                 summary: "Unix domain stream socket",

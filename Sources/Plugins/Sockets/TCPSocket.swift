@@ -5,6 +5,7 @@ import Glibc
 import NIOCore
 import NIOPosix
 import Synchronization
+import SystemPackage
 @_spi(Plugins) import TransportKitCore
 import TransportKitLinux
 
@@ -30,6 +31,31 @@ public enum TCPSocket {
             return nil
         }
         return try await connect(request, host: host, port: port, layers: [layer])
+    }
+
+    /// Connects to `host:port` with the tcp:// options of `request`, within the request's
+    /// deadline, and returns a connection whose reads and writes are system calls on the calling
+    /// task's thread (``StreamSocketBackend``): tcp://'s own path, with no SwiftNIO channel and so
+    /// no ``Connection/preferredExecutor``. Names resolve through getaddrinfo(3), IPv6 and IPv4
+    /// raced as RFC 8305 says (HappyEyeballs.swift).
+    ///
+    /// ```swift
+    /// // In a plugin's connect handler: a plain byte stream to the URL's host.
+    /// try await TCPSocket.connectStream(request, host: request.host, port: request.port)
+    /// ```
+    public static func connectStream(_ request: ConnectRequest, host: String, port: Int, name: String? = nil) async throws -> Connection {
+        let target = name ?? "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
+        let settings = Settings(request.options)
+        let addresses = try await HappyEyeballs.addresses(host: host, port: port)
+        let (fd, _) = try await HappyEyeballs.connect(to: addresses, configure: { try settings.apply(to: $0, describing: target) }) { failures in
+            if let refused = failures.first(where: { $0.kind == .refused }) {
+                return TransportError(.refused, "\(target) refused the connection: is the server running and listening on port \(port)?",
+                                      errno: refused.errno, syscall: "connect")
+            }
+            return failures.first ?? TransportError(.io, "connecting to \(target) failed: no address to try")
+        }
+        let backend = StreamSocketBackend(adopting: fd, describing: target)
+        return Connection(url: request.url, backend: backend, metadata: StreamSocketBackend.metadata(of: fd, name: target))
     }
 
     /// Connects to `host:port` and runs `layers` over the TCP channel (the first nearest the
@@ -95,6 +121,22 @@ public enum TCPSocket {
             noDelay = options[SocketsPlugin.noDelay]
             keepAlive = options[SocketsPlugin.keepAlive]
             keepAliveIdle = options[SocketsPlugin.keepAliveIdle]
+        }
+
+        /// setsockopt(2) on a socket of our own: TCP_NODELAY, SO_KEEPALIVE, TCP_KEEPIDLE.
+        func apply(to fd: SystemPackage.FileDescriptor, describing: String) throws {
+            var value: Int32 = noDelay ? 1 : 0
+            let size = socklen_t(MemoryLayout<Int32>.size)
+            _ = try Syscall.run("setsockopt(TCP_NODELAY)", on: describing) { setsockopt(fd.rawValue, Int32(IPPROTO_TCP), TCP_NODELAY, &value, size) }
+            if keepAlive || keepAliveIdle != nil {
+                value = 1
+                _ = try Syscall.run("setsockopt(SO_KEEPALIVE)", on: describing) { setsockopt(fd.rawValue, SOL_SOCKET, SO_KEEPALIVE, &value, size) }
+            }
+            if let keepAliveIdle {
+                // The option's range (1…32767 s, the kernel's) keeps the conversion exact.
+                value = Int32(keepAliveIdle.components.seconds)
+                _ = try Syscall.run("setsockopt(TCP_KEEPIDLE)", on: describing) { setsockopt(fd.rawValue, Int32(IPPROTO_TCP), TCP_KEEPIDLE, &value, size) }
+            }
         }
 
         /// setsockopt(2): TCP_NODELAY, SO_KEEPALIVE, TCP_KEEPIDLE. On the channel's event loop.
@@ -168,23 +210,9 @@ public enum TCPSocket {
                 } catch let error where error is SocketAddressError || error is SocketAddressError.UnknownHost {
                     // NIO resolves the host with getaddrinfo(3) and reports a name it cannot
                     // resolve (or a literal it cannot parse) this way.
-                    throw TransportError(.notFound, "cannot listen on '\(TransportError.printable(host))': it is not an address of this machine or a name that resolves to one. Use an IP address such as 0.0.0.0 (every interface) or 127.0.0.1 (this machine only)",
-                                         syscall: "getaddrinfo")
+                    throw unknownListenHost(host)
                 } catch {
-                    let mapped = TransportError.from(error, context: "listening on \(host):\(port)", syscall: "bind")
-                    switch mapped.errno {
-                    case .addressInUse?:
-                        throw TransportError(.busy, "port \(port) on \(host) is in use\(portHolder(port).map { " by \($0)" } ?? ""); stop that program or choose another port (port 0 picks a free one)",
-                                             errno: mapped.errno, syscall: "bind")
-                    case .addressNotAvailable?:
-                        throw TransportError(.notFound, "\(host) is not an address of this machine; use one of its addresses, 0.0.0.0 for all of them",
-                                             errno: mapped.errno, syscall: "bind")
-                    case .permissionDenied?:
-                        throw TransportError(.permissionDenied, "ports below 1024 need root or CAP_NET_BIND_SERVICE; choose port 1024 or above",
-                                             errno: mapped.errno, syscall: "bind")
-                    default:
-                        throw mapped
-                    }
+                    throw bindFailure(TransportError.from(error, context: "listening on \(host):\(port)", syscall: "bind"), host: host, port: port)
                 }
             }
         )
@@ -194,6 +222,61 @@ public enum TCPSocket {
         exposure.authenticated = authenticated
         exposure.caution = caution
         return Listener(url: url, backend: listener, exposure: exposure)
+    }
+
+    /// Listens on the request's `HOST:PORT` with the tcp:// listener options and hands out
+    /// connections whose reads and writes are system calls on the calling task's thread
+    /// (``StreamSocketBackend``, as ``connectStream(_:host:port:name:)`` makes): tcp://'s own
+    /// listener. A name resolves through getaddrinfo(3); the first address is bound.
+    ///
+    /// ```swift
+    /// // In a plugin's listen handler: plain TCP connections.
+    /// try await TCPSocket.listenStream(request)
+    /// ```
+    @Sendable public static func listenStream(_ request: ConnectRequest) async throws -> Listener {
+        let host = request.host
+        let port = request.port
+        let settings = Settings(request.options)
+        let address: SocketAddress
+        do {
+            guard let first = try await HappyEyeballs.addresses(host: host, port: port).first else { throw unknownListenHost(host) }
+            address = first
+        } catch let error as TransportError where error.syscall == "getaddrinfo" {
+            throw unknownListenHost(host)
+        }
+        let describing = "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
+        let listener = try StreamListener.bind(address, backlog: request[SocketsPlugin.backlog],
+                                               configure: { try settings.apply(to: $0, describing: describing) }) { errno, call in
+            bindFailure(StreamSocketBackend.failure(errno, call, context: "listening on \(host):\(port)"), host: host, port: port)
+        }
+        var url = request.url
+        url.port = listener.localAddress?.port ?? port
+        return Listener(url: url, backend: listener, exposure: exposure(of: listener.localAddress, host: host, port: url.port ?? port))
+    }
+
+    /// The error for a listening address that is not one: a name that does not resolve, or a
+    /// literal that does not parse.
+    static func unknownListenHost(_ host: String) -> TransportError {
+        TransportError(.notFound, "cannot listen on '\(TransportError.printable(host))': it is not an address of this machine or a name that resolves to one. Use an IP address such as 0.0.0.0 (every interface) or 127.0.0.1 (this machine only)",
+                       syscall: "getaddrinfo")
+    }
+
+    /// What a failed bind (or socket, listen) says: a port in use names its holder, an address not
+    /// this machine's and a privileged port say what to choose instead.
+    static func bindFailure(_ mapped: TransportError, host: String, port: Int) -> TransportError {
+        switch mapped.errno {
+        case .addressInUse?:
+            TransportError(.busy, "port \(port) on \(host) is in use\(portHolder(port).map { " by \($0)" } ?? ""); stop that program or choose another port (port 0 picks a free one)",
+                           errno: mapped.errno, syscall: "bind")
+        case .addressNotAvailable?:
+            TransportError(.notFound, "\(host) is not an address of this machine; use one of its addresses, 0.0.0.0 for all of them",
+                           errno: mapped.errno, syscall: "bind")
+        case .permissionDenied?:
+            TransportError(.permissionDenied, "ports below 1024 need root or CAP_NET_BIND_SERVICE; choose port 1024 or above",
+                           errno: mapped.errno, syscall: "bind")
+        default:
+            mapped
+        }
     }
 
     /// A loopback address reaches this machine only; any other, the network. No tcp:// listener

@@ -146,12 +146,14 @@ public final class Connection: Sendable {
     public var maximumWriteSize: Int? { backend.maximumWriteSize }
 
     /// An executor on the thread that does this connection's I/O, when the transport has one
-    /// (tcp://, unix://, tty:// do; loop:// does not). A request/response loop that runs with this
-    /// executor preferred is resumed where the reply was read, inside that read, and runs until it
-    /// next suspends before the I/O thread goes on: no thread hop and no queueing per read.
+    /// (unix://, tty://, tls:// do; loop:// and tcp://, whose reads and writes are system calls on
+    /// the calling task's thread, do not). A request/response loop that runs with this executor
+    /// preferred is resumed where the reply was read, inside that read, and runs until it next
+    /// suspends before the I/O thread goes on: no thread hop and no queueing per read. With `nil`
+    /// the preference changes nothing, so code may always ask for it.
     ///
     /// ```swift
-    /// let connection = try await Transport.connect(to: "tcp://127.0.0.1:35000")
+    /// let connection = try await Transport.connect(to: "unix:///run/obd.sock")
     /// try await withTaskExecutorPreference(connection.preferredExecutor) {
     ///     try await connection.write(Array("ATZ\r".utf8))
     ///     _ = try await connection.readFrame(.delimiter(Array(">".utf8)))

@@ -12,7 +12,7 @@
 // The dispatch source per wait this replaced cost two conditions, a source, its registration and
 // a cancellation handshake for every wait; this costs one epoll_ctl and one lock.
 
-import CEpoll
+import CLinux
 import Glibc
 import SystemPackage
 import TransportKitCore

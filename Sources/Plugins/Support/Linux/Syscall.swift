@@ -3,6 +3,7 @@
 // TransportError that names the call, the errno (swift-system's Errno) and the object.
 // Modelled on SwiftNIO's System.swift; see Docs/Plugins.md.
 
+import CLinux
 import Glibc
 import SystemPackage
 import TransportKitCore
@@ -54,6 +55,20 @@ public enum Syscall {
 
     /// The current errno, for C library calls with other failure conventions (a NULL pointer).
     public static var errno: Errno { Errno(rawValue: Glibc.errno) }
+
+    /// accept4(2) on a listening socket: the connection, non-blocking and close-on-exec (no
+    /// window in which a fork could inherit it), or the errno (EAGAIN when none waits).
+    ///
+    /// ```swift
+    /// switch Syscall.accept(listener) {
+    /// case .success(let connection): adopt(connection)
+    /// case .failure(.resourceTemporarilyUnavailable): try await gate.wait(until: .readable)
+    /// case .failure(let errno): throw TransportError.posix("accept4", errno: errno, what: url)
+    /// }
+    /// ```
+    public static func accept(_ listener: FileDescriptor) -> Result<FileDescriptor, Errno> {
+        attempt { tk_accept_nonblocking(listener.rawValue, nil, nil) }.map { FileDescriptor(rawValue: $0) }
+    }
 
     /// O_PATH (open(2)): a descriptor that only locates a file. glibc defines it only under
     /// _GNU_SOURCE, so Swift does not see it; the value is asm-generic/fcntl.h's (x86-64, arm64).
