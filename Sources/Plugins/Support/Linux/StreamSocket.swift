@@ -118,9 +118,11 @@ public final class StreamSocketBackend: ConnectionBackend {
         guard gate.enter() else { return nil }
         defer { gate.leave() }
         let size = readSize.withLock { $0 }
-        var buffer = ByteBufferAllocator().buffer(capacity: size)
         while true {
             if gate.isClosed { return nil }
+            // Made for each attempt, not held across a wait: a connection whose peer is silent
+            // holds no buffer (a server with thousands of idle clients).
+            var buffer = ByteBufferAllocator().buffer(capacity: size)
             var result = Result<Int, Errno>.success(0)
             buffer.writeWithUnsafeMutableBytes(minimumWritableBytes: size) { bytes in
                 result = Syscall.attempt { recv(fd.rawValue, bytes.baseAddress, min(bytes.count, size), Int32(MSG_DONTWAIT)) }
