@@ -257,7 +257,7 @@ struct OptionModeTests {
 
     @Test func aTCPConnectionSetsEverySocketOption() async throws {
         let listener = try await Transport.listen(on: "tcp://127.0.0.1:0")
-        let url = "tcp://127.0.0.1:\(listener.url.port ?? 0)?noDelay=false&keepAlive=true&keepAliveIdle=30&timeout=5"
+        let url = "tcp://127.0.0.1:\(listener.url.port ?? 0)?noDelay=false&keepAlive=true&keepAliveIdle=30&timeout=30"
         #expect(try Self.missing(url, mode: "tcp:// connection", scheme: "tcp").isEmpty)
         let connection = try await Transport.connect(to: url)
         #expect(try await Self.socketOption(connection, .tcp, TCP_NODELAY) == 0)

@@ -120,6 +120,35 @@ struct TCPTests {
         try await listener.close()
     }
 
+    /// A write cancelled after the kernel took part of it still goes out whole: the stream never
+    /// carries a torn write, and the next write follows it.
+    @Test func aWriteCancelledHalfwayIsNotTorn() async throws {
+        let raw = try Support.RawListener()
+        defer { raw.close() }
+        let client = try await Transport.connect(to: "tcp://127.0.0.1:\(raw.port)")
+        let peer = await raw.accept()
+        defer { _ = Glibc.close(peer) }
+        let size = 16 << 20
+        let writer = Task { try await client.write([UInt8](repeating: 0x41, count: size)) }
+        // The peer reads nothing: the kernel takes part, the rest waits.
+        #expect(await eventually(10) { (client.unsentByteCount ?? 0) > 0 }, "the write stalled with part sent")
+        writer.cancel()
+        await #expect(throws: CancellationError.self) { try await writer.value }
+        let after = Task { try await client.write("END") }
+        var received = 0
+        var tail: [UInt8] = []
+        while received < size + 3 {
+            let chunk = await Support.readSome(peer)
+            guard !chunk.isEmpty else { break }
+            received += chunk.count
+            tail = Array((tail + chunk).suffix(3))
+        }
+        try await after.value
+        #expect(received == size + 3, "every byte of the cancelled write, then the next: \(received)")
+        #expect(tail == Array("END".utf8))
+        try await client.close()
+    }
+
     /// Two tasks writing at once: each write reaches the peer whole, never interleaved with the
     /// other, even when the kernel takes them in parts (the peer reads slowly).
     @Test func concurrentWritesDoNotInterleave() async throws {

@@ -222,7 +222,7 @@ let variants = [
     RoundTripVariant(key: "rtt", heading: nil, label: "TransportKit at both ends") {
         try await transportKitRoundTrips(peerInC: false, onLoop: false)
     },
-    RoundTripVariant(key: "rtt-cpeer-loop", heading: "with connection.preferredExecutor (tasks on the connection's event loop)",
+    RoundTripVariant(key: "rtt-cpeer-loop", heading: "with connection.preferredExecutor (nil on tcp://, which has no event loop: the path above again)",
                      label: "TransportKit client, C echo peer") {
         try await transportKitRoundTrips(peerInC: true, onLoop: true)
     },

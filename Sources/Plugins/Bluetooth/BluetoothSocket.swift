@@ -279,11 +279,7 @@ enum BluetoothSocket {
         case .failure(.nowInProgress), .failure(.resourceTemporarilyUnavailable): break
         case .failure(let errno): throw failure(errno, describing: describing, what: what)
         }
-        try await fd.wait(until: .writable)
-        var code: Int32 = 0
-        var length = socklen_t(MemoryLayout<Int32>.size)
-        try Syscall.run("getsockopt(SO_ERROR)", on: describing) { getsockopt(fd.rawValue, SOL_SOCKET, SO_ERROR, &code, &length) }
-        if code != 0 { throw failure(Errno(rawValue: code), describing: describing, what: what) }
+        if let errno = try await fd.waitForConnect(describing: describing) { throw failure(errno, describing: describing, what: what) }
     }
 
     static func failure(_ errno: Errno, describing: String, what: String) -> TransportError {

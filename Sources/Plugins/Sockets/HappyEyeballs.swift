@@ -42,7 +42,8 @@ enum HappyEyeballs {
         var hints = addrinfo()
         hints.ai_family = AF_UNSPEC
         hints.ai_socktype = Int32(SOCK_STREAM.rawValue)
-        hints.ai_flags = AI_ADDRCONFIG
+        // No AI_ADDRCONFIG (as SwiftNIO's resolver): glibc does not count loopback as configured,
+        // so a host without other IPv6 addresses would lose ::1 for localhost.
         var list: UnsafeMutablePointer<addrinfo>?
         let code = getaddrinfo(host, String(port), &hints, &list)
         guard code == 0, let list else {
@@ -172,11 +173,9 @@ enum HappyEyeballs {
             case .failure(.nowInProgress): break
             case .failure(let errno): throw StreamSocketBackend.failure(errno, "connect", context: describing)
             }
-            try await fd.wait(until: .writable)
-            var code: Int32 = 0
-            var length = socklen_t(MemoryLayout<Int32>.size)
-            _ = try Syscall.run("getsockopt(SO_ERROR)", on: describing) { getsockopt(raw, SOL_SOCKET, SO_ERROR, &code, &length) }
-            if code != 0 { throw StreamSocketBackend.failure(Errno(rawValue: code), "connect", context: describing) }
+            if let errno = try await fd.waitForConnect(describing: describing) {
+                throw StreamSocketBackend.failure(errno, "connect", context: describing)
+            }
             return fd
         } catch {
             fd.closeOwned()

@@ -35,8 +35,8 @@ public enum TCPSocket {
 
     /// Connects to `host:port` with the tcp:// options of `request`, within the request's
     /// deadline, and returns a connection whose reads and writes are system calls on the calling
-    /// task's thread (``StreamSocketBackend``): tcp://'s own path, with no SwiftNIO channel and so
-    /// no ``Connection/preferredExecutor``. Names resolve through getaddrinfo(3), IPv6 and IPv4
+    /// task's thread (`StreamSocketBackend`): tcp://'s own path, with no SwiftNIO channel and so
+    /// no `Connection/preferredExecutor`. Names resolve through getaddrinfo(3), IPv6 and IPv4
     /// raced as RFC 8305 says (HappyEyeballs.swift).
     ///
     /// ```swift
@@ -54,7 +54,7 @@ public enum TCPSocket {
             }
             return failures.first ?? TransportError(.io, "connecting to \(target) failed: no address to try")
         }
-        let backend = StreamSocketBackend(adopting: fd, describing: target)
+        let backend = StreamSocketBackend(adopting: fd, describing: target, largestRead: request.buffering.readSize)
         return Connection(url: request.url, backend: backend, metadata: StreamSocketBackend.metadata(of: fd, name: target))
     }
 
@@ -226,7 +226,7 @@ public enum TCPSocket {
 
     /// Listens on the request's `HOST:PORT` with the tcp:// listener options and hands out
     /// connections whose reads and writes are system calls on the calling task's thread
-    /// (``StreamSocketBackend``, as ``connectStream(_:host:port:name:)`` makes): tcp://'s own
+    /// (`StreamSocketBackend`, as ``connectStream(_:host:port:name:)`` makes): tcp://'s own
     /// listener. A name resolves through getaddrinfo(3); the first address is bound.
     ///
     /// ```swift
@@ -245,7 +245,7 @@ public enum TCPSocket {
             throw unknownListenHost(host)
         }
         let describing = "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
-        let listener = try StreamListener.bind(address, backlog: request[SocketsPlugin.backlog],
+        let listener = try StreamListener.bind(address, backlog: request[SocketsPlugin.backlog], largestRead: request.buffering.readSize,
                                                configure: { try settings.apply(to: $0, describing: describing) }) { errno, call in
             bindFailure(StreamSocketBackend.failure(errno, call, context: "listening on \(host):\(port)"), host: host, port: port)
         }

@@ -594,8 +594,9 @@ public final class Connection: Sendable {
 
     /// Bytes received and not read yet that a read can have without waiting: what the connection
     /// holds (the rest of a chunk a read cut short, bytes a frame read put back) plus what the
-    /// transport holds for it; `nil` when the transport cannot tell. Bytes still in the kernel or
-    /// a device's driver are not counted (a serial port's `bytesWaiting()` adds them).
+    /// transport holds for it; `nil` when the transport cannot tell. On tcp://, whose only queue is
+    /// the socket's receive buffer, that is what the kernel holds (FIONREAD); elsewhere bytes still
+    /// in the kernel or a device's driver are not counted (a serial port's `bytesWaiting()` adds them).
     ///
     /// ```swift
     /// if connection.unreadByteCount ?? 0 >= 4 {

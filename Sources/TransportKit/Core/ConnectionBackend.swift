@@ -68,8 +68,9 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     /// ``close()`` cut short would drop: 0 when none, `nil` when the backend cannot tell (the
     /// default). A close that takes long with 0 here is releasing, not delivering.
     var unsentByteCount: Int? { get }
-    /// Bytes received and held for the application, not read yet (an inbound queue's content):
-    /// `nil` when the backend cannot tell (the default). ``Connection/unreadByteCount`` adds what
+    /// Bytes received and held for the application, not read yet (an inbound queue's content, or
+    /// the socket's receive buffer for a backend that keeps no queue of its own): `nil` when the
+    /// backend cannot tell (the default). ``Connection/unreadByteCount`` adds what
     /// the connection itself holds.
     var unreadByteCount: Int? { get }
     /// The next message with its kind, on a backend that ``carriesMessages``; `nil` at the end.

@@ -45,6 +45,38 @@ extension FileDescriptor {
     }
 }
 
+extension FileDescriptor {
+    /// Waits for a non-blocking connect(2) that returned EINPROGRESS to finish: `nil` once the
+    /// socket is connected, or the errno it failed with (SO_ERROR). A wake-up that finds the
+    /// socket still connecting (readiness waits may wake spuriously; SO_ERROR is 0 then too) is
+    /// told apart with getpeername(2) (ENOTCONN) and waited out. Cancelling the task ends the wait
+    /// with `CancellationError`; the caller closes the socket.
+    ///
+    /// ```swift
+    /// switch Syscall.attempt({ connect(fd.rawValue, address, length) }) {
+    /// case .success: break
+    /// case .failure(.nowInProgress): if let errno = try await fd.waitForConnect(describing: url) { throw refused(errno) }
+    /// case .failure(let errno): throw refused(errno)
+    /// }
+    /// ```
+    public func waitForConnect(describing what: String) async throws -> Errno? {
+        while true {
+            try await wait(until: .writable)
+            var code: Int32 = 0
+            var length = socklen_t(MemoryLayout<Int32>.size)
+            _ = try Syscall.run("getsockopt(SO_ERROR)", on: what) { getsockopt(rawValue, SOL_SOCKET, SO_ERROR, &code, &length) }
+            if code != 0 { return Errno(rawValue: code) }
+            var peer = sockaddr_storage()
+            var peerLength = socklen_t(MemoryLayout<sockaddr_storage>.size)
+            let named = withUnsafeMutablePointer(to: &peer) {
+                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getpeername(rawValue, $0, &peerLength) }
+            }
+            if named == 0 { return nil }
+            guard Syscall.errno == .socketNotConnected else { return Syscall.errno }
+        }
+    }
+}
+
 /// The process's epoll instance and the thread that watches it. Waiters are kept by descriptor
 /// number; an event resumes those it matches (an error or hang-up resumes all) outside the lock.
 final class ReadinessPoller: Sendable {

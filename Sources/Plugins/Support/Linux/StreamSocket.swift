@@ -32,8 +32,10 @@ public final class StreamSocketBackend: ConnectionBackend {
     /// One write at a time: a write the kernel takes in parts must not interleave with another.
     private let writes = AsyncCondition(WriteState())
     /// How much the next read asks for: doubled when a read fills it, halved when one uses less
-    /// than a quarter of it (SwiftNIO's adaptive allocator does the same), 512 bytes to 64 KiB.
-    private let readSize = Locked(2048)
+    /// than a quarter of it (SwiftNIO's adaptive allocator does the same), 512 bytes to `largestRead`.
+    private let readSize: Locked<Int>
+    /// The largest read, from the request's `Buffering/readSize` (64 KiB by default).
+    private let largestRead: Int
 
     private struct WriteState: Sendable {
         /// A write (or the rest of one, sent by a task of its own) is under way.
@@ -45,16 +47,18 @@ public final class StreamSocketBackend: ConnectionBackend {
     }
 
     static let smallestRead = 512
-    static let largestRead = 65536
 
     /// Takes ownership of a connected stream socket; makes it non-blocking.
     ///
     /// - Parameters:
     ///   - fd: the connected socket; the backend owns it and closes it.
     ///   - describing: the URL or name the errors use.
-    public init(adopting fd: SystemPackage.FileDescriptor, describing: String) {
+    ///   - largestRead: the most one read takes from the kernel (a request's `buffering.readSize`).
+    public init(adopting fd: SystemPackage.FileDescriptor, describing: String, largestRead: Int = 65536) {
         self.fd = fd
         self.describing = describing
+        self.largestRead = max(largestRead, Self.smallestRead)
+        readSize = Locked(min(2048, max(largestRead, Self.smallestRead)))
         gate = DescriptorGate(fd)
         let flags = fcntl(fd.rawValue, F_GETFL)
         if flags >= 0 && flags & O_NONBLOCK == 0 { _ = fcntl(fd.rawValue, F_SETFL, flags | O_NONBLOCK) }
@@ -104,12 +108,12 @@ public final class StreamSocketBackend: ConnectionBackend {
 
     /// The next bytes the kernel has, waiting for some when it has none; `nil` at the end of the
     /// stream or once the backend is closed. Throws a `TransportError` naming recv(2) (a reset:
-    /// ``TransportError/Kind/disconnected``). Cancelling the task ends a wait with `CancellationError`.
+    /// `TransportError/Kind/disconnected`). Cancelling the task ends a wait with `CancellationError`.
     public func read() async throws -> ByteBuffer? {
         try await receive(deadline: nil)
     }
 
-    /// ``read()``, waiting at most until `deadline` (then ``ReadDeadlinePassed``, nothing consumed).
+    /// ``read()``, waiting at most until `deadline` (then `ReadDeadlinePassed`, nothing consumed).
     public func readMessage(deadline: ContinuousClock.Instant) async throws -> TransportMessage? {
         try await receive(deadline: deadline).map { TransportMessage(.binary, $0) }
     }
@@ -133,7 +137,7 @@ public final class StreamSocketBackend: ConnectionBackend {
                 return nil
             case .success(let count):
                 readSize.withLock { next in
-                    if count == size { next = min(size * 2, Self.largestRead) } else if count < size / 4 { next = max(size / 2, Self.smallestRead) }
+                    if count == size { next = min(size * 2, largestRead) } else if count < size / 4 { next = max(size / 2, Self.smallestRead) }
                 }
                 return buffer
             case .failure(.resourceTemporarilyUnavailable):
@@ -147,13 +151,13 @@ public final class StreamSocketBackend: ConnectionBackend {
 
     /// Sends every byte of `buffer`, waiting for room while the kernel's send buffer is full; one
     /// write at a time. Throws `.misuse` once closed, and a `TransportError` naming send(2) when the
-    /// peer is gone (EPIPE, ECONNRESET: ``TransportError/Kind/disconnected``).
+    /// peer is gone (EPIPE, ECONNRESET: `TransportError/Kind/disconnected`).
     public func write(_ buffer: ByteBuffer) async throws {
         try await transmit(buffer, deadline: nil)
     }
 
     /// ``write(_:)``, all or nothing by `deadline`: it waits for room (the write before it done,
-    /// the kernel taking bytes) until the deadline, and throws ``WriteDeadlinePassed`` with nothing
+    /// the kernel taking bytes) until the deadline, and throws `WriteDeadlinePassed` with nothing
     /// sent when it passes first. Once the kernel took part of `buffer`, the write is accepted:
     /// the rest is sent by a task of its own (counted in ``unsentByteCount``; the next write,
     /// ``closeWrite()`` and ``close()`` come after it), so what the peer gets is exactly what the
@@ -183,7 +187,16 @@ public final class StreamSocketBackend: ConnectionBackend {
                     return
                 }
                 writes.update { $0.unsent = rest.readableBytes }
-                try await waitFor(.writable, deadline: deadline) { WriteDeadlinePassed(nothingSent: true) }
+                do {
+                    try await waitFor(.writable, deadline: deadline) { WriteDeadlinePassed(nothingSent: true) }
+                } catch is CancellationError where sentAny {
+                    // Part is in the kernel already: the rest follows, so the stream never
+                    // carries a torn write (SwiftNIO's channel, which takes a write whole, did
+                    // the same). The cancellation is still this call's outcome.
+                    handedOver = true
+                    sendRest(rest)
+                    throw CancellationError()
+                }
             case .failure(let errno):
                 throw Self.failure(errno, "send", context: "writing to \(describing)")
             }
@@ -199,7 +212,7 @@ public final class StreamSocketBackend: ConnectionBackend {
     }
 
     /// Waits until no write is under way (nor the rest of one), then marks one under way; until
-    /// `deadline` if there is one (then ``WriteDeadlinePassed``, nothing sent).
+    /// `deadline` if there is one (then `WriteDeadlinePassed`, nothing sent).
     private func takeTurn(deadline: ContinuousClock.Instant?) async throws {
         let writes = writes
         let take: @Sendable () async throws -> Void = {
@@ -221,12 +234,15 @@ public final class StreamSocketBackend: ConnectionBackend {
         }
     }
 
-    /// Sends the rest of an accepted write from a task of its own (tracked: waitForAbandonedConnects
-    /// covers it), keeping the turn until it is gone, the socket fails or the backend closes. A
-    /// failure is reported by the next write, ``closeWrite()`` or ``close()``.
+    /// Sends the rest of an accepted write from a task of its own, keeping the turn until it is
+    /// gone, the socket fails or the backend closes. A failure is reported by the next write,
+    /// ``closeWrite()`` or ``close()``. Not a cleanup task (`startCleanup`): it belongs to a
+    /// connection still open, whose ``close()`` waits for it and whose ``connectionDropped()``
+    /// ends it; counted as cleanup, a peer that stopped reading would hold up
+    /// `waitForAbandonedConnects()` for as long as the connection lives.
     private func sendRest(_ rest: ByteBuffer) {
         writes.update { $0.unsent = rest.readableBytes }
-        startCleanup { [self] in
+        Task { [self] in
             guard gate.enter() else { return endTurn(unsent: 0) }
             defer { gate.leave() }
             var rest = rest
@@ -236,7 +252,15 @@ public final class StreamSocketBackend: ConnectionBackend {
                     writes.update { $0.unsent = rest.readableBytes }
                 case .failure(.resourceTemporarilyUnavailable):
                     // Not cancellable (nobody cancels a cleanup task); the gate's close wakes it.
-                    do { try await gate.wait(until: .writable) } catch { break sending }
+                    do {
+                        try await gate.wait(until: .writable)
+                    } catch {
+                        // Not cancelled (nobody holds this task): epoll_ctl refused (ENOSPC, ENOMEM).
+                        if !gate.isClosed {
+                            writes.update { $0.failure = error as? TransportError ?? TransportError(.io, "writing to \(describing) failed: \(error)") }
+                        }
+                        break sending
+                    }
                 case .failure(let errno):
                     writes.update { $0.failure = Self.failure(errno, "send", context: "writing to \(describing)") }
                     rest.moveReaderIndex(forwardBy: rest.readableBytes)

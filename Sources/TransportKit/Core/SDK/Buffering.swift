@@ -1,7 +1,8 @@
 /// How much of a connection's data TransportKit may hold in memory, each way: what arrived and
 /// the application has not read yet, and what it wrote and the kernel has not taken yet. Plugins
 /// whose backends buffer (``ChannelBackend``, ``InboundQueue``) take it from
-/// ``ConnectRequest/buffering``; an application picks it per connect or listen.
+/// ``ConnectRequest/buffering``; an application picks it per connect or listen. tcp:// keeps no
+/// queue of its own (the kernel's socket buffers are its queues) and takes only ``readSize``.
 ///
 /// - ``standard``: for a few fast connections; large enough that a writer rarely waits (the tcp
 ///   throughput figures in BENCHMARKS.md), up to about 5 MB per connection when its peer stops reading.
@@ -9,8 +10,8 @@
 ///   300 KB per connection whose peer stops reading, at some cost in throughput.
 ///
 /// ```swift
-/// let listener = try await registry.listen(on: "tcp://127.0.0.1:2000", buffering: .compact)
-/// let target = try await registry.connect(to: "tcp://10.0.0.5:4000", buffering: .compact)
+/// let listener = try await registry.listen(on: "unix:///run/bridge.sock", buffering: .compact)
+/// let target = try await registry.connect(to: "tty:///dev/ttyUSB0?baud=115200", buffering: .compact)
 /// ```
 public struct Buffering: Sendable, Hashable {
     /// Bytes received and not read yet: past `high` the transport stops reading from the kernel,
