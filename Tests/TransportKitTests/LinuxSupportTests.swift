@@ -252,6 +252,22 @@ struct ReadinessPollerTests {
         #expect(fcntl(accepted.rawValue, F_GETFD) & FD_CLOEXEC != 0)
     }
 
+    @Test func aGateWaitWithADeadlineEndsAtItAndLaterSeesReadiness() async throws {
+        let (mine, peer) = try socketPair()
+        defer { _ = Glibc.close(peer) }
+        let gate = DescriptorGate(FileDescriptor(rawValue: mine))
+        #expect(gate.enter())
+        let started = ContinuousClock.now
+        let ready = try await gate.wait(until: .readable, deadline: .now + .milliseconds(50))
+        #expect(!ready, "nothing to read: the deadline ends the wait")
+        #expect(ContinuousClock.now - started >= .milliseconds(50))
+        #expect(try await gate.wait(until: .readable, deadline: .now - .seconds(1)) == false, "a deadline already past: at once")
+        Support.writeAll(peer, [1])
+        #expect(try await gate.wait(until: .readable, deadline: .now + .seconds(30)), "readable before the deadline")
+        gate.leave()
+        #expect(await gate.close())
+    }
+
     @Test func manyWaitsShareOneThread() async throws {
         let (mine, peer) = try socketPair()
         defer { _ = Glibc.close(mine); _ = Glibc.close(peer) }

@@ -44,15 +44,11 @@ public enum TCPSocket {
     /// try await TCPSocket.connectStream(request, host: request.host, port: request.port)
     /// ```
     public static func connectStream(_ request: ConnectRequest, host: String, port: Int, name: String? = nil) async throws -> Connection {
-        let target = name ?? "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
+        let target = name ?? self.target(host: host, port: port)
         let settings = Settings(request.options)
         let addresses = try await HappyEyeballs.addresses(host: host, port: port)
         let (fd, _) = try await HappyEyeballs.connect(to: addresses, configure: { try settings.apply(to: $0, describing: target) }) { failures in
-            if let refused = failures.first(where: { $0.kind == .refused }) {
-                return TransportError(.refused, "\(target) refused the connection: is the server running and listening on port \(port)?",
-                                      errno: refused.errno, syscall: "connect")
-            }
-            return failures.first ?? TransportError(.io, "connecting to \(target) failed: no address to try")
+            connectFailure(failures, target: target, port: port) ?? TransportError(.io, "connecting to \(target) failed: no address to try")
         }
         let backend = StreamSocketBackend(adopting: fd, describing: target, largestRead: request.buffering.readSize)
         return Connection(url: request.url, backend: backend, metadata: StreamSocketBackend.metadata(of: fd, name: target))
@@ -69,7 +65,7 @@ public enum TCPSocket {
     /// ```
     public static func connect(_ request: ConnectRequest, host: String, port: Int, layers: [ProtocolLayer],
                                name: String? = nil) async throws -> Connection {
-        let target = "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
+        let target = target(host: host, port: port)
         let settings = Settings(request.options)
         let steps = ReadySteps()
         let backend = try await ClientSocket.connect(
@@ -168,13 +164,25 @@ public enum TCPSocket {
                 return TransportError(.notFound, "cannot resolve the host '\(TransportError.printable(host))': check the name, or use an IP address")
             }
             let failures = error.connectionErrors.map { TransportError.from($0.error, context: "connecting to \($0.target)", syscall: "connect") }
-            if let refused = failures.first(where: { $0.kind == .refused }) {
-                return TransportError(.refused, "\(target) refused the connection: is the server running and listening on port \(port)?",
-                                      errno: refused.errno, syscall: "connect")
-            }
-            if let first = failures.first { return first }
+            if let failure = connectFailure(failures, target: target, port: port) { return failure }
         }
         return TransportError.from(error, context: "connecting to \(target)", syscall: "connect")
+    }
+
+    /// What a connect whose every attempt failed says: a refusal in any of them means nobody
+    /// listens there; otherwise the first attempt's error. `nil` when there was no attempt.
+    static func connectFailure(_ failures: [TransportError], target: String, port: Int) -> TransportError? {
+        if let refused = failures.first(where: { $0.kind == .refused }) {
+            return TransportError(.refused, "\(target) refused the connection: is the server running and listening on port \(port)?",
+                                  errno: refused.errno, syscall: "connect")
+        }
+        return failures.first
+    }
+
+    /// `tcp://HOST:PORT` as errors and metadata name a connection or listener: an IPv6 host in
+    /// brackets, a name as it may be printed.
+    static func target(host: String, port: Int) -> String {
+        "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
     }
 
     @Sendable static func listen(_ request: ConnectRequest) async throws -> Listener {
@@ -244,7 +252,7 @@ public enum TCPSocket {
         } catch let error as TransportError where error.syscall == "getaddrinfo" {
             throw unknownListenHost(host)
         }
-        let describing = "tcp://\(host.contains(":") ? "[\(host)]" : TransportError.printable(host)):\(port)"
+        let describing = target(host: host, port: port)
         let listener = try StreamListener.bind(address, backlog: request[SocketsPlugin.backlog], largestRead: request.buffering.readSize,
                                                configure: { try settings.apply(to: $0, describing: describing) }) { errno, call in
             bindFailure(StreamSocketBackend.failure(errno, call, context: "listening on \(host):\(port)"), host: host, port: port)

@@ -58,16 +58,22 @@ public final class DescriptorGate: Sendable {
     public var isClosed: Bool { state.withLock { $0.closed } }
 
     /// Suspends, inside a use, until the descriptor is ready or the gate closes, whichever comes
-    /// first; check ``isClosed`` after it. Cancelling the task ends the wait with `CancellationError`.
-    public func wait(until readiness: FileDescriptor.Readiness) async throws {
+    /// first (then `true`; check ``isClosed`` after it), or `deadline` passes (then `false`).
+    /// Cancelling the task ends the wait with `CancellationError`.
+    ///
+    /// ```swift
+    /// guard try await gate.wait(until: .readable, deadline: .now + .seconds(2)) else { throw ReadDeadlinePassed() }
+    /// ```
+    @discardableResult
+    public func wait(until readiness: FileDescriptor.Readiness, deadline: ContinuousClock.Instant? = nil) async throws -> Bool {
         let state = state
         // close(waking:) marks the gate closed before it wakes the waiters: a wait that begins
         // after the mark returns at once, one that began before it is woken.
-        try await ReadinessPoller.shared().wait(fd.rawValue, for: readiness) { state.withLock { $0.closed } }
+        return try await ReadinessPoller.shared().wait(fd.rawValue, for: readiness, deadline: deadline) { state.withLock { $0.closed } }
     }
 
     /// Closes the descriptor, once: marks the gate closed (no use begins after this, and
-    /// ``wait(until:)`` returns), runs `wake` to end the uses that do not watch the gate (shut a
+    /// ``wait(until:deadline:)`` returns), runs `wake` to end the uses that do not watch the gate (shut a
     /// socket down, cancel a reader), waits until every use has left and closes the descriptor.
     /// Not cancellable. Returns `false`, at once, when the gate was closed already.
     @discardableResult

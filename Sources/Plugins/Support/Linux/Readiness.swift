@@ -83,7 +83,8 @@ final class ReadinessPoller: Sendable {
     private struct Waiter {
         let id: UInt64
         let readiness: FileDescriptor.Readiness
-        let continuation: CheckedContinuation<Void, any Error>
+        /// Resumed with `true` when the descriptor is ready (or woken), `false` at the deadline.
+        let continuation: CheckedContinuation<Bool, any Error>
     }
 
     private struct State {
@@ -115,22 +116,35 @@ final class ReadinessPoller: Sendable {
         }
     }
 
-    /// Suspends until `fd` is ready for `readiness`, or `unless()` (checked under the poller's
-    /// lock, after ``wakeAll(_:)``'s caller changed what it reads) is true at the start.
-    func wait(_ fd: Int32, for readiness: FileDescriptor.Readiness, unless: @Sendable () -> Bool = { false }) async throws {
+    /// Suspends until `fd` is ready for `readiness` (then `true`), or `deadline` passes (then
+    /// `false`; a timer task beside the waiter, no task group), or `unless()` (checked under the
+    /// poller's lock, after ``wakeAll(_:)``'s caller changed what it reads) is true at the start.
+    @discardableResult
+    func wait(_ fd: Int32, for readiness: FileDescriptor.Readiness, deadline: ContinuousClock.Instant? = nil,
+              unless: @Sendable () -> Bool = { false }) async throws -> Bool {
         let id = state.withLock { state -> UInt64 in
             state.nextID &+= 1
             return state.nextID
         }
-        try await withTaskCancellationHandler {
-            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Void, any Error>) in
-                let outcome = state.withLock { state -> Result<Bool, any Error> in
+        // The timer may fire before the waiter is registered; registering then sees the deadline
+        // passed (the timer never fires before it), so no wake-up is lost either way.
+        let timer = deadline.map { deadline in
+            Task { [self] in
+                try await Task.sleep(until: deadline, clock: .continuous)
+                remove(id, of: fd)?.continuation.resume(returning: false)
+            }
+        }
+        defer { timer?.cancel() }
+        return try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Bool, any Error>) in
+                let outcome = state.withLock { state -> Result<Bool?, any Error> in
                     // Cancelled before this ran: the handler below found no waiter to resume.
                     if Task.isCancelled { return .failure(CancellationError()) }
                     if unless() { return .success(true) }
+                    if let deadline, ContinuousClock.now >= deadline { return .success(false) }
                     state.waiters[fd, default: []].append(Waiter(id: id, readiness: readiness, continuation: continuation))
                     switch arm(fd, for: state.waiters[fd] ?? []) {
-                    case .success: return .success(false)
+                    case .success: return .success(nil)
                     case .failure(.notPermitted):
                         // epoll(7) refuses regular files and directories, which poll(2) calls always ready.
                         state.waiters[fd]?.removeAll { $0.id == id }
@@ -142,20 +156,24 @@ final class ReadinessPoller: Sendable {
                     }
                 }
                 switch outcome {
-                case .success(true): continuation.resume()
-                case .success(false): break
+                case .success(let ready?): continuation.resume(returning: ready)
+                case .success(nil): break
                 case .failure(let error): continuation.resume(throwing: error)
                 }
             }
         } onCancel: {
-            let cancelled = state.withLock { state -> CheckedContinuation<Void, any Error>? in
-                guard let index = state.waiters[fd]?.firstIndex(where: { $0.id == id }) else { return nil }
-                let waiter = state.waiters[fd]?.remove(at: index)
-                if state.waiters[fd]?.isEmpty == true { state.waiters[fd] = nil }
-                // What is left stays armed for itself; a wider mask only costs a spurious event.
-                return waiter?.continuation
-            }
-            cancelled?.resume(throwing: CancellationError())
+            remove(id, of: fd)?.continuation.resume(throwing: CancellationError())
+        }
+    }
+
+    /// Takes the waiter `id` of `fd` out, if it is still waiting (for its cancellation or its
+    /// deadline). What is left stays armed for itself; a wider mask only costs a spurious event.
+    private func remove(_ id: UInt64, of fd: Int32) -> Waiter? {
+        state.withLock { state in
+            guard let index = state.waiters[fd]?.firstIndex(where: { $0.id == id }) else { return nil }
+            let waiter = state.waiters[fd]?.remove(at: index)
+            if state.waiters[fd]?.isEmpty == true { state.waiters[fd] = nil }
+            return waiter
         }
     }
 
@@ -163,21 +181,25 @@ final class ReadinessPoller: Sendable {
     /// it changed what their `unless` reads.
     func wakeAll(_ fd: Int32) {
         let woken = state.withLock { $0.waiters.removeValue(forKey: fd) ?? [] }
-        for waiter in woken { waiter.continuation.resume() }
+        for waiter in woken { waiter.continuation.resume(returning: true) }
     }
 
     /// Arms `fd` for its waiters' union, once (EPOLLONESHOT); adds it when the epoll set lacks it.
     /// Under the lock.
     private func arm(_ fd: Int32, for waiters: [Waiter]) -> Result<Void, Errno> {
         var event = epoll_event()
-        event.events = EPOLLONESHOT.rawValue
-        for waiter in waiters {
-            event.events |= waiter.readiness == .readable ? EPOLLIN.rawValue | EPOLLRDHUP.rawValue : EPOLLOUT.rawValue
-        }
+        event.events = Self.events(for: waiters)
         event.data.u64 = UInt64(UInt32(bitPattern: fd))
         if epoll_ctl(epoll, EPOLL_CTL_MOD, fd, &event) == 0 { return .success(()) }
         guard Syscall.errno == .noSuchFileOrDirectory else { return .failure(Syscall.errno) }
         return Syscall.attempt { epoll_ctl(epoll, EPOLL_CTL_ADD, fd, &event) }.map { _ in () }
+    }
+
+    /// The epoll events `waiters` wait for, armed once (EPOLLONESHOT).
+    private static func events(for waiters: [Waiter]) -> UInt32 {
+        waiters.reduce(EPOLLONESHOT.rawValue) { events, waiter in
+            events | (waiter.readiness == .readable ? EPOLLIN.rawValue | EPOLLRDHUP.rawValue : EPOLLOUT.rawValue)
+        }
     }
 
     /// The thread's loop: wait, then resume what each event matches and re-arm for the rest.
@@ -201,8 +223,7 @@ final class ReadinessPoller: Sendable {
                     } else {
                         state.waiters[fd] = left
                         var rearm = epoll_event()
-                        rearm.events = EPOLLONESHOT.rawValue | (left.contains { $0.readiness == .readable } ? EPOLLIN.rawValue | EPOLLRDHUP.rawValue : 0)
-                            | (left.contains { $0.readiness == .writable } ? EPOLLOUT.rawValue : 0)
+                        rearm.events = Self.events(for: left)
                         rearm.data = event.data
                         if epoll_ctl(epoll, EPOLL_CTL_MOD, fd, &rearm) != 0 {
                             // Gone from the set (closed under a waiter, which its owner must not do): wake them to find out.
@@ -212,7 +233,7 @@ final class ReadinessPoller: Sendable {
                     }
                     return ready
                 }
-                for waiter in ready { waiter.continuation.resume() }
+                for waiter in ready { waiter.continuation.resume(returning: true) }
             }
         }
     }

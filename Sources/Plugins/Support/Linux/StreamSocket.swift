@@ -251,11 +251,11 @@ public final class StreamSocketBackend: ConnectionBackend {
                 case .success:
                     writes.update { $0.unsent = rest.readableBytes }
                 case .failure(.resourceTemporarilyUnavailable):
-                    // Not cancellable (nobody cancels a cleanup task); the gate's close wakes it.
+                    // Nobody cancels this task; the gate's close wakes it.
                     do {
                         try await gate.wait(until: .writable)
                     } catch {
-                        // Not cancelled (nobody holds this task): epoll_ctl refused (ENOSPC, ENOMEM).
+                        // Not a cancellation (nobody holds this task): epoll_ctl refused (ENOSPC, ENOMEM).
                         if !gate.isClosed {
                             writes.update { $0.failure = error as? TransportError ?? TransportError(.io, "writing to \(describing) failed: \(error)") }
                         }
@@ -278,11 +278,11 @@ public final class StreamSocketBackend: ConnectionBackend {
     }
 
     /// Waits for readiness inside a use of the gate, until `deadline` if there is one (then throws
-    /// `expired()`). A wait the gate's close ends returns; the caller looks at the gate.
+    /// `expired()`; the poller's own timer, no task group). A wait the gate's close ends returns;
+    /// the caller looks at the gate.
     private func waitFor(_ readiness: SystemPackage.FileDescriptor.Readiness, deadline: ContinuousClock.Instant?,
                          expired: () -> any Error) async throws {
-        guard let deadline else { return try await gate.wait(until: readiness) }
-        guard try await withDeadline(deadline, { try await self.gate.wait(until: readiness) }) != nil else { throw expired() }
+        guard try await gate.wait(until: readiness, deadline: deadline) else { throw expired() }
     }
 
     /// The error for a failed socket call (recv(2), send(2), connect(2)) in SwiftNIO's wording, so
