@@ -103,6 +103,15 @@ enum HappyEyeballs {
     static func connect(to addresses: [SocketAddress], attemptDelay: Duration = attemptDelay,
                         configure: @escaping @Sendable (SystemPackage.FileDescriptor) throws -> Void,
                         failure: ([TransportError]) -> TransportError) async throws -> (SystemPackage.FileDescriptor, SocketAddress) {
+        // One address (a literal, the common case): nothing to race, so no task group; the attempt
+        // runs in the calling task, and its cancellation closes the socket as in the race.
+        if addresses.count == 1, let only = addresses.first {
+            do {
+                return (try await attempt(only, configure: configure), only)
+            } catch let error as TransportError {
+                throw failure([error])
+            }
+        }
         // How many attempts may have started: one more every attemptDelay, or when one fails.
         let started = AsyncCondition(1)
         let count = addresses.count
