@@ -79,6 +79,8 @@ struct SchemeJSON: Encodable {
         var type: String
         var `default`: String?
         var help: String
+        /// Names the option had before a rename, still accepted.
+        var formerly: [String]?
     }
     var scheme: String
     var summary: String
@@ -122,7 +124,10 @@ struct SchemeJSON: Encodable {
         device = descriptor.reachesDevice
         // A wrapper's options are written with its prefix (spy.format).
         let prefix = descriptor.wraps ? descriptor.scheme + "." : ""
-        options = descriptor.allOptions.map { Option(name: prefix + $0.name, type: $0.kind.label, default: $0.defaultValue, help: $0.help) }
+        options = descriptor.allOptions.map { option in
+            Option(name: prefix + option.name, type: option.kind.label, default: option.defaultValue, help: option.help,
+                   formerly: option.formerNames.isEmpty ? nil : option.formerNames.map { prefix + $0 })
+        }
         modes = descriptor.effectiveModes.map { mode in
             Mode(name: mode.name, role: mode.role.rawValue, form: mode.form, selectedBy: mode.selectedBy.map { prefix + $0 },
                  options: descriptor.options(of: mode).map { prefix + $0.name })

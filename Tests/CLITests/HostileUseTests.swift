@@ -504,7 +504,7 @@ struct HostileUseTests {
             url("loop://?buffer=abc", "expected an integer between 1 and 67108864"),
             url("loop://?buffer=1.5", "expected an integer"),
             url("loop://?messages=2", "option 'messages=2'", "expected true or false"),
-            url("loop://?mtu=0", "option 'mtu=0'"),
+            url("loop://?maxWrite=0", "option 'maxWrite=0'"),
             url("loop://host", "a host is not allowed here", "Grammar: loop://"),
             url("loop://:80", "a port is not allowed here"),
             url("loop:///path", "a path is not allowed here"),

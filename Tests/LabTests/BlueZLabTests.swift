@@ -307,7 +307,7 @@ struct BlueZLabTests {
         let connection = try await Self.connect("ble://FFF0:131/\(controllers.peripheralText)?adapter=hci0&mtu=512")
         let sendMTU = try #require(connection.metadata.maximumWriteSize)
         #expect(connection.metadata.extra["sendMTU"] == String(sendMTU))
-        #expect(connection.metadata.extra["receiveMTU"] == "512", "the mtu= option is the receive MTU offered")
+        #expect(connection.metadata.extra["receiveMTU"] == "512", "mtu=, receiveMTU='s former name, is the receive MTU offered")
         try #require(sendMTU < toPeer.count)
         try await connection.write(toPeer)   // one write, cut into records of the send MTU
         var received: [UInt8] = []

@@ -366,12 +366,12 @@ struct OptionModeLabTests {
         let listener = try await Transport.listen(on: "ble://FFF0:161?adapter=hci1&advertise=false")
         do {
             let accepted = BlueZListenLabTests.acceptOne(listener)
-            let url = "ble://FFF0:161/\(controllers.peripheralText)?adapter=hci0&addressType=public&mtu=200&security=low&timeout=20"
+            let url = "ble://FFF0:161/\(controllers.peripheralText)?adapter=hci0&addressType=public&receiveMTU=200&security=low&timeout=20"
             #expect(try Self.missing(url, mode: "ble:// L2CAP connection", scheme: "ble").isEmpty)
             let client = try await BlueZLabTests.connect(url)
             let server = try #require(try await accepted.value, "the listener got no connection")
-            #expect(client.metadata.extra["receiveMTU"] == "200", "mtu= is the receive MTU offered")
-            #expect(server.metadata.extra["sendMTU"] == "200", "the peer sends records of at most our mtu=")
+            #expect(client.metadata.extra["receiveMTU"] == "200", "receiveMTU= is the receive MTU offered")
+            #expect(server.metadata.extra["sendMTU"] == "200", "the peer sends records of at most our receiveMTU=")
             #expect(client.metadata.extra["addressType"] == "public")
             #expect(client.metadata.extra["adapter"] == "hci0" && client.metadata.localAddress == controllers.centralText)
             #expect(server.metadata.remoteAddress == controllers.centralText)
@@ -402,7 +402,7 @@ struct OptionModeLabTests {
     @Test func bleL2CAPListenerTakesEveryOption() async throws {
         let controllers = try await BlueZListenLabTests.setUp()
         let advertising = try await Self.activeAdvertisements()
-        let url = "ble://FFF0:162?adapter=hci1&advertise=true&mtu=300&security=low&backlog=1"
+        let url = "ble://FFF0:162?adapter=hci1&advertise=true&receiveMTU=300&security=low&backlog=1"
         #expect(try Self.missing(url, mode: "ble:// L2CAP listener", scheme: "ble").isEmpty)
         let listener = try await Transport.listen(on: url)
         var connections: [Connection] = []
@@ -424,7 +424,7 @@ struct OptionModeLabTests {
             let three = try #require(try await room.value, "accepted: room in the backlog again")
             connections += [third, three]
 
-            #expect(one.metadata.extra["receiveMTU"] == "300", "mtu= is the listener's receive MTU")
+            #expect(one.metadata.extra["receiveMTU"] == "300", "receiveMTU= is the listener's receive MTU")
             #expect(first.metadata.maximumWriteSize == 300, "the client sends records of at most 300")
             #expect(one.metadata.extra["adapter"] == "hci1" && one.metadata.localAddress == controllers.peripheralText)
             #expect(one.metadata.remoteAddress == controllers.centralText)

@@ -130,7 +130,7 @@ struct SpyTests {
     @Test func messagesStayMessagesThroughSpy() async throws {
         let file = Support.temporaryPath("spy-msg") + ".txt"
         defer { unlink(file) }
-        try await Transport.withConnection(to: "spy+loop://?messages=true&mtu=8&spy.file=\(file)") { loop in
+        try await Transport.withConnection(to: "spy+loop://?messages=true&maxWrite=8&spy.file=\(file)") { loop in
             #expect(loop.carriesMessages)
             #expect(loop.maximumWriteSize == 8)
             try await loop.write(Array("0123456789".utf8))   // chunked once, before spy sees it

@@ -303,12 +303,40 @@ struct OptionModeTests {
     }
 
     @Test func aLoopTakesEveryOption() async throws {
-        let url = "loop://?buffer=100&messages=true&mtu=10&timeout=5"
+        let url = "loop://?buffer=100&messages=true&maxWrite=10&timeout=5"
         #expect(try Self.missing(url, mode: "loop:// connection", scheme: "loop").isEmpty)
         let loop = try await Transport.connect(to: url)
         #expect(loop.metadata.maximumWriteSize == 10)
         #expect(loop.carriesMessages)
         try await loop.close()
+    }
+
+    @Test("an option's former name is still accepted, counted as read, and refused beside its current name")
+    func formerNames() async throws {
+        // loop://'s maxWrite was mtu, ble://'s receiveMTU was mtu.
+        let loop = try await Transport.connect(to: "loop://?MTU=7&buffer=64")
+        #expect(loop.metadata.maximumWriteSize == 7)
+        try await loop.close()
+        let both = await expectTransportError(.invalidURL) { try await Transport.connect(to: "loop://?mtu=7&maxWrite=8") }
+        #expect(both?.message.contains("option 'maxWrite' is given twice, under its name and its former name 'mtu'; keep only 'maxWrite'") == true,
+                "\(both?.message ?? "")")
+        let range = await expectTransportError(.invalidURL) { try await Transport.connect(to: "loop://?mtu=0") }
+        #expect(range?.message.contains("option 'mtu=0'") == true, "the message names the option as written: \(range?.message ?? "")")
+        // A GATT URL has no use for the L2CAP receive MTU, under either name.
+        let gatt = await expectTransportError(.invalidURL) { try await Transport.registry.check("ble://nus/E3:2E:44:66:A2:4A?mtu=100") }
+        #expect(gatt?.message.contains("option 'mtu' is not used by this mode") == true, "\(gatt?.message ?? "")")
+        let ble = try #require(Transport.registry.descriptor(for: "ble"))
+        #expect(ble.helpText.contains("receiveMTU (integer 23…65535; formerly mtu)"), "\(ble.helpText)")
+    }
+
+    @Test("a former name that another option has, or that is malformed, is a declaration problem")
+    func formerNameProblems() {
+        let taken = SchemeDescriptor(scheme: "renamed", summary: "s", grammar: "renamed://", examples: [], host: .forbidden, port: .forbidden,
+                                     path: .forbidden, options: [URLOption.integer("size", in: 1...9, help: "h"),
+                                                                 URLOption.integer("length", in: 1...9, help: "h").formerly("SIZE", "bad-name")])
+        let problems = taken.declarationProblems()
+        #expect(problems.contains { $0.contains("the option 'SIZE' is declared twice") }, "\(problems)")
+        #expect(problems.contains { $0.contains("the option name 'bad-name' must start with a letter") }, "\(problems)")
     }
 
     @Test func aPtyTakesEveryOption() async throws {

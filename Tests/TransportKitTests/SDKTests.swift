@@ -327,7 +327,7 @@ struct MessageTests {
     }
 
     @Test func writesAreChunkedToTheMTUOnceInTheSDK() async throws {
-        try await Transport.withConnection(to: "loop://?messages=true&mtu=20&buffer=4096") { loop in
+        try await Transport.withConnection(to: "loop://?messages=true&maxWrite=20&buffer=4096") { loop in
             #expect(loop.metadata.maximumWriteSize == 20)
             #expect(loop.maximumWriteSize == 20)
             let payload = (0..<95).map { UInt8($0) }
@@ -386,7 +386,7 @@ struct MessageTests {
     }
 
     @Test func chunksOfConcurrentWritesAreNotInterleaved() async throws {
-        let loop = try await Transport.connect(to: "loop://?mtu=7&buffer=16")
+        let loop = try await Transport.connect(to: "loop://?maxWrite=7&buffer=16")
         let a = [UInt8](repeating: 0x61, count: 200)
         let b = [UInt8](repeating: 0x62, count: 200)
         async let first: Void = loop.write(a)

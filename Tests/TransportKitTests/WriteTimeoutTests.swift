@@ -76,8 +76,8 @@ struct WriteTimeoutTests {
     }
 
     @Test func aWriterHeldUpByAnotherOnAnMTUTransportTimesOutHavingSentNothing() async throws {
-        // mtu= makes writes chunked, one writer at a time; the first is stuck on a full buffer.
-        let loop = try await Transport.connect(to: "loop://?buffer=1024&mtu=256")
+        // maxWrite= makes writes chunked, one writer at a time; the first is stuck on a full buffer.
+        let loop = try await Transport.connect(to: "loop://?buffer=1024&maxWrite=256")
         let stuck = Task { try await loop.write([UInt8](repeating: 1, count: 8192)) }
         #expect(await eventually { loop.unreadByteCount == 1024 }, "the first writer filled the buffer")
         let started = ContinuousClock.now

@@ -7,9 +7,9 @@
 //   rfcomm://MAC[?adapter=hciN&uuid=UUID&security=…]     the channel found through SDP (ServiceDiscovery.swift)
 //   rfcomm://any|ADAPTER-MAC[:CHANNEL][?uuid=…&name=…&backlog=N&security=…] (listening)
 //                                                        a service published through BlueZ (SerialPortProfile.swift)
-//   ble://SERVICE:PSM[?adapter=hciN&advertise=BOOL&mtu=N&security=…&backlog=N] (listening)
+//   ble://SERVICE:PSM[?adapter=hciN&advertise=BOOL&receiveMTU=N&security=…&backlog=N] (listening)
 //                                                        an LE L2CAP listener that advertises SERVICE (LEListener.swift)
-//   ble://SERVICE:PSM/MAC[?adapter=hciN&addressType=…&mtu=N&security=…]
+//   ble://SERVICE:PSM/MAC[?adapter=hciN&addressType=…&receiveMTU=N&security=…]
 //                                                        an LE L2CAP connection-oriented channel
 //   ble://SERVICE/MAC[?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never]
 //                                                        GATT serial (GattSerial.swift)
@@ -58,7 +58,8 @@ public struct BluetoothPlugin: TransportPlugin {
     static let adapter = URLOption.string("adapter", help: "The Bluetooth adapter to use, by name (hci1) or address (default: the first powered one)")
     static let addressType = URLOption.choice("addressType", default: AddressType.bluez,
                                               help: "ble://: the device's LE address type; bluez (default) asks bluetoothd, discovering the device if needed")
-    static let mtu = URLOption.integer("mtu", in: 23...65535, help: "ble://…:PSM: the receive MTU to offer (default: the kernel's, 672)")
+    static let receiveMTU = URLOption.integer("receiveMTU", in: 23...65535,
+                                              help: "ble://…:PSM: the receive MTU to offer (default: the kernel's, 672)").formerly("mtu")
     static let security = URLOption.choice("security", default: BluetoothSocket.Security.low,
                                            help: "Link security: low accepts any link; medium (encrypted) and high (paired with MITM protection) may start pairing, which needs an agent. Listening: the least a peer's link must have")
 
@@ -106,20 +107,20 @@ public struct BluetoothPlugin: TransportPlugin {
             Scheme(SchemeDescriptor(
                 scheme: "ble",
                 summary: "Bluetooth LE through BlueZ: GATT serial (ble://SERVICE/DEVICE) or an L2CAP connection-oriented channel (ble://SERVICE:PSM/DEVICE); no DEVICE: the strongest advertiser of SERVICE",
-                grammar: "ble://SERVICE[:PSM][/MAC][?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&mtu=N&security=low|medium|high]; "
-                    + "listening: ble://SERVICE:PSM[?adapter=hciN&advertise=true|false&mtu=N&security=…&backlog=N], "
+                grammar: "ble://SERVICE[:PSM][/MAC][?adapter=hciN&rx=UUID&tx=UUID&acquire=auto|never&addressType=bluez|public|random&receiveMTU=N&security=low|medium|high]; "
+                    + "listening: ble://SERVICE:PSM[?adapter=hciN&advertise=true|false&receiveMTU=N&security=…&backlog=N], "
                     + "or a GATT serial peripheral: ble://SERVICE[?adapter=hciN&rx=UUID&tx=UUID&advertise=true|false&security=…]",
                 examples: ["ble://nus/E3:2E:44:66:A2:4A", "ble://FFE0/E3:2E:44:66:A2:4A?rx=FFE1&tx=FFE1",
-                           "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&mtu=1024", "ble://nus",
+                           "ble://FFF0:128/E3:2E:44:66:A2:4A", "ble://FFF0:128/00:AA:01:01:00:01?adapter=hci0&receiveMTU=1024", "ble://nus",
                            "ble://FFF0:128?adapter=hci1 (listening)", "ble://nus?adapter=hci1 (listening: a GATT serial peripheral)"],
                 host: .required, port: .optional, portRange: 1...255, path: .optional,
-                options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.mtu, Self.security, Self.advertise, Self.backlog],
+                options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.addressType, Self.receiveMTU, Self.security, Self.advertise, Self.backlog],
                 modes: [SchemeMode("ble:// L2CAP connection", form: "ble://SERVICE:PSM[/MAC]", port: .required,
-                                   options: [Self.adapter, Self.addressType, Self.mtu, Self.security]),
+                                   options: [Self.adapter, Self.addressType, Self.receiveMTU, Self.security]),
                         SchemeMode("ble:// GATT serial connection", form: "ble://SERVICE[/MAC]", port: .forbidden,
                                    options: [Self.adapter, Self.rx, Self.tx, Self.acquire, Self.security]),
                         SchemeMode("ble:// L2CAP listener", role: .listen, form: "ble://SERVICE:PSM", port: .required,
-                                   options: [Self.adapter, Self.advertise, Self.mtu, Self.security, Self.backlog]),
+                                   options: [Self.adapter, Self.advertise, Self.receiveMTU, Self.security, Self.backlog]),
                         SchemeMode("ble:// GATT serial listener", role: .listen, form: "ble://SERVICE", port: .forbidden,
                                    options: [Self.adapter, Self.rx, Self.tx, Self.advertise, Self.security])],
                 reachesDevice: true
@@ -371,7 +372,7 @@ enum BluetoothConnector {
         }
         let describing = url.description
         let channel = try await BluetoothSocket.connectL2CAP(adapter: local, device: device, addressType: addressType, psm: UInt16(psm),
-                                                             receiveMTU: request[BluetoothPlugin.mtu], security: request[BluetoothPlugin.security],
+                                                             receiveMTU: request[BluetoothPlugin.receiveMTU], security: request[BluetoothPlugin.security],
                                                              describing: describing)
         let backend = PacketSocketBackend(adopting: channel.fd, describing: describing, receiveSize: channel.receiveMTU,
                                           maximumWriteSize: channel.sendMTU, watermarks: request.buffering.inbound, hangUp: device.hangUp)

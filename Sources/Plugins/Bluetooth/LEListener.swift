@@ -61,7 +61,7 @@ final class LEListener: ListenerBackend {
         let adapter = try BlueZ.adapter(named: name, among: try await bluez.objects().adapters)
         let local = try BluetoothConnector.localAddress(of: adapter, request)
         let describing = url.description
-        let fd = try BluetoothSocket.listenL2CAP(adapter: local, psm: UInt16(port), receiveMTU: request[BluetoothPlugin.mtu],
+        let fd = try BluetoothSocket.listenL2CAP(adapter: local, psm: UInt16(port), receiveMTU: request[BluetoothPlugin.receiveMTU],
                                                  security: security, backlog: Int32(request[BluetoothPlugin.backlog]),
                                                  describing: describing)
         let advertisement: Advertisement?

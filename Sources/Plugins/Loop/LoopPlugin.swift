@@ -1,11 +1,11 @@
 // loop:// — an in-memory loopback: what is written is read back. The hardware-free default for
 // tests, like pyserial's loop://.
 //
-// Grammar:  loop://[?buffer=BYTES&messages=BOOL&mtu=BYTES]
+// Grammar:  loop://[?buffer=BYTES&messages=BOOL&maxWrite=BYTES] (maxWrite was mtu before)
 //   buffer    bytes held between writer and reader (default 4096). A writer that finds the buffer
 //             full suspends until the reader makes room, so a slow reader bounds memory.
 //   messages  each write is read back as one message (readMessage), as on a SEQPACKET socket.
-//   mtu       the largest write the loop takes at once; longer writes are chunked by the connection,
+//   maxWrite  the largest write the loop takes at once; longer writes are chunked by the connection,
 //             as on a BLE or L2CAP link. Shown as metadata.maximumWriteSize.
 // Half-close: closeWrite() makes the reader see the end after the buffered bytes.
 
@@ -29,21 +29,25 @@ public struct LoopPlugin: TransportPlugin {
                                        help: "Bytes buffered between writer and reader; writers suspend when it is full")
     /// `messages`: each write is read back as one message.
     public static let messages = URLOption.bool("messages", default: false, help: "Carry messages: each write is read back whole by readMessage()")
-    /// `mtu`: the largest write taken at once; longer writes are chunked.
-    public static let mtu = URLOption.integer("mtu", in: 1...(64 << 20), help: "Largest write taken at once; longer writes are chunked (metadata.maximumWriteSize)")
+    /// `maxWrite` (formerly `mtu`): the largest write taken at once; longer writes are chunked.
+    public static let maxWrite = URLOption.integer("maxWrite", in: 1...(64 << 20),
+                                                   help: "Largest write taken at once; longer writes are chunked (metadata.maximumWriteSize)").formerly("mtu")
+    /// The option's name before it became `maxWrite`.
+    @available(*, deprecated, renamed: "maxWrite")
+    public static var mtu: URLOption<Int?> { maxWrite }
 
     /// The `loop` scheme.
     public var schemes: [Scheme] {
         [Scheme(SchemeDescriptor(
             scheme: "loop",
             summary: "In-memory loopback: bytes written are read back (for tests)",
-            grammar: "loop://[?buffer=BYTES&messages=BOOL&mtu=BYTES]",
-            examples: ["loop://", "loop://?buffer=65536", "loop://?messages=true&mtu=20"],
+            grammar: "loop://[?buffer=BYTES&messages=BOOL&maxWrite=BYTES]",
+            examples: ["loop://", "loop://?buffer=65536", "loop://?messages=true&maxWrite=20"],
             host: .forbidden, port: .forbidden, path: .forbidden,
-            options: [Self.buffer, Self.messages, Self.mtu]
+            options: [Self.buffer, Self.messages, Self.maxWrite]
         )) { request in
             let capacity = request[Self.buffer]
-            let mtu = request[Self.mtu]
+            let mtu = request[Self.maxWrite]
             var extra = ["buffer": String(capacity)]
             if request[Self.messages] { extra["messages"] = "true" }
             return Connection(url: request.url, backend: LoopBackend(capacity: capacity, messages: request[Self.messages], mtu: mtu),

@@ -31,6 +31,19 @@ public struct URLOption<Value: Sendable>: OptionDeclaration {
     func value(in values: OptionValues) -> Value {
         read(values.raw[spec.key])
     }
+
+    /// The same option, also accepted under `names`, the names it had before a rename, so URLs
+    /// written for an earlier release keep working. A URL that gives both a former name and the
+    /// current one is refused; `transportkit schemes` shows the former names.
+    ///
+    /// ```swift
+    /// static let receiveMTU = URLOption.integer("receiveMTU", in: 23...65535, help: "The receive MTU to offer").formerly("mtu")
+    /// ```
+    public func formerly(_ names: String...) -> URLOption<Value> {
+        var spec = spec
+        spec.formerNames += names
+        return URLOption(spec, read: read)
+    }
 }
 
 /// An option declaration seen without its value type, as a ``SchemeDescriptor`` lists it.
@@ -167,17 +180,38 @@ public struct OptionSpec: Sendable, Codable, Equatable {
     public var defaultValue: String?
     /// One sentence for `transportkit schemes`.
     public var help: String
+    /// Names the option had before a rename, still accepted in URLs (``URLOption/formerly(_:)``).
+    public var formerNames: [String]
 
     /// A declaration; prefer the typed constructors of ``URLOption``, which keep the default typed.
-    public init(_ name: String, _ kind: OptionKind, default defaultValue: String? = nil, help: String) {
+    public init(_ name: String, _ kind: OptionKind, default defaultValue: String? = nil, help: String, formerNames: [String] = []) {
         self.name = name
         self.kind = kind
         self.defaultValue = defaultValue
         self.help = help
+        self.formerNames = formerNames
+    }
+
+    private enum CodingKeys: String, CodingKey {
+        case name, kind, defaultValue, help, formerNames
+    }
+
+    /// Reads a spec; `formerNames` may be absent (JSON written before it existed).
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        self.init(try container.decode(String.self, forKey: .name), try container.decode(OptionKind.self, forKey: .kind),
+                  default: try container.decodeIfPresent(String.self, forKey: .defaultValue),
+                  help: try container.decode(String.self, forKey: .help),
+                  formerNames: try container.decodeIfPresent([String].self, forKey: .formerNames) ?? [])
     }
 
     /// The name as values are stored: options are matched case-insensitively.
     var key: String { name.lowercased() }
+
+    /// Whether a URL's query item `name` sets this option: its name or a former one, in any case.
+    func isNamed(_ name: String) -> Bool {
+        URLParser.sameName(self.name, name) || formerNames.contains { URLParser.sameName($0, name) }
+    }
 
     /// Options every scheme accepts (wrappers excepted: their deadline is the wrapped URL's).
     /// `timeout`: seconds the whole connect may take, 0…31536000, default 10; `0` waits forever.
@@ -190,8 +224,8 @@ public struct OptionSpec: Sendable, Codable, Equatable {
     /// option would itself refuse.
     func declarationProblems() -> [String] {
         var problems: [String] = []
-        if !Self.isValidName(name) {
-            problems.append("the option name '\(name)' must start with a letter and contain only letters and digits")
+        for candidate in [name] + formerNames where !Self.isValidName(candidate) {
+            problems.append("the option name '\(candidate)' must start with a letter and contain only letters and digits")
         }
         switch kind {
         case .integer(let min, let max) where min > max:

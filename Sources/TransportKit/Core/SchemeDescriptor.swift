@@ -133,7 +133,8 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     public var helpText: String {
         var lines = ["\(grammar)  \(summary)"]
         for option in allOptions {
-            lines.append("  \(wraps ? scheme + "." : "")\(option.name) (\(option.kind.label)\(option.defaultValue.map { ", default \($0)" } ?? "")): \(option.help)")
+            let former = option.formerNames.isEmpty ? "" : "; formerly " + option.formerNames.map { (wraps ? scheme + "." : "") + $0 }.joined(separator: ", ")
+            lines.append("  \(wraps ? scheme + "." : "")\(option.name) (\(option.kind.label)\(option.defaultValue.map { ", default \($0)" } ?? "")\(former)): \(option.help)")
         }
         if !modes.isEmpty {
             for mode in modes {
@@ -161,8 +162,8 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         var seen = Set<String>()
         for option in allOptions {
             problems += option.declarationProblems()
-            if !seen.insert(option.key).inserted {
-                problems.append("the option '\(option.name)' is declared twice (names are case-insensitive; 'timeout' is common to every scheme)")
+            for name in [option.name] + option.formerNames where !seen.insert(name.lowercased()).inserted {
+                problems.append("the option '\(name)' is declared twice (names, former names included, are case-insensitive; 'timeout' is common to every scheme)")
             }
         }
         for mode in modes {
@@ -242,7 +243,7 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
         let mode = mode(for: url, role: role)
         let prefix = wraps ? scheme + "." : ""
         for item in url.query {
-            guard let spec = allOptions.first(where: { URLParser.sameName($0.name, item.name) }) else {
+            guard let spec = allOptions.first(where: { $0.isNamed(item.name) }) else {
                 if serverQuery { continue }
                 let names = allOptions.map { prefix + $0.name }.joined(separator: ", ")
                 let guess = Self.likelyMeant(item.name, among: allOptions.map(\.name)).map { "; did you mean '\(prefix)\($0)'?" } ?? ""
@@ -250,13 +251,18 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
             }
             if let mode, !options(of: mode).contains(where: { $0.key == spec.key }) {
                 let users = effectiveModes.filter { options(of: $0).contains { $0.key == spec.key } }.map(\.phrase)
-                throw reject("option '\(prefix)\(spec.name)' is not used by this mode, \(mode.phrase), so it is refused rather than ignored"
+                throw reject("option '\(prefix)\(URLParser.printable(item.name, limit: 40))' is not used by this mode, \(mode.phrase), so it is refused rather than ignored"
                              + (users.isEmpty ? "" : "; it applies to: \(users.joined(separator: "; "))"))
+            }
+            if values[spec.key] != nil {
+                // Only a former name and the current one can meet here: a name given twice is refused when the URL is read.
+                throw reject("option '\(prefix)\(spec.name)' is given twice, under its name and its former name "
+                             + "\(spec.formerNames.map { "'" + prefix + $0 + "'" }.joined(separator: " or ")); keep only '\(prefix)\(spec.name)'")
             }
             do {
                 values[spec.key] = try spec.kind.parse(item.value)
             } catch let problem as OptionKind.Problem {
-                throw reject("option '\(wraps ? scheme + "." : "")\(spec.name)=\(URLParser.printable(item.value, limit: 40))': \(problem.reason)")
+                throw reject("option '\(prefix)\(URLParser.printable(item.name, limit: 40))=\(URLParser.printable(item.value, limit: 40))': \(problem.reason)")
             }
         }
         for spec in allOptions where values[spec.key] == nil {
@@ -273,7 +279,7 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     public func serverQueryItems(of url: TransportURL) -> [(name: String, value: String)] {
         guard serverQuery else { return [] }
         return url.query.compactMap { item in
-            if allOptions.contains(where: { URLParser.sameName($0.name, item.name) }) { return nil }
+            if allOptions.contains(where: { $0.isNamed(item.name) }) { return nil }
             if item.name.lowercased().hasPrefix("server."), item.name.utf8.count > 7 {
                 return (String(item.name.dropFirst(7)), item.value)
             }

@@ -179,8 +179,10 @@ public final class TransportRegistry: Sendable {
         let read = request.options.use.keys
         let declared = request.scheme.allOptions
         let unread = request.url.query.map(\.name).filter { name in
-            // A server's own query items (ws://, http://) are the plugin's to pass on, not to read.
-            !read.contains(name.lowercased()) && (!request.scheme.serverQuery || declared.contains { URLParser.sameName($0.name, name) })
+            // A former name is read under the option's current one. A server's own query items
+            // (ws://, http://) are the plugin's to pass on, not to read.
+            guard let spec = declared.first(where: { $0.isNamed(name) }) else { return !request.scheme.serverQuery && !read.contains(name.lowercased()) }
+            return !read.contains(spec.key)
         }
         guard !unread.isEmpty else { return nil }
         let prefix = request.scheme.wraps ? request.scheme.scheme + "." : ""
