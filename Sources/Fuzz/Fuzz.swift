@@ -9,10 +9,10 @@ import NIOCore
 import NIOEmbedded
 import NIOWebSocket
 import TransportKitBluetooth
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 import TransportKitLoop
 import TransportKitSerial
-import TransportKitSockets
+@_spi(Plugins) import TransportKitSockets
 import TransportKitSpy
 import TransportKitUSB
 import TransportKitWebSocket

@@ -3,6 +3,7 @@ import Foundation
 import Glibc
 import Synchronization
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 struct Bridge: AsyncParsableCommand {
     static let configuration = CommandConfiguration(

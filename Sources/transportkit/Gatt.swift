@@ -1,6 +1,7 @@
 import ArgumentParser
 import Foundation
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 /// `transportkit gatt ADDRESS [read|write|notify …]`: a Bluetooth LE device's GATT services,
 /// through BluetoothPeripheral (bluetoothd's GATT client).

@@ -1,6 +1,7 @@
 import Foundation
 import Synchronization
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 /// The copy loops behind `connect` and `bridge`. A relay has two directions; when one ends, the
 /// other gets the linger to finish, and then the relay is over. An error in either direction ends

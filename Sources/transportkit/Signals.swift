@@ -9,6 +9,7 @@ import Dispatch
 import Glibc
 import Synchronization
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 enum Signals {
     /// The signals that end the tool cleanly.

@@ -8,6 +8,7 @@ import SystemPackage
 import NIOCore
 import Synchronization
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 /// Standard input, output and error as the tool was started with them.
 enum StandardStreams {

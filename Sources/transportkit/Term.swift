@@ -8,6 +8,7 @@ import Glibc
 import Logging
 import Synchronization
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 struct Term: AsyncParsableCommand {
     static let configuration = CommandConfiguration(

@@ -9,7 +9,8 @@ import Glibc
 import Synchronization
 import SystemPackage
 import TransportKit
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
 
 /// Character maps, named as tio's `--map` names them: `I…` for what the device sends (shown on
 /// the screen), `O…` for what is typed (sent to the device).

@@ -4,6 +4,7 @@ import Synchronization
 import TestSupport
 import Testing
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 /// The tool under the use issue 13 describes: standard input left open while the peer goes away,
 /// standard output closed early, signals, a bridge under load, and malformed input of every kind.

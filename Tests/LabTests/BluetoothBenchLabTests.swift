@@ -6,6 +6,7 @@ import Testing
 import TestSupport
 import TransportKit
 import TransportKitDBus
+@_spi(Plugins) import TransportKitCore
 
 /// Throughput through the emulated link, TransportKit beside a plain socket loop (the system calls
 /// in a loop, no event loop) over the same link in the same run: RFCOMM, LE L2CAP CoC and GATT

@@ -4,6 +4,7 @@ import Testing
 import TestSupport
 import TransportKit
 import TransportKitDBus
+@_spi(Plugins) import TransportKitCore
 
 /// Faults in the middle of GATT operations, in the lab: the device removed while a read waits for
 /// the peripheral's answer, bluetoothd restarted under a connected central and a published

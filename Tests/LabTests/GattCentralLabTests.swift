@@ -5,6 +5,7 @@ import Testing
 import TestSupport
 import TransportKit
 import TransportKitDBus
+@_spi(Plugins) import TransportKitCore
 
 /// The GATT central (BluetoothPeripheral) and `transportkit gatt` through the lab's bluetoothd:
 /// hci0 is the central, the tests' own peripheral (LabPeripheral: Nordic UART echo, Battery, and a

@@ -5,6 +5,7 @@ import Testing
 import TestSupport
 import TransportKit
 import TransportKitDBus
+@_spi(Plugins) import TransportKitCore
 
 /// ble:// GATT serial and scanning through the lab's bluetoothd: hci0 is the central, the tests'
 /// own peripheral (LabPeripheral: a Nordic-UART-like service that echoes) is served on hci1.

@@ -3,6 +3,7 @@ import Glibc
 import Testing
 import TestSupport
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 /// Scanning for the tests' own peripheral (LabPeripheral on hci1) from hci0: a filtered scan with
 /// expiry, the choice of a device for ble:// without one, and `transportkit list --scan`.

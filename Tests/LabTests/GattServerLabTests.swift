@@ -4,6 +4,7 @@ import Testing
 import TestSupport
 import TransportKit
 import TransportKitDBus
+@_spi(Plugins) import TransportKitCore
 
 /// The peripheral role (GATTServer) through the lab's bluetoothd: the app's services published on
 /// hci1, and bluetoothd's own GATT client on hci0 as the central (driven through

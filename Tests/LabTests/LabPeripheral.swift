@@ -3,6 +3,7 @@ import Synchronization
 import Testing
 import TransportKit
 import TransportKitDBus
+@_spi(Plugins) import TransportKitCore
 
 /// The tests' own BLE peripheral on hci1, served by the lab's bluetoothd: a GATT application with
 /// a Nordic-UART-like service (the central writes 6e400002, the peripheral notifies on 6e400003)

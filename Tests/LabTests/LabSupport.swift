@@ -5,6 +5,7 @@ import SystemPackage
 import TestSupport
 import Testing
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 /// The qemu lab (Scripts/lab): these suites need its real USB and Bluetooth drivers and run only
 /// there. The guest's init sets TRANSPORTKIT_LAB; the lab's runner fails when they were skipped.

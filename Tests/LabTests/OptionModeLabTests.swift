@@ -8,6 +8,7 @@ import TestSupport
 import TransportKit
 import TransportKitDBus
 import TransportKitSerial
+@_spi(Plugins) import TransportKitCore
 
 /// Issue 25, item 7, for the modes only the lab can run: the Bluetooth modes between the lab's two
 /// emulated controllers, usb:// on the Loopback gadget and tty:// on the real CDC-ACM port. Each

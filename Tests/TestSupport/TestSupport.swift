@@ -5,7 +5,7 @@
 import Foundation
 import Glibc
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// Polls `condition` every `interval` for up to `seconds`; `true` as soon as it holds.
 ///

@@ -4,6 +4,7 @@ import Synchronization
 import Testing
 import TransportKit
 import TransportKitDBus
+@_spi(Plugins) import TransportKitCore
 
 /// A stand-in for bluetoothd on a private bus: it owns org.bluez and serves ObjectManager on "/"
 /// with the adapters a test gives it, announcing changes as bluetoothd does. The real bluetoothd

@@ -4,6 +4,7 @@ import Synchronization
 import Testing
 import TransportKit
 import TransportKitDBus
+@_spi(Plugins) import TransportKitCore
 
 /// A private dbus-daemon (the real one, with the session configuration) for a test.
 final class PrivateBus: Sendable {

@@ -3,6 +3,7 @@ import Testing
 import TransportKit
 @testable import TransportKitDBus
 @testable import TransportKitBluetooth
+@_spi(Plugins) import TransportKitCore
 
 /// What a GATTServer publishes and how it answers bluetoothd's calls, without bluetoothd: the
 /// object tree, the flags per security level, reads cut at their offset, long writes assembled,

@@ -1,5 +1,6 @@
 import Testing
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 @Suite("Hex: bytes as text and back")
 struct HexTests {

@@ -5,7 +5,7 @@
 import CUdev
 import Foundation
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 @testable import TransportKitSerial
 
 /// One libudev context per call: libudev objects are not thread-safe.

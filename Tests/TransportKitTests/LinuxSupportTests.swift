@@ -5,7 +5,7 @@ import SystemPackage
 import TestSupport
 import Testing
 @_spi(Plugins) @testable import TransportKit
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// What `fd` refers to ("socket:[4711]", "pipe:[…]"); checking that no descriptor refers to it
 /// later is exact where testing the number is not (numbers are reused at once by parallel tests).

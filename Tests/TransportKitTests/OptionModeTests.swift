@@ -5,7 +5,7 @@ import NIOPosix
 import Synchronization
 import TestSupport
 import Testing
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 @_spi(Plugins) @testable import TransportKit
 
 /// Issue 25, item 7: an option a mode of a scheme takes must do something, and one it does not use

@@ -3,6 +3,7 @@ import Synchronization
 import TestSupport
 import Testing
 @testable import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 /// Tasks that prefer `connection.preferredExecutor`: they run on the connection's event loop, and a
 /// parked reader is resumed inside the read that brought its bytes (EventLoopTaskExecutor.resumeInline).

@@ -6,6 +6,7 @@ import Testing
 @testable import TransportKit
 @testable import TransportKitSerial
 @testable import TransportKitRFC2217
+@_spi(Plugins) import TransportKitCore
 
 /// The RFC 2217 server (`Transport.listen(on: "rfc2217://…")` and `RFC2217Session.serve`) in front
 /// of a real pty, against a client this test plays on a plain socket: a subnegotiation without its

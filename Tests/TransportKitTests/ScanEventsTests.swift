@@ -3,6 +3,7 @@ import Testing
 import TransportKit
 import TransportKitDBus
 @testable import TransportKitBluetooth
+@_spi(Plugins) import TransportKitCore
 
 /// A scan's events while the application does not read (BluetoothScanEvents): bounded by devices,
 /// not by advertisements, and in an order that still tells the truth.

@@ -5,7 +5,7 @@ import TestSupport
 import Testing
 @testable import TransportKit
 @testable import TransportKitBluetooth
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 @testable import TransportKitSerial
 
 /// What a new user tripped on (issue 30, part 7): values that print as they read, a pty's peer

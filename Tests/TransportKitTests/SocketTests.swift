@@ -6,7 +6,7 @@ import NIOCore
 import NIOPosix
 @_spi(Plugins) @testable import TransportKit
 @testable import TransportKitSockets
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 @Suite("tcp://")
 struct TCPTests {

@@ -7,6 +7,7 @@ import TestSupport
 import Testing
 @testable import TransportKit
 @testable import TransportKitFoundation
+@_spi(Plugins) import TransportKitCore
 
 /// The seed article's code shape ("Uploading streams of data"): a URLSession streamed upload fed
 /// through a bound pair of streams, written on a thread of its own, to aiohttp (Peers/http_peer.py).

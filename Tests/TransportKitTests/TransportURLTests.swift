@@ -1,5 +1,6 @@
 import Testing
 @testable import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 @Suite("URL model")
 struct TransportURLTests {

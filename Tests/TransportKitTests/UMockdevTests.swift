@@ -4,6 +4,7 @@ import Testing
 @testable import TransportKit
 @testable import TransportKitSerial
 import TransportKitUdev
+@_spi(Plugins) import TransportKitCore
 
 /// Discovery and hot-plug against fake devices. These suites need `umockdev-wrapper`
 /// (Scripts/test runs them that way: `umockdev-wrapper swift test --filter UMockdev`); in a plain

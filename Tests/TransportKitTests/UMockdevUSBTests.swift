@@ -4,6 +4,7 @@ import Testing
 @testable import TransportKit
 @testable import TransportKitUdev
 @testable import TransportKitUSB
+@_spi(Plugins) import TransportKitCore
 
 /// usb:// listing, identity and hot-plug against fake devices (umockdev; Scripts/test runs the
 /// `UMockdev…` suites under umockdev-wrapper). Nothing here opens a device: umockdev's nodes are

@@ -3,6 +3,7 @@ import Testing
 @testable import TransportKitSerial
 @testable import TransportKitUdev
 @testable import TransportKitUSB
+@_spi(Plugins) import TransportKitCore
 
 /// The one USB selector behind `usb://VID:PID…` and `tty://usb/VID:PID…`: its two spellings of the
 /// serial number, its refusals, its matching and the identity URLs it writes. No device is needed

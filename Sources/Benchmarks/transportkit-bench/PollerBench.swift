@@ -8,7 +8,7 @@ import CBenchLoops
 import Glibc
 import SystemPackage
 import TransportKit
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 enum PollerBench {
     /// Round trips with both ends as tasks, or (`peerInC`) a task client against the C echo thread.

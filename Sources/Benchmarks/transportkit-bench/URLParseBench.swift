@@ -3,6 +3,7 @@
 // before issue 12, and 12,000 options took 2 s).
 
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 enum URLParseBench {
     static func run() throws {

@@ -11,6 +11,7 @@ import NIOCore
 import NIOPosix
 import Synchronization
 import TransportKit
+@_spi(Plugins) import TransportKitCore
 
 enum UnitCosts {
     static func run() async throws {

@@ -6,9 +6,9 @@
 
 import Glibc
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 import TransportKitDBus
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// A Bluetooth controller as bluetoothd reports it (org.bluez.Adapter1).
 public struct BluetoothAdapter: Sendable, Hashable, Codable {

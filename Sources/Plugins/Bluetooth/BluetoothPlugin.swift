@@ -31,7 +31,7 @@ import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
 import TransportKitDBus
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// The `rfcomm://` and `ble://` schemes, Bluetooth adapters in the device listing, and their
 /// arrival and removal as device events.

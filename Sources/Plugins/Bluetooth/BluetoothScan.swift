@@ -9,7 +9,7 @@
 // filtered discovery), which is what keeps a present device from expiring.
 
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 import TransportKitDBus
 
 /// What a scan looks for, and when it ends.

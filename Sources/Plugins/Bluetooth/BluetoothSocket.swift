@@ -10,8 +10,8 @@
 import CBlueZ
 import Glibc
 import SystemPackage
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 
 /// A Bluetooth device address, `00:AA:01:01:00:01`.
 struct BluetoothAddress: Sendable, Hashable, CustomStringConvertible {

@@ -23,7 +23,7 @@ import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
 import TransportKitDBus
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// Bluetooth UUIDs as BlueZ writes them: 128-bit, lower case.
 enum BluetoothUUID {

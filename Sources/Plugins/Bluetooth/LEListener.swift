@@ -6,7 +6,7 @@
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
 import TransportKitDBus
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// Accepts LE L2CAP connection-oriented channels on one PSM of one adapter.
 final class LEListener: ListenerBackend {

@@ -21,7 +21,7 @@ import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
 import TransportKitDBus
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// Accepts rfcomm:// connections for a service published through BlueZ.
 final class RFCOMMListener: ListenerBackend {

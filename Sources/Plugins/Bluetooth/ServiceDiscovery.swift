@@ -14,8 +14,8 @@ import CBlueZ
 import Glibc
 import Synchronization
 import SystemPackage
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 
 /// SDP lookups over a Bluetooth Classic link.
 enum ServiceDiscovery {

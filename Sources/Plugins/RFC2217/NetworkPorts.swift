@@ -4,7 +4,7 @@
 // port_publisher `_serial_port._tcp` are browsed too.
 
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 import TransportKitDBus
 
 /// Serial ports other machines share, found through DNS-SD, and the announcement of ours.

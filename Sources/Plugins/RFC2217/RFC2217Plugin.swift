@@ -10,7 +10,7 @@
 
 import NIOCore
 @_spi(Plugins) import TransportKitCore
-import TransportKitSockets
+@_spi(Plugins) import TransportKitSockets
 
 /// The `rfc2217` scheme: a serial port served on the network (RFC 2217).
 ///

@@ -4,8 +4,8 @@
 
 import Glibc
 import SystemPackage
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 
 enum DeviceAccess {
     /// Opens a tty node for reading and writing without making it the controlling terminal, in

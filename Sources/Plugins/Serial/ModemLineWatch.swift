@@ -16,7 +16,7 @@ import Glibc
 import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// The watches of one port: stopped before the port's descriptor closes, so no duplicate keeps
 /// the port (and its flock) open after the connection closed.

@@ -5,7 +5,7 @@
 import Glibc
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 import TransportKitUdev
 
 enum PseudoTerminal {

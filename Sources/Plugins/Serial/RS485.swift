@@ -9,7 +9,7 @@
 import Glibc
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// The RS-485 mode of a local serial port (the kernel's `struct serial_rs485`): whether the
 /// driver drives the transceiver's direction with RTS, the RTS level while and after sending, and

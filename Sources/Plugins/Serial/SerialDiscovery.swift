@@ -4,8 +4,8 @@
 // UdevMonitor delivers the events; what makes a tty a real port is decided here.
 
 import Glibc
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 import TransportKitUdev
 
 /// What one tty device looks like to discovery (the same record for listings and events).

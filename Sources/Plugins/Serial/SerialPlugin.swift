@@ -23,7 +23,7 @@ import NIOCore
 import SystemPackage
 import Synchronization
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// The `tty://` and `pty://` schemes, serial-port listing and hot-plug events.
 ///

@@ -10,7 +10,7 @@ import Glibc
 import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// Run-time control of a `tty://` or `pty://` connection: the local `SerialControl`, with what
 /// only a local port has (its path, restoring its settings on close, the driver's output queue).

@@ -9,7 +9,7 @@
 import Glibc
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// `struct termios2` as the kernel declares it (asm-generic/termbits.h, NCCS = 19).
 struct KernelTermios2 {

@@ -11,7 +11,7 @@ import Glibc
 import NIOCore
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 enum HappyEyeballs {
     /// RFC 8305 §5: the delay before the next attempt starts while one is under way.

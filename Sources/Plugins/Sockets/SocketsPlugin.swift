@@ -34,16 +34,16 @@ public struct SocketsPlugin: TransportPlugin {
     public init() {}
 
     /// `TCP_NODELAY`; a plugin over TCP may list it in its own descriptor.
-    public static let noDelay = URLOption.bool("noDelay", default: true, help: "Set TCP_NODELAY: send small writes at once instead of coalescing them")
+    @_spi(Plugins) public static let noDelay = URLOption.bool("noDelay", default: true, help: "Set TCP_NODELAY: send small writes at once instead of coalescing them")
     /// `SO_KEEPALIVE`.
-    public static let keepAlive = URLOption.bool("keepAlive", default: false, help: "Set SO_KEEPALIVE so a dead peer is noticed on an idle connection")
+    @_spi(Plugins) public static let keepAlive = URLOption.bool("keepAlive", default: false, help: "Set SO_KEEPALIVE so a dead peer is noticed on an idle connection")
     /// `TCP_KEEPIDLE` in seconds (the kernel's range).
-    public static let keepAliveIdle = URLOption.duration("keepAliveIdle", seconds: 1...32767,
+    @_spi(Plugins) public static let keepAliveIdle = URLOption.duration("keepAliveIdle", seconds: 1...32767,
                                                       help: "Seconds of idleness before the first keep-alive probe (TCP_KEEPIDLE; implies keepAlive)")
     /// The listen backlog.
-    public static let backlog = URLOption.integer("backlog", in: 1...65535, default: 128, help: "Pending connections the kernel queues before accept")
+    @_spi(Plugins) public static let backlog = URLOption.integer("backlog", in: 1...65535, default: 128, help: "Pending connections the kernel queues before accept")
     /// A unix listener's socket file mode.
-    public static let mode = URLOption.string("mode", default: "0600",
+    @_spi(Plugins) public static let mode = URLOption.string("mode", default: "0600",
                                               help: "The socket file's permission bits, in octal: 0600 lets only this user connect, 0660 its group too")
 
     static let tcpOptions: [any OptionDeclaration] = [noDelay, keepAlive, keepAliveIdle]

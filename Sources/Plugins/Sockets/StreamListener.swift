@@ -9,7 +9,7 @@ import Glibc
 import NIOCore
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 final class StreamListener: ListenerBackend {
     private let fd: SystemPackage.FileDescriptor

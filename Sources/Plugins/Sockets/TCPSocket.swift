@@ -7,9 +7,10 @@ import NIOPosix
 import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// TCP connections, for `tcp://` and for plugins layered on TCP.
+@_spi(Plugins)
 public enum TCPSocket {
     /// Connects to `host:port` with the tcp:// options of `request` (``SocketsPlugin/noDelay`` and the
     /// keep-alive options, their defaults when the request's scheme does not declare them), within

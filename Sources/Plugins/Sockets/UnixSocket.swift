@@ -10,7 +10,7 @@ import NIOCore
 import NIOPosix
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 enum UnixSocket {
     @Sendable static func connect(_ request: ConnectRequest) async throws -> Connection {

@@ -8,7 +8,7 @@ import NIOCore
 import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// The `replay://` scheme: a recorded device, played back.
 ///

@@ -31,7 +31,7 @@ import NIOCore
 import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// The `spy+URL` wrapper.
 ///

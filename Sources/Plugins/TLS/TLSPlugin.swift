@@ -15,8 +15,8 @@
 import NIOCore
 import NIOSSL
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
-import TransportKitSockets
+@_spi(Plugins) import TransportKitLinux
+@_spi(Plugins) import TransportKitSockets
 
 /// The `tls` scheme and the `tls+` wrapper.
 ///
@@ -31,17 +31,17 @@ public struct TLSPlugin: TransportPlugin {
 
     /// Extra trust anchors (a PEM file); the system's store still counts. On a listener: the
     /// authority whose client certificates are required.
-    public static let ca = URLOption.string("ca", help: "PEM file of extra trust anchors (a listener: the CA whose client certificates are required)")
+    @_spi(Plugins) public static let ca = URLOption.string("ca", help: "PEM file of extra trust anchors (a listener: the CA whose client certificates are required)")
     /// This end's certificate chain.
-    public static let cert = URLOption.string("cert", help: "PEM file of this end's certificate chain (a client certificate, or the listener's)")
+    @_spi(Plugins) public static let cert = URLOption.string("cert", help: "PEM file of this end's certificate chain (a client certificate, or the listener's)")
     /// This end's private key.
-    public static let key = URLOption.string("key", help: "PEM file of the private key of cert=")
+    @_spi(Plugins) public static let key = URLOption.string("key", help: "PEM file of the private key of cert=")
     /// The name sent as SNI and checked in the server's certificate.
-    public static let serverName = URLOption.string("serverName", help: "The name sent as SNI and required in the server's certificate (default: the host)")
+    @_spi(Plugins) public static let serverName = URLOption.string("serverName", help: "The name sent as SNI and required in the server's certificate (default: the host)")
     /// ALPN protocols offered or accepted.
-    public static let alpn = URLOption.string("alpn", help: "Application protocols to offer (ALPN), comma-separated, such as h2,http/1.1")
+    @_spi(Plugins) public static let alpn = URLOption.string("alpn", help: "Application protocols to offer (ALPN), comma-separated, such as h2,http/1.1")
     /// The lowest TLS version accepted.
-    public static let minVersion = URLOption.choice("minVersion", default: MinimumVersion.tls12, help: "The lowest TLS version accepted: 1.2 or 1.3")
+    @_spi(Plugins) public static let minVersion = URLOption.choice("minVersion", default: MinimumVersion.tls12, help: "The lowest TLS version accepted: 1.2 or 1.3")
 
     /// The values of ``minVersion``.
     public enum MinimumVersion: String, Sendable, CaseIterable {
@@ -51,13 +51,13 @@ public struct TLSPlugin: TransportPlugin {
         case tls13 = "1.3"
     }
     /// Accepted public keys of the server.
-    public static let pin = URLOption.string("pin", help: "The server's public key must be one of these: sha256/BASE64 digests of its SubjectPublicKeyInfo, "
+    @_spi(Plugins) public static let pin = URLOption.string("pin", help: "The server's public key must be one of these: sha256/BASE64 digests of its SubjectPublicKeyInfo, "
                                              + "comma-separated (connection.metadata.extra[\"tls.pin\"] shows a server's)")
     /// No verification at all.
-    public static let insecure = URLOption.bool("insecure", default: false,
+    @_spi(Plugins) public static let insecure = URLOption.bool("insecure", default: false,
                                                 help: "Skip every check of the server's certificate: anyone on the path can read and change the data")
     /// How long an accepted client may take over its handshake.
-    public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
+    @_spi(Plugins) public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
                                                             help: "Seconds an accepted client has to finish its handshake before it is dropped")
 
     static let clientOptions: [any OptionDeclaration] = [ca, cert, key, serverName, alpn, minVersion, insecure, pin]
@@ -195,6 +195,7 @@ public struct TLSPlugin: TransportPlugin {
     /// let tls = try TLSPlugin.clientLayer(for: request, host: request.host, alpn: ["http/1.1"])
     /// return try await TCPSocket.connect(request, host: request.host, port: request.port, layers: [tls, webSocket])
     /// ```
+    @_spi(Plugins)
     public static func clientLayer(for request: ConnectRequest, host: String, alpn: [String] = []) throws -> ProtocolLayer {
         var settings = TLSSettings(request, listening: false)
         if settings.alpn.isEmpty { settings.alpn = alpn }
@@ -206,15 +207,16 @@ public struct TLSPlugin: TransportPlugin {
 
     /// The TLS server layer for a listener of another plugin (wss://): `cert=`, `key=`, and with
     /// `ca=` client certificates required. The second value is `true` when clients must present one.
+    @_spi(Plugins)
     public static func serverLayer(for request: ConnectRequest) throws -> (layer: ProtocolLayer, authenticated: Bool) {
         let settings = TLSSettings(request, listening: true)
         return (TLSLayer.server(try settings.serverContext(), describing: request.url.shown), settings.ca != nil)
     }
 
     /// The options a client reads for ``clientLayer(for:host:alpn:)``.
-    public static var clientLayerOptions: [any OptionDeclaration] { [ca, cert, key, serverName, minVersion, insecure, pin] }
+    @_spi(Plugins) public static var clientLayerOptions: [any OptionDeclaration] { [ca, cert, key, serverName, minVersion, insecure, pin] }
     /// The options a listener reads for ``serverLayer(for:)``.
-    public static var serverLayerOptions: [any OptionDeclaration] { [ca, cert, key, minVersion] }
+    @_spi(Plugins) public static var serverLayerOptions: [any OptionDeclaration] { [ca, cert, key, minVersion] }
 
     static func warnIfInsecure(_ settings: TLSSettings, _ request: ConnectRequest) {
         if settings.insecure && settings.pins.isEmpty {

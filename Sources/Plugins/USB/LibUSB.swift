@@ -7,8 +7,8 @@
 import CLibUSB
 import Glibc
 import SystemPackage
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 import TransportKitUdev
 
 /// One endpoint as the active configuration describes it.

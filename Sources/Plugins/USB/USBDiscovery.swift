@@ -3,8 +3,8 @@
 // and hot-plug events. The kernel interfaces are shared (TransportKitUdev): USBDevices reads sysfs,
 // UdevMonitor delivers the uevents of usb_device nodes, USBSelector reads and matches the identity.
 
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 import TransportKitUdev
 
 /// Hot-plug events of USB devices.

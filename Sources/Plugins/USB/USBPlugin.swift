@@ -13,7 +13,7 @@
 // See Docs/Schemes.md.
 
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 import TransportKitUdev
 
 /// The `usb` scheme, USB device listing and hot-plug events.

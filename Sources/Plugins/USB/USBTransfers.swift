@@ -24,7 +24,7 @@ import Glibc
 import NIOCore
 import Synchronization
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// libusb's completion callback: every transfer's user_data is its TransferTag, whose engine lives
 /// until every transfer has completed (close() waits for that before freeing them).

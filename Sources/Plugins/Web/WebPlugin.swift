@@ -15,9 +15,9 @@ import NIOCore
 import NIOHTTP1
 import NIOWebSocket
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
-import TransportKitSockets
-import TransportKitTLS
+@_spi(Plugins) import TransportKitLinux
+@_spi(Plugins) import TransportKitSockets
+@_spi(Plugins) import TransportKitTLS
 import TransportKitWebSocket
 
 /// The `ws`, `wss`, `http` and `https` schemes.
@@ -32,32 +32,32 @@ public struct WebPlugin: TransportPlugin {
     public init() {}
 
     /// Subprotocols: offered by a client, preferred first; spoken by a listener.
-    public static let subprotocols = URLOption.string("subprotocols", help: "WebSocket subprotocols, comma-separated: offered in this order (a listener: the ones it speaks)")
+    @_spi(Plugins) public static let subprotocols = URLOption.string("subprotocols", help: "WebSocket subprotocols, comma-separated: offered in this order (a listener: the ones it speaks)")
     /// The Origin header a client sends.
-    public static let origin = URLOption.string("origin", help: "The Origin header to send, such as https://example.com")
+    @_spi(Plugins) public static let origin = URLOption.string("origin", help: "The Origin header to send, such as https://example.com")
     /// The Authorization header a client sends.
-    public static let authorization = URLOption.string("authorization", help: "The Authorization header to send, such as 'Bearer TOKEN' (it appears in logs of the URL: prefer a file-free secret store where you can)")
+    @_spi(Plugins) public static let authorization = URLOption.string("authorization", help: "The Authorization header to send, such as 'Bearer TOKEN' (it appears in logs of the URL: prefer a file-free secret store where you can)")
     /// The Cookie header a client sends.
-    public static let cookie = URLOption.string("cookie", help: "The Cookie header to send, such as session=abc")
+    @_spi(Plugins) public static let cookie = URLOption.string("cookie", help: "The Cookie header to send, such as session=abc")
     /// Origins a listener lets in.
-    public static let origins = URLOption.string("origins", help: "Origins allowed to connect, comma-separated (a browser page on any other site is refused with 403); default: any")
+    @_spi(Plugins) public static let origins = URLOption.string("origins", help: "Origins allowed to connect, comma-separated (a browser page on any other site is refused with 403); default: any")
     /// The largest message taken from the peer.
-    public static let maxMessageSize = URLOption.integer("maxMessageSize", in: 125...(1 << 30), default: 1 << 20,
+    @_spi(Plugins) public static let maxMessageSize = URLOption.integer("maxMessageSize", in: 125...(1 << 30), default: 1 << 20,
                                                          help: "The largest message taken from the peer, in bytes; a larger one closes the connection with 1009")
     /// How often a keepalive ping goes out.
-    public static let pingInterval = URLOption.timeLimit("pingInterval", seconds: 0...86400, default: 20,
+    @_spi(Plugins) public static let pingInterval = URLOption.timeLimit("pingInterval", seconds: 0...86400, default: 20,
                                                          help: "Seconds between keepalive pings; 0: none")
     /// How long a ping may go unanswered.
-    public static let pingTimeout = URLOption.timeLimit("pingTimeout", seconds: 0...86400, default: 20,
+    @_spi(Plugins) public static let pingTimeout = URLOption.timeLimit("pingTimeout", seconds: 0...86400, default: 20,
                                                         help: "Seconds a keepalive ping may go unanswered before the peer counts as gone; 0: wait forever")
     /// How long a close waits for the peer's close frame.
-    public static let closeTimeout = URLOption.duration("closeTimeout", seconds: 0.01...300, default: 10,
+    @_spi(Plugins) public static let closeTimeout = URLOption.duration("closeTimeout", seconds: 0.01...300, default: 10,
                                                         help: "Seconds a close waits for the peer's close frame")
     /// permessage-deflate offered (client) or accepted (listener).
-    public static let compression = URLOption.bool("compression", default: true,
+    @_spi(Plugins) public static let compression = URLOption.bool("compression", default: true,
                                                    help: "Compress messages with permessage-deflate (RFC 7692) when the other side agrees; a listener accepts a client's offer")
     /// How long an accepted client may take to upgrade.
-    public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
+    @_spi(Plugins) public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
                                                             help: "Seconds an accepted client has to finish its upgrade (and TLS handshake) before it is dropped")
 
     static let session: [any OptionDeclaration] = [maxMessageSize, pingInterval, pingTimeout, closeTimeout, compression]
@@ -66,16 +66,16 @@ public struct WebPlugin: TransportPlugin {
     static let serverOptions: [any OptionDeclaration] = [subprotocols, origins, handshakeTimeout, SocketsPlugin.backlog] + session + tcp
 
     /// The request's method.
-    public static let method = URLOption.string("method", default: "POST", help: "The request's method: POST (default), PUT or another token")
+    @_spi(Plugins) public static let method = URLOption.string("method", default: "POST", help: "The request's method: POST (default), PUT or another token")
     /// The body's media type.
-    public static let contentType = URLOption.string("contentType", default: "application/octet-stream", help: "The Content-Type of the body")
+    @_spi(Plugins) public static let contentType = URLOption.string("contentType", default: "application/octet-stream", help: "The Content-Type of the body")
     /// The body's length, when known.
-    public static let length = URLOption.integer("length", in: 0...(1 << 53), help: "The body's length in bytes, sent as Content-Length (write exactly that many); without it the body is chunked")
+    @_spi(Plugins) public static let length = URLOption.integer("length", in: 0...(1 << 53), help: "The body's length in bytes, sent as Content-Length (write exactly that many); without it the body is chunked")
     /// The longest pause either way.
-    public static let idleTimeout = URLOption.timeLimit("idleTimeout", seconds: 0...86400, default: 120,
+    @_spi(Plugins) public static let idleTimeout = URLOption.timeLimit("idleTimeout", seconds: 0...86400, default: 120,
                                                         help: "Seconds the request may go without a byte either way before it fails; 0: no limit")
     /// A limit on the whole request, only when asked for.
-    public static let requestTimeout = URLOption.timeLimit("requestTimeout", seconds: 0...31_536_000, default: 0,
+    @_spi(Plugins) public static let requestTimeout = URLOption.timeLimit("requestTimeout", seconds: 0...31_536_000, default: 0,
                                                            help: "Seconds the whole request may take, body and answer; 0 (default): no limit, for a stream that runs as long as its source")
 
     static let requestOptions: [any OptionDeclaration] = [method, contentType, length, idleTimeout, requestTimeout, authorization, cookie] + tcp

@@ -11,6 +11,7 @@ import SystemPackage
 ///     TransportError(.disconnected, "serial port \(path) went away; reconnect when it is back", errno: errno, syscall: syscall)
 /// }
 /// ```
+@_spi(Plugins)
 public typealias HangUp = @Sendable (_ errno: Errno?, _ syscall: String?) -> TransportError
 
 /// What a plugin implements to carry bytes. ``Connection`` wraps it with everything else
@@ -42,6 +43,7 @@ public typealias HangUp = @Sendable (_ errno: Errno?, _ syscall: String?) -> Tra
 ///     func close() async throws { device.stop(); inbound.finish() }
 /// }
 /// ```
+@_spi(Plugins)
 public protocol ConnectionBackend: AnyObject, Sendable {
     /// The next chunk (or message) of inbound bytes; `nil` at the end of the stream.
     func read() async throws -> ByteBuffer?
@@ -100,6 +102,7 @@ public protocol ConnectionBackend: AnyObject, Sendable {
 /// ```swift
 /// throw WriteDeadlinePassed(nothingSent: true)   // no room came: nothing of the bytes was handed over
 /// ```
+@_spi(Plugins)
 public struct WriteDeadlinePassed: Error, Sendable {
     /// `true` when none of the bytes was handed to the transport; `false` when part may have been.
     public let nothingSent: Bool
@@ -117,6 +120,7 @@ public struct WriteDeadlinePassed: Error, Sendable {
 /// ```swift
 /// do { _ = try await backend.readMessage(deadline: .now + .seconds(1)) } catch is ReadDeadlinePassed { /* nothing came */ }
 /// ```
+@_spi(Plugins)
 public struct ReadDeadlinePassed: Error, Sendable {
     /// The error.
     public init() {}
@@ -169,6 +173,7 @@ extension ConnectionBackend {
 /// ```swift
 /// ControlOperation("DTR", "on")
 /// ```
+@_spi(Plugins)
 public struct ControlOperation: Sendable, Equatable, CustomStringConvertible {
     /// What is done, short: `"DTR"`, `"break"`, `"settings"`, `"modem lines?"`.
     public var name: String
@@ -214,6 +219,7 @@ public struct ControlOperation: Sendable, Equatable, CustomStringConvertible {
 ///     func close() async throws { try await wrapped.close() }
 /// }
 /// ```
+@_spi(Plugins)
 public protocol WrappingBackend: ConnectionBackend {
     /// The connection this backend wraps. It owns it: `close()` closes it.
     var wrapped: Connection { get }

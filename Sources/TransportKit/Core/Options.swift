@@ -17,6 +17,7 @@
 /// The registry checks every declaration when the plugin is registered (names, ranges, defaults
 /// inside their range) and every value before the plugin runs, so a lookup cannot fail, and no
 /// input can overflow a number: each numeric option has a range, checked before conversion.
+@_spi(Plugins)
 public struct URLOption<Value: Sendable>: OptionDeclaration {
     /// The option's name, kind, range, default and help, as declared.
     public let spec: OptionSpec
@@ -47,11 +48,13 @@ public struct URLOption<Value: Sendable>: OptionDeclaration {
 }
 
 /// An option declaration seen without its value type, as a ``SchemeDescriptor`` lists it.
+@_spi(Plugins)
 public protocol OptionDeclaration: Sendable {
     /// What the option accepts, as the registry validates it and `transportkit schemes` prints it.
     var spec: OptionSpec { get }
 }
 
+@_spi(Plugins)
 extension OptionSpec: OptionDeclaration {
     /// The spec itself, so a bare spec can be listed among a descriptor's options.
     public var spec: OptionSpec { self }
@@ -215,7 +218,7 @@ public struct OptionSpec: Sendable, Codable, Equatable {
 
     /// Options every scheme accepts (wrappers excepted: their deadline is the wrapped URL's).
     /// `timeout`: seconds the whole connect may take, 0…31536000, default 10; `0` waits forever.
-    public static let timeout = URLOption.timeLimit("timeout", seconds: 0...86_400 * 365, default: 10,
+    @_spi(Plugins) public static let timeout = URLOption.timeLimit("timeout", seconds: 0...86_400 * 365, default: 10,
                                                  help: "Seconds to wait for the connection to be established (0 waits forever)")
     /// The options every scheme but a wrapper accepts.
     public static let common: [OptionSpec] = [timeout.spec]
@@ -356,6 +359,7 @@ public enum OptionValue: Sendable, Equatable {
 /// ```swift
 /// let noDelay: Bool = request.options[SocketsPlugin.noDelay]
 /// ```
+@_spi(Plugins)
 public struct OptionValues: Sendable, Equatable {
     /// Values by lower-cased option name.
     let raw: [String: OptionValue]

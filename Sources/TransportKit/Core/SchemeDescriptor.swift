@@ -82,6 +82,7 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
 
     /// A descriptor. `options` are the ``URLOption`` constants the plugin reads values with;
     /// `modes` say which of them each way of using the scheme reads (empty: all of them).
+    @_spi(Plugins)
     public init(scheme: String, summary: String, grammar: String, examples: [String] = [], authority: AuthorityForm = .hostPort,
                 host: Presence, port: Presence, portRange: ClosedRange<Int>? = nil, path: Presence,
                 options: [any OptionDeclaration] = [], modes: [SchemeMode] = [], exclusive: Bool = false,
@@ -205,6 +206,7 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
     /// ```swift
     /// let values = try descriptor.validate(TransportURL("echo://?delay=0.5"))
     /// ```
+    @_spi(Plugins)
     public func validate(_ url: TransportURL, role: SchemeMode.Role = .connect) throws -> OptionValues {
         func reject(_ reason: String) -> TransportError {
             TransportError(.invalidURL, "invalid \(scheme) URL '\(URLParser.printable(url.description))': \(reason). Grammar: \(grammar)")

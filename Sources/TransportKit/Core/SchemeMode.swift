@@ -52,6 +52,7 @@ public struct SchemeMode: Sendable, Codable, Equatable {
     /// SchemeMode("usb:// control-only connection", form: "usb://VID:PID?controlOnly=true", selectedBy: controlOnly,
     ///            options: [controlOnly, serial, interface])
     /// ```
+    @_spi(Plugins)
     public init(_ name: String, role: Role = .connect, form: String, port: SchemeDescriptor.Presence? = nil, host: String? = nil,
                 selectedBy: (any OptionDeclaration)? = nil, options: [any OptionDeclaration]) {
         self.name = name

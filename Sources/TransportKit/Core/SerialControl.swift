@@ -100,24 +100,25 @@ public struct SerialSettings: Sendable, Equatable, Codable, CustomStringConverti
 /// ```swift
 /// options: SerialLineOptions.settings + [SerialLineOptions.dtr, SerialLineOptions.rts]
 /// ```
+@_spi(Plugins)
 public enum SerialLineOptions {
     /// `baud`: the bit rate, 1 to ``SerialSettings/maximumBaudRate``; nil when the URL gives none
     /// (the scheme's own default applies, 9600 unless it has another source).
-    public static let baud = URLOption.integer("baud", in: 1...SerialSettings.maximumBaudRate,
+    @_spi(Plugins) public static let baud = URLOption.integer("baud", in: 1...SerialSettings.maximumBaudRate,
                                                help: "Bit rate, any value the adapter can generate (default 9600; tty://LABEL:BAUD/… also gives it)")
     /// `dataBits`: 5 to 8 data bits per character; 8 by default.
-    public static let dataBits = URLOption.integer("dataBits", in: 5...8, default: 8, help: "Data bits per character")
+    @_spi(Plugins) public static let dataBits = URLOption.integer("dataBits", in: 5...8, default: 8, help: "Data bits per character")
     /// `parity`: `none` (the default), `even` or `odd`.
-    public static let parity = URLOption.choice("parity", default: SerialSettings.Parity.none, help: "Parity bit")
+    @_spi(Plugins) public static let parity = URLOption.choice("parity", default: SerialSettings.Parity.none, help: "Parity bit")
     /// `stopBits`: 1 (the default) or 2.
-    public static let stopBits = URLOption.integer("stopBits", in: 1...2, default: 1, help: "Stop bits")
+    @_spi(Plugins) public static let stopBits = URLOption.integer("stopBits", in: 1...2, default: 1, help: "Stop bits")
     /// `flowControl`: `none` (the default), `rtscts` or `xonxoff`.
-    public static let flowControl = URLOption.choice("flowControl", default: SerialSettings.FlowControl.none,
+    @_spi(Plugins) public static let flowControl = URLOption.choice("flowControl", default: SerialSettings.FlowControl.none,
                                                      help: "Hardware (RTS/CTS) or software (XON/XOFF) flow control")
     /// `dtr`: raise (`true`) or lower (`false`) DTR on open; nil leaves it as the driver has it.
-    public static let dtr = URLOption.bool("dtr", help: "Raise (true) or lower (false) DTR on open; unset leaves it as the driver has it")
+    @_spi(Plugins) public static let dtr = URLOption.bool("dtr", help: "Raise (true) or lower (false) DTR on open; unset leaves it as the driver has it")
     /// `rts`: raise (`true`) or lower (`false`) RTS on open; nil leaves it as the driver has it.
-    public static let rts = URLOption.bool("rts", help: "Raise (true) or lower (false) RTS on open; unset leaves it as the driver has it")
+    @_spi(Plugins) public static let rts = URLOption.bool("rts", help: "Raise (true) or lower (false) RTS on open; unset leaves it as the driver has it")
 
     /// The line settings: baud, dataBits, parity, stopBits, flowControl.
     public static let settings: [any OptionDeclaration] = [baud, dataBits, parity, stopBits, flowControl]
@@ -325,6 +326,7 @@ extension SerialControl {
 ///     // … read, write, close …
 /// }
 /// ```
+@_spi(Plugins)
 public protocol SerialControlling: ConnectionBackend {
     /// The control of this backend's port; `connection` is the one the app holds (control calls
     /// are announced to its wrapping layers through `performControl`).

@@ -54,12 +54,15 @@ extension TransportPlugin {
 /// ```
 public struct Scheme: Sendable {
     /// Opens a connection for a validated request.
+    @_spi(Plugins)
     public typealias ConnectHandler = @Sendable (ConnectRequest) async throws -> Connection
     /// Starts accepting connections for a validated request.
+    @_spi(Plugins)
     public typealias ListenHandler = @Sendable (ConnectRequest) async throws -> Listener
     /// Checks a validated request without connecting: what a server can know before it listens
     /// (an address that cannot be one, a trace file that cannot be written). No connection, no
     /// waiting on a device; cheap local checks only.
+    @_spi(Plugins)
     public typealias CheckHandler = @Sendable (ConnectRequest) async throws -> Void
 
     /// The grammar and options (``SchemeDescriptor/canListen`` and ``SchemeDescriptor/wraps``
@@ -72,6 +75,7 @@ public struct Scheme: Sendable {
     /// A scheme that connects, and listens when `listen` is given. `check` runs at
     /// ``TransportRegistry/check(_:role:)``, after the URL was validated, for what can be known
     /// without connecting; the connect handler must still check the same things itself.
+    @_spi(Plugins)
     public init(_ descriptor: SchemeDescriptor, check: CheckHandler? = nil, connect: @escaping ConnectHandler, listen: ListenHandler? = nil) {
         self.descriptor = descriptor
         self.descriptor.canListen = listen != nil
@@ -83,6 +87,7 @@ public struct Scheme: Sendable {
     /// A wrapper layer: its URLs are `SCHEME+URL` (`spy+tcp://…`); `connect` opens the wrapped URL
     /// with ``ConnectRequest/connectInner()`` and puts a ``WrappingBackend`` around it. The
     /// descriptor's host, port and path are forbidden and its options are written `SCHEME.NAME`.
+    @_spi(Plugins)
     public static func wrapper(_ descriptor: SchemeDescriptor, check: CheckHandler? = nil, connect: @escaping ConnectHandler,
                                listen: ListenHandler? = nil) -> Scheme {
         var descriptor = descriptor
@@ -95,6 +100,7 @@ public struct Scheme: Sendable {
 }
 
 /// One validated connect or listen request, as a scheme's handler receives it.
+@_spi(Plugins)
 public struct ConnectRequest: Sendable {
     /// The URL of this layer: for `spy+tcp://…` the spy layer, whose ``TransportURL/inner`` is the
     /// tcp URL.
@@ -261,6 +267,7 @@ public struct ConnectRequest: Sendable {
 }
 
 /// What a plugin implements to accept connections. ``Listener`` wraps it.
+@_spi(Plugins)
 public protocol ListenerBackend: AnyObject, Sendable {
     /// The next incoming connection; `nil` once the listener is closed. Must honour cancellation.
     func accept() async throws -> Connection?
@@ -293,6 +300,7 @@ public final class Listener: Sendable {
     /// ```swift
     /// return Listener(url: boundURL, backend: socketListener)
     /// ```
+    @_spi(Plugins)
     public init(url: TransportURL, backend: any ListenerBackend, exposure: ListenerExposure? = nil) {
         self.url = url
         self.backend = backend

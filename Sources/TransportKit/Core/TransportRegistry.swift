@@ -105,11 +105,13 @@ public final class TransportRegistry: Sendable {
     /// ```swift
     /// let request = try registry.resolve("tcp://localhost:4000?noDelay=false")
     /// ```
+    @_spi(Plugins)
     public func resolve(_ url: String) throws -> ConnectRequest {
         try resolve(TransportURL(url))
     }
 
     /// Validates `url` (every layer of a wrapped URL) against its scheme without any I/O.
+    @_spi(Plugins)
     public func resolve(_ url: TransportURL) throws -> ConnectRequest {
         try resolveEntry(url, deadline: nil).request
     }
@@ -120,6 +122,7 @@ public final class TransportRegistry: Sendable {
     /// ```swift
     /// let request = try registry.resolve("tcp://0.0.0.0:2000?backlog=16", role: .listen)
     /// ```
+    @_spi(Plugins)
     public func resolve(_ url: String, role: SchemeMode.Role) throws -> ConnectRequest {
         try resolveEntry(TransportURL(url), role: role, deadline: nil).request
     }

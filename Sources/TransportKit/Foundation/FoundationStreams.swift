@@ -3,7 +3,7 @@
 
 import Foundation
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 import TransportKitLoop
 
 #if !canImport(Darwin)

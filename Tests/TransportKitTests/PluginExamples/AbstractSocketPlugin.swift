@@ -4,7 +4,7 @@
 import Glibc
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// abstract://NAME connects to a Unix stream socket in Linux's abstract namespace (no file; `ss -x`
 /// shows it as @NAME), which SwiftNIO's path-based API cannot reach. The plugin makes the socket

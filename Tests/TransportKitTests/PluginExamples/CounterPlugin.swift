@@ -6,7 +6,7 @@ import Glibc
 import NIOCore
 import Synchronization
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// counter://?to=N delivers the lines "1\n" … "N\n" from a thread of its own, the way a C library
 /// hands data to callbacks on its event thread (libusb, sd-bus): the thread sleeps in a blocking

@@ -21,8 +21,8 @@ public struct ReversePlugin: TransportPlugin {
     public init() {}
 
     /// How many answer bytes may wait for the reader.
-    public static let limit = URLOption.integer("limit", in: 1...(1 << 20), default: 4096,
-                                                help: "Answer bytes kept for the reader before writers wait")
+    static let limit = URLOption.integer("limit", in: 1...(1 << 20), default: 4096,
+                                         help: "Answer bytes kept for the reader before writers wait")
 
     public var schemes: [Scheme] {
         [Scheme(SchemeDescriptor(

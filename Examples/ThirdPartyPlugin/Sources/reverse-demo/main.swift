@@ -12,7 +12,7 @@ let answer = try await registry.withConnection(to: "reverse://?limit=64") { conn
 }
 print(answer)
 do {
-    _ = try registry.resolve("reverse://?limit=0")
+    try await registry.check("reverse://?limit=0")
 } catch let error as TransportError {
     print(error.kind, error.message)
 }

@@ -5,7 +5,7 @@
 
 import Glibc
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// A DNS-SD service instance: its name, type and domain (`"Bench port"`, `"_telnetcpcd._tcp"`, `"local"`).
 public struct DNSServiceName: Sendable, Hashable, CustomStringConvertible {

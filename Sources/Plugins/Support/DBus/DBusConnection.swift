@@ -11,8 +11,8 @@ import CSDBus
 import Glibc
 import Synchronization
 import SystemPackage
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 
 /// A connection to a D-Bus bus: method calls, signal subscriptions and exported objects.
 ///

@@ -5,7 +5,7 @@
 import CSDBus
 import Glibc
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// A D-Bus value with its exact wire type, as read from a message or to be written into one.
 ///

@@ -17,6 +17,7 @@ import SystemPackage
 /// let inner = try await request.connectInner()
 /// return try await ConnectionLayering.layer([tlsLayer], over: inner, request: request)
 /// ```
+@_spi(Plugins)
 public enum ConnectionLayering {
     /// Runs `layers` over `inner`, their ready steps (handshakes) inside this call: a failure is
     /// its error, and `inner` is closed then. The returned connection owns `inner`: closing it runs

@@ -9,7 +9,7 @@ import Glibc
 import NIOCore
 import NIOPosix
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// Adopts descriptors as SwiftNIO channels that end in a `ChannelBackend`.
 ///
@@ -26,6 +26,7 @@ public enum DescriptorChannel {
     /// would cut records larger than its buffer; ``PacketSocketBackend`` carries those.
     /// `hangUp` and `shutsDownOnClose` are `ChannelBackend`'s (a Bluetooth link that drops, a
     /// socket bluetoothd holds too).
+    @_spi(Plugins)
     public static func adoptSocket(_ fd: SystemPackage.FileDescriptor, describing: String,
                                    buffering: Buffering = .standard, messages: Bool = false, messageKinds: Bool = false,
                                    supportsHalfClose: Bool = true,
@@ -63,6 +64,7 @@ public enum DescriptorChannel {
     /// writing, as SwiftNIO's pipe channel wants); the caller keeps `fd` (and closes it), the
     /// channel owns and closes the duplicates. `hangUp` is `ChannelBackend`'s: a tty whose
     /// adapter is unplugged, a pty whose other side closed.
+    @_spi(Plugins)
     public static func adoptDuplicate(of fd: SystemPackage.FileDescriptor, describing: String,
                                       buffering: Buffering = .standard, hangUp: HangUp? = nil) async throws -> ChannelBackend {
         // SwiftNIO refuses regular files before it takes the descriptors, and would hand them back

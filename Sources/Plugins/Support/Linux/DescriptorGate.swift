@@ -3,7 +3,7 @@
 // (and epoll would watch the other file, or recv(2) read its bytes).
 
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// Counts the tasks using a descriptor (a readiness wait, a system call), and closes it only once
 /// the last has left: closing marks the gate closed, after which no use begins, wakes the uses

@@ -5,7 +5,7 @@
 
 import Glibc
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// Facts about a device node for error messages.
 public enum DeviceNode {

@@ -12,7 +12,7 @@
 import Glibc
 import NIOCore
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// A connected SOCK_SEQPACKET socket as a connection: records in, records out.
 ///
@@ -23,6 +23,7 @@ import TransportKitCore
 /// }
 /// return Connection(url: request.url, backend: backend, metadata: metadata)
 /// ```
+@_spi(Plugins)
 public final class PacketSocketBackend: ConnectionBackend {
     /// `false`: a SEQPACKET channel has no end-of-stream of its own, so ``closeWrite()`` throws.
     public let supportsHalfClose = false

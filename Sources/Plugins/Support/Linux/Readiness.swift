@@ -15,7 +15,7 @@
 import CLinux
 import Glibc
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 extension FileDescriptor {
     /// What to wait for.

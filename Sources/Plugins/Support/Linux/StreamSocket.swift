@@ -13,7 +13,7 @@
 import Glibc
 import NIOCore
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// A connected stream socket as a connection: reads and writes straight to the kernel.
 ///
@@ -22,6 +22,7 @@ import TransportKitCore
 /// let backend = StreamSocketBackend(adopting: fd, describing: "tcp://192.0.2.1:4000")
 /// return Connection(url: request.url, backend: backend, metadata: StreamSocketBackend.metadata(of: fd, name: "192.0.2.1"))
 /// ```
+@_spi(Plugins)
 public final class StreamSocketBackend: ConnectionBackend {
     /// `true`: ``closeWrite()`` sends the peer an end of stream (shutdown(2), SHUT_WR).
     public let supportsHalfClose = true

@@ -6,7 +6,7 @@
 import CLinux
 import Glibc
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// Runs system calls: errno read at once, EINTR retried, the call's name kept.
 ///

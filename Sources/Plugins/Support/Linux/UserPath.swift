@@ -14,7 +14,7 @@
 
 import Glibc
 import SystemPackage
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// Opening paths users give for writing.
 public enum UserPath {

@@ -12,7 +12,7 @@
 import Glibc
 import NIOPosix
 import Synchronization
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// A named thread that runs a C library's event loop until it is stopped.
 ///

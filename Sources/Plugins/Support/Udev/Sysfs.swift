@@ -10,8 +10,8 @@
 // the tests check this listing against.
 
 import Glibc
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 
 /// One device as sysfs and udev's database describe it.
 public struct SysfsDevice: Sendable, Equatable {

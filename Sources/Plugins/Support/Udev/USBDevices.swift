@@ -8,8 +8,8 @@
 // USB serial adapter's tty to its USB device. No libusb here: listing never opens a device.
 
 import Glibc
-import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 
 /// One endpoint of an interface's current alternate setting.
 public struct USBEndpointInfo: Sendable, Equatable {

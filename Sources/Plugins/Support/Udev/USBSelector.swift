@@ -8,7 +8,7 @@
 // needs no %2F there. The one path segment after VID:PID (`usb://0403:6001/A5`) is the other
 // spelling, still read; both at once must agree.
 
-import TransportKitCore
+@_spi(Plugins) import TransportKitCore
 
 /// Which USB device a URL names: its vendor and product id, and what tells identical devices apart
 /// (serial number, interface, bus location).

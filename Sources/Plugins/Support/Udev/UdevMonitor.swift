@@ -22,7 +22,7 @@ import Glibc
 import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
-import TransportKitLinux
+@_spi(Plugins) import TransportKitLinux
 
 /// A device record a monitor keeps: whatever a plugin reads for a device, keyed by its sysfs path.
 public protocol SysfsRecord: Sendable, Equatable {

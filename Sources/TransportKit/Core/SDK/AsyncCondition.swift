@@ -15,6 +15,7 @@ import Synchronization
 /// Task { ready.update { $0.append(42) } }
 /// let first = try await ready.wait { queue in queue.isEmpty ? nil : queue.removeFirst() }   // 42
 /// ```
+@_spi(Plugins)
 public final class AsyncCondition<State: Sendable>: Sendable {
     // withLock and update are @inlinable, so that a plugin's calls are specialized for its State
     // and result types: unspecialized, every call looked up generic and tuple metadata at run time

@@ -38,6 +38,7 @@ import Synchronization
 /// A device or link that can vanish (a serial adapter unplugged, a Bluetooth link dropped) passes
 /// a ``HangUp``: every end this side did not ask for (end of stream, or a `.disconnected` error
 /// from a read or a write) is then reported as that error, after every byte received before it.
+@_spi(Plugins)
 public final class ChannelBackend: ConnectionBackend {
     /// The channel this backend reads and writes.
     public let channel: any Channel
@@ -446,6 +447,7 @@ extension TransportError {
     /// ```swift
     /// throw TransportError.from(error, context: "connecting to \(target)", syscall: "connect")
     /// ```
+    @_spi(Plugins)
     public static func from(_ error: any Error, context: String, syscall knownSyscall: String? = nil) -> TransportError {
         if let error = error as? TransportError { return error }
         if let error = error as? IOError {

@@ -17,6 +17,7 @@ import Synchronization
 /// try channel.pipeline.syncOperations.addHandler(ready)
 /// try await ready.future.get()
 /// ```
+@_spi(Plugins)
 public final class ChannelReady: ChannelInboundHandler, RemovableChannelHandler, Sendable {
     /// Anything: the step passes reads on untouched.
     public typealias InboundIn = NIOAny

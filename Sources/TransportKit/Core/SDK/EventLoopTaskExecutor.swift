@@ -17,6 +17,7 @@ import Synchronization
 /// ``ChannelBackend/preferredExecutor``: when bytes arrive for a reader parked in such a task, the
 /// task runs at once, inside the read, until it next suspends, as a SwiftNIO handler would; it is
 /// not queued behind the rest of the loop's work. See ``resumeInline(_:)``.
+@_spi(Plugins)
 public final class EventLoopTaskExecutor: TaskExecutor {
     /// The loop the executor's jobs run on.
     public let eventLoop: any EventLoop

@@ -9,6 +9,7 @@
 /// Hex.digits(0x1d50 as UInt16, width: 4)  // "1d50"
 /// Hex.value("01a7", width: 4, as: UInt16.self)   // 0x01a7
 /// ```
+@_spi(Plugins)
 public enum Hex {
     private static let upperCase = Array("0123456789ABCDEF".utf8)
 

@@ -5,11 +5,11 @@ import Synchronization
 /// yet, bounded, with one reader. ``ChannelBackend``, `loop://` and callback-driven plugins (USB
 /// transfers, GATT notifications) all deliver through it.
 ///
-/// - **Bounded**: once ``Watermarks/high`` bytes wait unread, ``append(_:)`` answers
+/// - **Bounded**: once ``Buffering/Watermarks/high`` bytes wait unread, ``append(_:)`` answers
 ///   ``Demand/pause`` (and ``shouldProduce()`` `false`): the producer stops taking data from its
 ///   source (NIO holds its `read()`, a USB plugin stops resubmitting transfers), so the kernel's or
 ///   the device's own flow control reaches the sender. When the reader has drained the backlog
-///   below ``Watermarks/low``, the queue calls `onResume` once, and the producer goes on. Data that
+///   below ``Buffering/Watermarks/low``, the queue calls `onResume` once, and the producer goes on. Data that
 ///   was already in flight is still accepted: nothing is dropped.
 /// - **Ordered ends**: ``finish()`` and ``fail(_:)`` are seen by the reader only after every
 ///   element appended before them.
@@ -27,29 +27,11 @@ import Synchronization
 /// // consumer (the backend's read()):
 /// let next = try await queue.next()   // nil after queue.finish()
 /// ```
+@_spi(Plugins)
 public final class InboundQueue: Sendable {
-    /// Where the producer is asked to pause and to resume, in bytes waiting unread.
-    public struct Watermarks: Sendable, Hashable {
-        /// A paused producer is resumed once fewer bytes than this wait.
-        public let low: Int
-        /// The producer is asked to pause once this many bytes wait.
-        public let high: Int
-
-        /// Watermarks with `0 < low <= high` (`low == high`: resume as soon as there is room).
-        ///
-        /// ```swift
-        /// let small = InboundQueue.Watermarks(low: 2048, high: 4096)
-        /// ```
-        public init(low: Int, high: Int) {
-            precondition(low > 0 && low <= high, "InboundQueue.Watermarks needs 0 < low <= high (got \(low), \(high))")
-            self.low = low
-            self.high = high
-        }
-
-        /// 128 KiB and 256 KiB: what a socket's own buffers hold, so a fast peer is not stalled by
-        /// the hand-over while a slow application still bounds memory.
-        public static let standard = Watermarks(low: 128 * 1024, high: 256 * 1024)
-    }
+    /// Where the producer is asked to pause and to resume, in bytes waiting unread (the type is
+    /// ``Buffering``'s, which applications pick).
+    public typealias Watermarks = Buffering.Watermarks
 
     /// What the producer should do after ``append(_:)``.
     public enum Demand: Sendable, Equatable {
@@ -367,6 +349,7 @@ public final class InboundQueue: Sendable {
 /// // Owner, when the connection ended:
 /// gate.fail(TransportError(.disconnected, "…"))
 /// ```
+@_spi(Plugins)
 public final class WriterGate: Sendable {
     private let failure = AsyncCondition<TransportError?>(nil)
 

@@ -21,6 +21,7 @@ import NIOConcurrencyHelpers
 // withLock, under the pthread mutex. (Mutex also makes the closure's state and result `sending`;
 // NIOLockedValueBox's closure cannot take that, so a result that is not Sendable can leave the lock
 // here: return copies of Sendable values, as every caller does.)
+@_spi(Plugins)
 public struct Locked<State>: @unchecked Sendable {
     @usableFromInline
     let box: NIOLockedValueBox<State>

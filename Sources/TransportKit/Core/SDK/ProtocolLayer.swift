@@ -13,6 +13,7 @@ import NIOCore
 /// }
 /// let connection = try await TCPSocket.connect(request, host: request.host, port: request.port, layers: [reverse])
 /// ```
+@_spi(Plugins)
 public struct ProtocolLayer: Sendable {
     /// Names the layer in messages: `"tls"`, `"ws"`.
     public var name: String

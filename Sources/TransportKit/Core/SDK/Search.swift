@@ -11,6 +11,7 @@ extension ConnectRequest {
     ///                                            until: request.searchLimit(from: started))
     /// guard let found else { throw TransportError(.timedOut, "… not plugged in within …") }
     /// ```
+    @_spi(Plugins)
     public func searchLimit(from started: ContinuousClock.Instant) -> ContinuousClock.Instant? {
         Self.searchLimit(before: deadline, from: started)
     }
@@ -20,6 +21,7 @@ extension ConnectRequest {
     /// ```swift
     /// let limit = ConnectRequest.searchLimit(before: deadline, from: .now) ?? .now + .seconds(10)
     /// ```
+    @_spi(Plugins)
     public static func searchLimit(before deadline: ContinuousClock.Instant?, from started: ContinuousClock.Instant) -> ContinuousClock.Instant? {
         guard let deadline else { return nil }
         return deadline - min(.seconds(1), max(.zero, deadline - started) / 5)
@@ -33,6 +35,7 @@ extension ConnectRequest {
     /// ```swift
     /// throw TransportError(.timedOut, "nothing was plugged in within \(ConnectRequest.searchTime(timeout: request.timeout, orElse: .now - started))")
     /// ```
+    @_spi(Plugins)
     public static func searchTime(timeout: Duration?, orElse elapsed: Duration) -> String {
         timeout.map { "the \($0.secondsText) timeout" } ?? elapsed.secondsText
     }
@@ -43,6 +46,7 @@ extension ConnectRequest {
     /// ```swift
     /// let reply = try await ConnectRequest.first(of: [{ try await probe(portA) }, { try await probe(portB) }], until: limit)
     /// ```
+    @_spi(Plugins)
     public static func first<Result: Sendable>(of searches: [@Sendable () async throws -> Result?],
                                                until limit: ContinuousClock.Instant?) async throws -> Result? {
         // withDeadline's nil: the limit passed first.

@@ -13,6 +13,7 @@
 ///     try await pong.wait()
 /// }
 /// ```
+@_spi(Plugins)
 public func withDeadline<T: Sendable>(
     _ deadline: ContinuousClock.Instant?,
     _ error: @autoclosure @escaping @Sendable () -> TransportError,
@@ -41,6 +42,7 @@ public func withDeadline<T: Sendable>(
 ///     throw TransportError(.timedOut, "no data within 1 s")
 /// }
 /// ```
+@_spi(Plugins)
 public func withDeadline<T: Sendable>(
     _ deadline: ContinuousClock.Instant?,
     resultWins: Bool = false,
@@ -81,6 +83,7 @@ public func withDeadline<T: Sendable>(
 ///     try await ProtocolLayer.awaitReady(steps, on: channel)   // closes the channel when cancelled
 /// }
 /// ```
+@_spi(Plugins)
 public func withTimeout<T: Sendable>(
     _ limit: Duration?,
     _ error: @autoclosure @escaping @Sendable () -> TransportError,
@@ -95,6 +98,7 @@ public func withTimeout<T: Sendable>(
 /// // Give the last writes up to 2 s to reach the device, then close all the same.
 /// _ = try? await withTimeout(.seconds(2)) { try await drained.wait { $0 ? () : nil } }
 /// ```
+@_spi(Plugins)
 public func withTimeout<T: Sendable>(
     _ limit: Duration?,
     _ operation: @escaping @Sendable () async throws -> T
@@ -109,6 +113,7 @@ public func withTimeout<T: Sendable>(
 /// ```swift
 /// await uncancellable { try? await channel.close().get() }
 /// ```
+@_spi(Plugins)
 public func uncancellable<T: Sendable>(_ operation: @escaping @Sendable () async -> T) async -> T {
     await Task.detached(operation: operation).value
 }
@@ -124,6 +129,7 @@ public func uncancellable<T: Sendable>(_ operation: @escaping @Sendable () async
 ///     startCleanup { [engine] in await engine.close(drain: false) }
 /// }
 /// ```
+@_spi(Plugins)
 public func startCleanup(_ cleanup: @escaping @Sendable () async -> Void) {
     // Counted before the task starts, so a wait that begins right after this call sees it.
     Deadline.abandoned.update { $0 += 1 }
