@@ -424,11 +424,7 @@ struct BridgeServer: Sendable {
                 number += 1
                 let id = number
                 accepted(client, id: id)
-                let admitted = active.count.withLock { count -> Bool in
-                    guard count < settings.limit else { return false }
-                    count += 1
-                    return true
-                }
+                let admitted = active.admit(limit: settings.limit)
                 guard admitted else {
                     settings.status(["event": "refused", "client": String(id), "reason": "the bridge serves its limit of \(settings.limit) clients"])
                     group.addTask {
@@ -443,11 +439,9 @@ struct BridgeServer: Sendable {
                         ToolConnection.follow(target) { settings.status(["event": "target", "client": String(id), "state": "\($0)"]) }
                         return target
                     }
-                    let left = active.count.withLock { count in
-                        count -= 1
-                        return count
+                    if let left = active.leave() {
+                        Memory.giveBack(whenStill: { active.current <= left }, then: { active.gaveBack() })
                     }
-                    if left == 0 { Memory.giveBack(whenStill: { active.count.withLock { $0 == 0 } }) }
                 }
             }
         }
@@ -571,22 +565,73 @@ struct BridgeServer: Sendable {
     }
 }
 
-/// The clients a server serves now.
+/// The clients a server serves now, and when the memory of those that left is worth giving back.
 final class ClientCount: Sendable {
-    /// Guards the number; the accept loop adds, each session's end takes away.
-    let count = Locked(0)
+    private struct State {
+        var count = 0
+        /// The most clients at once since memory was last given back.
+        var peak = 0
+        /// A give-back is scheduled and has not finished.
+        var givingBack = false
+    }
+
+    /// Guards the numbers; the accept loop admits, each session's end leaves.
+    private let state = Locked(State())
+
+    /// The clients served now.
+    var current: Int { state.withLock { $0.count } }
+
+    /// Takes one more client unless `limit` are served.
+    func admit(limit: Int) -> Bool {
+        state.withLock { state in
+            guard state.count < limit else { return false }
+            state.count += 1
+            state.peak = max(state.peak, state.count)
+            return true
+        }
+    }
+
+    /// A session ended. Returns the clients left when the memory of those gone should be given
+    /// back: none is left, or a quarter of the most there were (when that was at least 64); and no
+    /// give-back is under way already. The peak then starts again from here.
+    func leave() -> Int? {
+        state.withLock { state in
+            state.count -= 1
+            guard !state.givingBack, state.count == 0 || (state.peak >= 64 && state.count <= state.peak / 4) else { return nil }
+            state.givingBack = true
+            state.peak = state.count
+            return state.count
+        }
+    }
+
+    /// The give-back `leave` asked for has finished.
+    func gaveBack() {
+        state.withLock { $0.givingBack = false }
+    }
 }
 
 /// The C library's free memory, given back to the system.
 enum Memory {
-    /// malloc_trim(3): glibc keeps what a load of clients freed in its arenas (tens of MB after
-    /// thousands of clients); the bridge hands it back to the system once it has had no client
-    /// for a second (`idle` still true then), when the last connections' memory is freed too (their
-    /// channels close on the event loops after the sessions end).
-    static func giveBack(whenStill idle: @escaping @Sendable () -> Bool) {
+    /// When the bridge trims after clients left, counted from the session that asked: the memory
+    /// of a finished session is not all free at once. What a cancelled `Task.sleep` holds (a
+    /// relay's linger, a timed wait's timer) stays until its deadline would have come; measured
+    /// after 6,000 clients left, a trim 1 s after the last gave back 88 of 181 MB, one after 3 s
+    /// 165 MB, and later ones a few MB more each (BENCHMARKS.md).
+    static let trimDelays: [Duration] = [.seconds(1), .seconds(3), .seconds(11)]
+
+    /// malloc_trim(3) at each of `trimDelays` while `fewer()` stays true: glibc keeps what a load
+    /// of clients freed in its arenas (about 90 MB after 6,000 clients) until asked. A trim takes
+    /// a few milliseconds; the bridge asks only when most clients have gone. `then` runs at the end.
+    static func giveBack(whenStill fewer: @escaping @Sendable () -> Bool, then finished: @escaping @Sendable () -> Void) {
         Task.detached {
-            try? await Task.sleep(for: .seconds(1))
-            if idle() { _ = trim?(0) }
+            defer { finished() }
+            var slept = Duration.zero
+            for delay in trimDelays {
+                try? await Task.sleep(for: delay - slept)
+                slept = delay
+                guard fewer() else { return }
+                _ = trim?(0)
+            }
         }
     }
 
