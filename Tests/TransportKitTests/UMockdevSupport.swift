@@ -93,15 +93,6 @@ final class UMockdevTestbed: @unchecked Sendable {
         Self.library?.setAttribute(pointer, sysPath, name, value)
     }
 
-    /// Writes the testbed's /sys/kernel/uevent_seqnum, the kernel's uevent counter that a deferred
-    /// listing compares each event's SEQNUM with (umockdev numbers its own uevents from 1 on in a
-    /// process, and the testbed has no such file of its own).
-    func setUeventCounter(_ value: UInt64) throws {
-        guard let root = getenv("UMOCKDEV_DIR").map({ String(cString: $0) }) else { throw TestbedError("UMOCKDEV_DIR is not set") }
-        try FileManager.default.createDirectory(atPath: root + "/sys/kernel", withIntermediateDirectories: true)
-        try "\(value)\n".write(toFile: root + "/sys/kernel/uevent_seqnum", atomically: false, encoding: .utf8)
-    }
-
     /// Removes a device (and its children) from the fake sysfs.
     func remove(_ sysPath: String) {
         Self.library?.remove(pointer, sysPath)

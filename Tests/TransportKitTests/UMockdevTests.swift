@@ -200,56 +200,6 @@ struct UMockdevDiscoveryTests {
         #expect(action == .added && device.devnode == "/dev/ttyUSB2")
     }
 
-    @Test("a deferred listing walks sysfs at the first pull, and reports what came after the subscription")
-    func deferredListing() async throws {
-        let testbed = try UMockdevTestbed()
-        try testbed.setUeventCounter(0)
-        #expect(TTYMonitor.ueventCounter() == 0, "the counter is read from the testbed")
-        let present = FakeSerial.cp210x()
-        try testbed.add(present.record)
-        let listings = Locked(0)
-        let monitor = try TTYMonitor(subsystem: "tty", listing: .deferred, list: {
-            listings.withLock { $0 += 1 }
-            return try TTYDeviceInfo.all().filter(\.isReal)
-        }, read: { name, _ in TTYDeviceInfo.named(name).flatMap { $0.isReal ? $0 : nil } })
-        #expect(listings.withLock { $0 } == 0, "the initializer only subscribes")
-        #expect(monitor.knownDevices.isEmpty)
-        // Arrives after the subscription but before the listing, which will show it: its "add"
-        // must still be reported (an immediate listing would have come before it).
-        let arriving = FakeSerial.ftdi()
-        try testbed.add(arriving.record)
-        testbed.uevent(arriving.ttySysPath, "add")
-        // The kernel's counter has moved past that event (umockdev numbers its own from 1).
-        try testbed.setUeventCounter(1 << 40)
-        let (action, device) = try await next(monitor)
-        #expect(listings.withLock { $0 } == 1)
-        #expect(action == .added && device.devnode == "/dev/ttyUSB0", "\(action) \(device.devnode ?? "?")")
-        // A second "add" for it is a duplicate again, and the port present before is not reported.
-        testbed.uevent(arriving.ttySysPath, "add")
-        testbed.uevent(present.ttySysPath, "change")
-        let (third, thirdDevice) = try await next(monitor)
-        #expect(third == .changed && thirdDevice.devnode == "/dev/ttyUSB1", "\(third) \(thirdDevice.devnode ?? "?")")
-        #expect(Set(monitor.knownDevices.compactMap(\.devnode)) == ["/dev/ttyUSB0", "/dev/ttyUSB1"])
-    }
-
-    @Test("a deferred listing drops events numbered before the subscription as an immediate one does")
-    func deferredListingBeforeTheCounter() async throws {
-        let testbed = try UMockdevTestbed()
-        // Every uevent umockdev sends here is numbered below this: all count as before the subscription.
-        try testbed.setUeventCounter(1 << 40)
-        let monitor = try SerialDiscovery.monitor(include: { $0.isReal }, listing: .deferred)
-        let first = FakeSerial.ftdi()
-        try testbed.add(first.record)
-        testbed.uevent(first.ttySysPath, "add")
-        let second = FakeSerial.ch340()
-        try testbed.add(second.record)
-        try testbed.setUeventCounter(1 << 41)
-        // Listed at the first pull: both ports; the first one's "add" is then a duplicate.
-        testbed.uevent(second.ttySysPath, "change")
-        let (action, device) = try await next(monitor)
-        #expect(action == .changed && device.devnode == "/dev/ttyUSB2", "\(action) \(device.devnode ?? "?")")
-    }
-
     @Test("the registry's event stream and tty://…?wait=true see an arrival")
     func waitForArrival() async throws {
         let testbed = try UMockdevTestbed()

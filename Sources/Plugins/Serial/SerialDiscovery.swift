@@ -266,15 +266,14 @@ enum SerialDiscovery {
     /// A monitor of tty uevents that reports the devices `include` accepts, read as the listing
     /// reads them. `receiveBufferSize`: tests make it tiny to force ENOBUFS.
     static func monitor(include: @escaping @Sendable (TTYDeviceInfo) -> Bool,
-                        receiveBufferSize: Int32 = 8 << 20, listing: TTYMonitor.Listing = .now) throws -> TTYMonitor {
-        try UdevMonitor(subsystem: "tty", receiveBufferSize: receiveBufferSize, listing: listing,
+                        receiveBufferSize: Int32 = 8 << 20) throws -> TTYMonitor {
+        try UdevMonitor(subsystem: "tty", receiveBufferSize: receiveBufferSize,
                         list: { try TTYDeviceInfo.all().filter(include) },
                         read: { name, _ in TTYDeviceInfo.named(name).flatMap { include($0) ? $0 : nil } })
     }
 
-    /// Hot-plug events for serial ports, subscribed at once; the ports are listed at the first
-    /// pull, on Blocking's pool.
+    /// Hot-plug events for serial ports, subscribed at once.
     static func events(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        TTYMonitor.deviceEvents({ try monitor(include: { includeAll || $0.isReal }, listing: .deferred) }, record: record)
+        TTYMonitor.deviceEvents({ try monitor(include: { includeAll || $0.isReal }) }, record: record)
     }
 }

@@ -98,15 +98,14 @@ enum USBDiscovery {
 
     /// A monitor of usb_device uevents reporting configured devices the listing would show.
     /// `receiveBufferSize`: tests make it tiny to force ENOBUFS.
-    static func monitor(includeAll: Bool, receiveBufferSize: Int32 = 8 << 20, listing: USBMonitor.Listing = .now) throws -> USBMonitor {
-        try UdevMonitor(subsystem: "usb", devtype: "usb_device", receiveBufferSize: receiveBufferSize, listing: listing,
+    static func monitor(includeAll: Bool, receiveBufferSize: Int32 = 8 << 20) throws -> USBMonitor {
+        try UdevMonitor(subsystem: "usb", devtype: "usb_device", receiveBufferSize: receiveBufferSize,
                         list: { try USBDevices.all().filter { shown($0, includeAll: includeAll) } },
                         read: { name, _ in USBDevices.named(name).flatMap { shown($0, includeAll: includeAll) ? $0 : nil } })
     }
 
-    /// Hot-plug events for USB devices, subscribed at once; the devices are listed at the first
-    /// pull, on Blocking's pool.
+    /// Hot-plug events for USB devices, subscribed at once.
     static func events(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        USBMonitor.deviceEvents({ try monitor(includeAll: includeAll, listing: .deferred) }, record: record)
+        USBMonitor.deviceEvents({ try monitor(includeAll: includeAll) }, record: record)
     }
 }

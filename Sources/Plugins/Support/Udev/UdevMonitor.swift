@@ -5,11 +5,6 @@
 //   made), "kernel" otherwise (containers), so events are never silently absent.
 // - Nothing missed or doubled: the socket subscribes before the devices are enumerated; an "add"
 //   for a device already known and a "remove" for one never seen are dropped.
-// - A listing made later (`listing: .deferred`, what the registry's `deviceEvents` uses): the
-//   subscriber records the kernel's uevent counter (/sys/kernel/uevent_seqnum, the SEQNUM every
-//   uevent carries) and walks sysfs on Blocking's pool at the first `next()`, not on its caller's
-//   thread. Events numbered after the counter but already reflected in that listing are still
-//   reported, so the start of the stream is the subscription, as with an immediate listing.
 // - Overflow: the receive buffer is raised (SO_RCVBUFFORCE as root); when the kernel still drops
 //   messages, recvmsg fails with ENOBUFS and the monitor re-enumerates and reports the difference
 //   instead of going silent.
@@ -70,22 +65,6 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
         /// Events found by a resync, not yet handed out.
         var pending: [(Action, Record)] = []
         var resyncs = 0
-        /// A deferred listing not made yet: the uevent counter when the socket subscribed.
-        var unlistedSince: UInt64?
-        /// After a deferred listing: the uevents numbered after the subscription and up to the
-        /// listing's end, whose effect the listing may already show (`first` and `last` inclusive).
-        var window: ClosedRange<UInt64>?
-        /// Devices an event of `window` has named already.
-        var namedInWindow: Set<String> = []
-    }
-
-    /// When the devices present are first enumerated.
-    public enum Listing: Sendable {
-        /// In the initializer, on its caller's thread.
-        case now
-        /// At the first ``next()``, on `Blocking`'s pool; the initializer only subscribes and reads
-        /// the kernel's uevent counter. Where that counter cannot be read, the listing is made now.
-        case deferred
     }
 
     /// Subscribes to the subsystem's uevents, then enumerates what is there.
@@ -93,10 +72,9 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
     ///   - subsystem: the uevent subsystem to receive (`tty`, `usb`, `bluetooth`).
     ///   - devtype: narrows it (`usb_device` leaves out USB interfaces).
     ///   - receiveBufferSize: the socket's receive buffer; tests make it tiny to force ENOBUFS.
-    ///   - listing: `.now` (the default) or `.deferred` to the first ``next()``.
     ///   - list: the records present now (only those to report).
     ///   - read: the record of one device, or nil when it is gone again or not to be reported.
-    public init(subsystem: String, devtype: String? = nil, receiveBufferSize: Int32 = 8 << 20, listing: Listing = .now,
+    public init(subsystem: String, devtype: String? = nil, receiveBufferSize: Int32 = 8 << 20,
                 list: @escaping @Sendable () throws -> [Record],
                 read: @escaping @Sendable (_ sysName: String, _ sysPath: String) -> Record?) throws {
         guard let udev = udev_new() else {
@@ -132,10 +110,6 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
         self.list = list
         self.read = read
         self.state = Locked(State(udev: udev, monitor: monitor))
-        if listing == .deferred, let counter = Self.ueventCounter() {
-            state.withLock { $0.unlistedSince = counter }
-            return
-        }
         // Enumerate only now that the socket listens: a device arriving in between shows up in
         // both, and the "add" is then dropped as a duplicate.
         let present = try list()
@@ -154,16 +128,11 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
     /// How many times an overflow (ENOBUFS) forced a re-enumeration.
     public var resyncCount: Int { state.withLock { $0.resyncs } }
 
-    /// The devices known now (present at start plus arrivals minus removals); none before a
-    /// deferred listing is made.
+    /// The devices known now (present at start plus arrivals minus removals).
     public var knownDevices: [Record] { state.withLock { Array($0.known.values) } }
 
     /// The next event; waits without holding a thread. Throws `CancellationError` when cancelled.
-    /// A deferred listing, and the listing after an overflow, run on `Blocking`'s pool.
     public func next() async throws -> (Action, Record) {
-        if state.withLock({ $0.unlistedSince != nil }) {
-            try await Blocking.run { try self.listDeferred() }
-        }
         while true {
             try Task.checkCancellation()
             switch try receive() {
@@ -172,27 +141,8 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
             case .again:
                 try await fd.wait(until: .readable)
             case .overflow:
-                try await Blocking.run { try self.resync() }
+                try resync()
             }
-        }
-    }
-
-    /// The kernel's uevent counter: the SEQNUM of the latest uevent (sysfs-kernel-uevent_seqnum),
-    /// or nil where it cannot be read.
-    public static func ueventCounter() -> UInt64? {
-        Sysfs.attribute("/sys/kernel", "uevent_seqnum").flatMap { UInt64($0) }
-    }
-
-    /// The listing `listing: .deferred` put off. Events numbered up to the counter read after it
-    /// may already show in it; those numbered after the subscription are the window `admit` uses.
-    private func listDeferred() throws {
-        let present = try list()
-        let end = Self.ueventCounter()
-        state.withLock { state in
-            guard let start = state.unlistedSince else { return }
-            state.unlistedSince = nil
-            for device in present { state.known[device.sysPath] = device }
-            if let end, end > start { state.window = (start + 1)...end }
         }
     }
 
@@ -222,15 +172,7 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
                 let action = udev_device_get_action(device).map { String(cString: $0) } ?? ""
                 let sysPath = udev_device_get_syspath(device).map { String(cString: $0) } ?? ""
                 let sysName = udev_device_get_sysname(device).map { String(cString: $0) } ?? ""
-                let number = udev_device_get_seqnum(device)
                 udev_device_unref(device)
-                if let window = state.window, window.contains(number), state.namedInWindow.insert(sysPath).inserted {
-                    // It happened after the subscription, and the listing may show its effect:
-                    // that device's listed record counts as not reported yet (an arrival in
-                    // between is reported, a departure and return is reported as both).
-                    if action == "remove", let listed = state.known.removeValue(forKey: sysPath) { return .event(.removed, listed) }
-                    if action == "add" || action == "bind" { state.known.removeValue(forKey: sysPath) }
-                }
                 if let event = admit(action: action, sysPath: sysPath, sysName: sysName, known: &state.known) {
                     return .event(event.0, event.1)
                 }
@@ -275,8 +217,6 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
         let present = try list()
         state.withLock { state in
             state.resyncs += 1
-            state.unlistedSince = nil
-            state.window = nil
             let now = Dictionary(present.map { ($0.sysPath, $0) }, uniquingKeysWith: { first, _ in first })
             for (path, device) in state.known where now[path] == nil {
                 state.pending.append((.removed, device))
