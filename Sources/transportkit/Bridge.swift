@@ -439,9 +439,7 @@ struct BridgeServer: Sendable {
                         ToolConnection.follow(target) { settings.status(["event": "target", "client": String(id), "state": "\($0)"]) }
                         return target
                     }
-                    if let left = active.leave() {
-                        Memory.giveBack(whenStill: { active.current <= left }, then: { active.gaveBack() })
-                    }
+                    if let left = active.leave() { Memory.giveBack(active, left: left) }
                 }
             }
         }
@@ -573,6 +571,8 @@ final class ClientCount: Sendable {
         var peak = 0
         /// A give-back is scheduled and has not finished.
         var givingBack = false
+        /// Another give-back was due while one ran: it starts when that one ends.
+        var pending = false
     }
 
     /// Guards the numbers; the accept loop admits, each session's end leaves.
@@ -592,21 +592,33 @@ final class ClientCount: Sendable {
     }
 
     /// A session ended. Returns the clients left when the memory of those gone should be given
-    /// back: none is left, or a quarter of the most there were (when that was at least 64); and no
-    /// give-back is under way already. The peak then starts again from here.
+    /// back: none is left, or a quarter of the most there were (when that was at least 64). The
+    /// peak then starts again from here. While a give-back runs, a due one waits for its end.
     func leave() -> Int? {
         state.withLock { state in
             state.count -= 1
-            guard !state.givingBack, state.count == 0 || (state.peak >= 64 && state.count <= state.peak / 4) else { return nil }
-            state.givingBack = true
+            guard state.count == 0 || (state.peak >= 64 && state.count <= state.peak / 4) else { return nil }
             state.peak = state.count
+            guard !state.givingBack else {
+                state.pending = true
+                return nil
+            }
+            state.givingBack = true
             return state.count
         }
     }
 
-    /// The give-back `leave` asked for has finished.
-    func gaveBack() {
-        state.withLock { $0.givingBack = false }
+    /// A give-back ended. Returns the clients left when another one became due meanwhile (it
+    /// starts now, its delays counted afresh), else nil.
+    func gaveBack() -> Int? {
+        state.withLock { state in
+            guard state.pending else {
+                state.givingBack = false
+                return nil
+            }
+            state.pending = false
+            return state.count
+        }
     }
 }
 
@@ -619,19 +631,20 @@ enum Memory {
     /// 165 MB, and later ones a few MB more each (BENCHMARKS.md).
     static let trimDelays: [Duration] = [.seconds(1), .seconds(3), .seconds(11)]
 
-    /// malloc_trim(3) at each of `trimDelays` while `fewer()` stays true: glibc keeps what a load
-    /// of clients freed in its arenas (about 90 MB after 6,000 clients) until asked. A trim takes
-    /// a few milliseconds; the bridge asks only when most clients have gone. `then` runs at the end.
-    static func giveBack(whenStill fewer: @escaping @Sendable () -> Bool, then finished: @escaping @Sendable () -> Void) {
+    /// malloc_trim(3) at each of `trimDelays` while no more than `left` clients are served:
+    /// glibc keeps what a load of clients freed in its arenas (about 90 MB after 6,000 clients)
+    /// until asked. A trim takes a few milliseconds; the bridge asks only when most clients have
+    /// gone. A give-back that became due meanwhile follows this one.
+    static func giveBack(_ clients: ClientCount, left: Int) {
         Task.detached {
-            defer { finished() }
             var slept = Duration.zero
             for delay in trimDelays {
                 try? await Task.sleep(for: delay - slept)
                 slept = delay
-                guard fewer() else { return }
+                guard clients.current <= left else { break }
                 _ = trim?(0)
             }
+            if let next = clients.gaveBack() { giveBack(clients, left: next) }
         }
     }
 

@@ -9,37 +9,59 @@ import Testing
 /// so removing an `@_spi` (or re-exporting a module that exposes the SDK) fails here.
 @Suite("the app API surface")
 struct AppSurfaceTests {
-    /// Plugin SDK names, one per line of the checked file.
+    /// Plugin SDK, one statement per line of the checked file: each must fail in an app.
     static let sdk = ["InboundQueue", "WriterGate", "AsyncCondition<Int>", "Locked<Int>", "ChannelBackend", "ConnectRequest",
                       "URLOption<Int>", "OptionValues", "ProtocolLayer", "Hex", "EventLoopTaskExecutor", "ChannelReady",
                       "any ConnectionBackend", "any WrappingBackend", "any ListenerBackend", "ControlOperation", "HangUp",
-                      "SerialLineOptions", "TCPSocket"]
-    /// What an app names: these must resolve with `import TransportKit` alone.
+                      "SerialLineOptions", "TCPSocket"].map(declaring)
+        + ["let _ = LoopPlugin.maxWrite",
+           "let _ = { (registry: TransportRegistry) in try registry.resolve(\"loop://\") }",
+           "let _ = { (connection: Connection) in connection.updateMetadata { _ in } }"]
+    /// What an app writes: each must type-check with `import TransportKit` alone.
     static let app = ["Connection", "TransportError", "TransportURL", "Listener", "DeviceRecord", "Buffering",
                       "Buffering.Watermarks", "SchemeDescriptor", "OptionSpec", "ByteBuffer", "Errno", "SerialSettings",
-                      "any TransportPlugin", "Scheme"]
+                      "any TransportPlugin", "Scheme"].map(declaring)
+        + ["let _ = Transport.schemes",
+           "let _ = { (plugin: any TransportPlugin) in try Transport.register(plugin) }",
+           "let _ = { (registry: TransportRegistry) async throws in try await registry.check(\"loop://\") }",
+           "let _ = { (url: String) async throws in try await Transport.connect(to: url) }",
+           "let _ = { (url: String) async throws in try await Transport.listen(on: url) }",
+           "let _ = { () async in await Transport.devices() }",
+           "let _ = { (connection: Connection) in connection.serialPort }",
+           "let _ = { (connection: Connection) async throws in try await connection.readFrame(.delimiter(\"\\n\")) }",
+           "let _ = { (connection: Connection) async throws in try await connection.write(ByteBuffer(string: \"x\")) }"]
 
-    @Test("an app's import TransportKit resolves the app API and none of the plugin SDK; the SPI import resolves both")
+    static func declaring(_ type: String) -> String { "let _: (\(type))? = nil" }
+
+    @Test("an app's import TransportKit reaches the app API and none of the plugin SDK; the SPI imports reach both")
     func sdkIsHiddenFromApps() async throws {
-        let plain = try await typecheck(imports: ["import TransportKit"], names: Self.app + Self.sdk)
-        for (index, name) in (Self.app + Self.sdk).enumerated() {
+        let lines = Self.app + Self.sdk
+        let plain = try await typecheck(imports: ["import TransportKit"], lines: lines)
+        let failing = Set(plain.split(separator: "\n").compactMap { line -> Int? in
+            // app.swift:LINE:COLUMN: error: …
+            let parts = line.split(separator: ":", maxSplits: 4)
+            guard parts.count == 5, parts[0].hasSuffix("app.swift"), parts[3].trimmingCharacters(in: .whitespaces) == "error" else { return nil }
+            return Int(parts[1])
+        })
+        #expect(!failing.isEmpty, "swiftc reported no error at all:\n\(plain)")
+        for (index, statement) in lines.enumerated() {
             let line = index + 2
-            let failed = plain.contains("app.swift:\(line):")
-            if Self.sdk.contains(name) {
-                #expect(failed, "\(name) must not resolve in an app: it is plugin SDK (line \(line))\n\(plain)")
+            if Self.sdk.contains(statement) {
+                #expect(failing.contains(line), "must not compile in an app (plugin SDK): \(statement)\n\(plain)")
             } else {
-                #expect(!failed, "\(name) must resolve with import TransportKit alone (line \(line))\n\(plain)")
+                #expect(!failing.contains(line), "must compile with import TransportKit alone: \(statement)\n\(plain)")
             }
         }
         let plugin = try await typecheck(imports: ["import TransportKit", "@_spi(Plugins) import TransportKitCore",
-                                                   "@_spi(Plugins) import TransportKitSockets"], names: Self.app + Self.sdk)
-        #expect(!plugin.contains("error:"), "with the SPI imports every name resolves:\n\(plugin)")
+                                                   "@_spi(Plugins) import TransportKitSockets", "@_spi(Plugins) import TransportKitLoop"],
+                                         lines: lines)
+        #expect(!plugin.contains("error:"), "with the SPI imports every line compiles:\n\(plugin)")
     }
 
-    /// Type-checks a file of `imports` and one `let` per name (the first name on line 2 with one
-    /// import; the imports are joined on line 1) and returns swiftc's diagnostics.
-    private func typecheck(imports: [String], names: [String]) async throws -> String {
-        let source = imports.joined(separator: "; ") + "\n" + names.enumerated().map { "let value\($0.offset): (\($0.element))? = nil" }.joined(separator: "\n") + "\n"
+    /// Type-checks a file of `imports` (joined on line 1) and `lines` (from line 2 on) and
+    /// returns swiftc's diagnostics.
+    private func typecheck(imports: [String], lines: [String]) async throws -> String {
+        let source = imports.joined(separator: "; ") + "\n" + lines.joined(separator: "\n") + "\n"
         let directory = temporaryPath("app-surface")
         try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(atPath: directory) }

@@ -337,6 +337,14 @@ struct OptionModeTests {
         let problems = taken.declarationProblems()
         #expect(problems.contains { $0.contains("the option 'SIZE' is declared twice") }, "\(problems)")
         #expect(problems.contains { $0.contains("the option name 'bad-name' must start with a letter") }, "\(problems)")
+        // A mode is picked by the URL's item of its selector's exact name: a selector keeps one name.
+        let only = URLOption.bool("only", help: "Selects the second mode").formerly("solely")
+        let selected = SchemeDescriptor(scheme: "selected", summary: "s", grammar: "selected://", host: .forbidden, port: .forbidden,
+                                        path: .forbidden, options: [only],
+                                        modes: [SchemeMode("selected:// plain connection", form: "selected://", options: []),
+                                                SchemeMode("selected:// only connection", form: "selected://?only", selectedBy: only, options: [only])])
+        let selectorProblems = selected.declarationProblems()
+        #expect(selectorProblems.contains { $0.contains("is selected by 'only', which has former names") }, "\(selectorProblems)")
     }
 
     @Test func aPtyTakesEveryOption() async throws {

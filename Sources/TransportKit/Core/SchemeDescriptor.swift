@@ -173,6 +173,10 @@ public struct SchemeDescriptor: Sendable, Codable, Equatable {
             }
             if let selector = mode.selectedBy {
                 let spec = options.first { URLParser.sameName($0.name, selector) }
+                if spec?.formerNames.isEmpty == false {
+                    // A mode is picked by the URL's item of that exact name (SchemeMode.serves).
+                    problems.append("the mode '\(mode.name)' is selected by '\(selector)', which has former names: a selector keeps one name")
+                }
                 if spec?.kind != .bool {
                     problems.append("the mode '\(mode.name)' is selected by '\(selector)', which is not a boolean option of the scheme")
                 } else if spec?.defaultValue == "true" {

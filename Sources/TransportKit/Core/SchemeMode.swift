@@ -2,7 +2,7 @@ import Synchronization
 
 /// One way a scheme's URLs are used, and the options that way uses: connecting or listening, and,
 /// for a scheme with several forms, which form. `ble://SERVICE:PSM/MAC` opens an L2CAP channel and
-/// `ble://SERVICE/MAC` GATT serial; an option one form has no use for (`mtu=` on a GATT URL) is
+/// `ble://SERVICE/MAC` GATT serial; an option one form has no use for (`receiveMTU=` on a GATT URL) is
 /// refused before any I/O with a message that names the form, never taken and ignored.
 ///
 /// A URL's mode is the first of the descriptor's ``SchemeDescriptor/modes`` whose role and
@@ -10,11 +10,11 @@ import Synchronization
 /// (``OptionSpec/common``); listen modes do not (a listener has no connect deadline).
 ///
 /// ```swift
-/// SchemeDescriptor(scheme: "ble", …, options: [adapter, rx, tx, mtu, security],
+/// SchemeDescriptor(scheme: "ble", …, options: [adapter, rx, tx, receiveMTU, security],
 ///                  modes: [SchemeMode("GATT serial connection", form: "ble://SERVICE[/MAC]", port: .forbidden,
 ///                                     options: [adapter, rx, tx]),
 ///                          SchemeMode("L2CAP connection", form: "ble://SERVICE:PSM[/MAC]", port: .required,
-///                                     options: [adapter, mtu, security])])
+///                                     options: [adapter, receiveMTU, security])])
 /// ```
 ///
 /// A descriptor without modes has one connect mode, and one listen mode when the scheme can
