@@ -132,9 +132,8 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
     public var knownDevices: [Record] { state.withLock { Array($0.known.values) } }
 
     /// The next event; waits without holding a thread. Throws `CancellationError` when cancelled.
-    /// After an overflow, the listing that repairs it runs on `Blocking`'s pool. One consumer at a
-    /// time: a resync lists with the lock released, and a concurrent `next()` could report an
-    /// event that the resync's result then overwrites.
+    /// One consumer at a time: a resync lists with the lock released, and a concurrent `next()`
+    /// could report an event that the resync's result then overwrites.
     public func next() async throws -> (Action, Record) {
         while true {
             try Task.checkCancellation()
@@ -144,7 +143,7 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
             case .again:
                 try await fd.wait(until: .readable)
             case .overflow:
-                try await Blocking.run { try self.resync() }
+                try resync()
             }
         }
     }
