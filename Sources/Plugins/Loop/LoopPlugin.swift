@@ -26,12 +26,12 @@ public struct LoopPlugin: TransportPlugin {
 
     /// `buffer`: bytes held between writer and reader, 1…64 MiB, default 4096.
     @_spi(Plugins) public static let buffer = URLOption.integer("buffer", in: 1...(64 << 20), default: 4096,
-                                       help: "Bytes buffered between writer and reader; writers suspend when it is full")
+                                                                help: "Bytes buffered between writer and reader; writers suspend when it is full")
     /// `messages`: each write is read back as one message.
     @_spi(Plugins) public static let messages = URLOption.bool("messages", default: false, help: "Carry messages: each write is read back whole by readMessage()")
     /// `maxWrite` (formerly `mtu`): the largest write taken at once; longer writes are chunked.
     @_spi(Plugins) public static let maxWrite = URLOption.integer("maxWrite", in: 1...(64 << 20),
-                                                   help: "Largest write taken at once; longer writes are chunked (metadata.maximumWriteSize)").formerly("mtu")
+                                                                  help: "Largest write taken at once; longer writes are chunked (metadata.maximumWriteSize)").formerly("mtu")
     /// The option's name before it became `maxWrite`.
     @available(*, deprecated, renamed: "maxWrite")
     @_spi(Plugins) public static var mtu: URLOption<Int?> { maxWrite }

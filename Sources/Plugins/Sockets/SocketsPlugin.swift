@@ -39,12 +39,12 @@ public struct SocketsPlugin: TransportPlugin {
     @_spi(Plugins) public static let keepAlive = URLOption.bool("keepAlive", default: false, help: "Set SO_KEEPALIVE so a dead peer is noticed on an idle connection")
     /// `TCP_KEEPIDLE` in seconds (the kernel's range).
     @_spi(Plugins) public static let keepAliveIdle = URLOption.duration("keepAliveIdle", seconds: 1...32767,
-                                                      help: "Seconds of idleness before the first keep-alive probe (TCP_KEEPIDLE; implies keepAlive)")
+                                                                        help: "Seconds of idleness before the first keep-alive probe (TCP_KEEPIDLE; implies keepAlive)")
     /// The listen backlog.
     @_spi(Plugins) public static let backlog = URLOption.integer("backlog", in: 1...65535, default: 128, help: "Pending connections the kernel queues before accept")
     /// A unix listener's socket file mode.
     @_spi(Plugins) public static let mode = URLOption.string("mode", default: "0600",
-                                              help: "The socket file's permission bits, in octal: 0600 lets only this user connect, 0660 its group too")
+                                                             help: "The socket file's permission bits, in octal: 0600 lets only this user connect, 0660 its group too")
 
     static let tcpOptions: [any OptionDeclaration] = [noDelay, keepAlive, keepAliveIdle]
 

@@ -52,13 +52,13 @@ public struct TLSPlugin: TransportPlugin {
     }
     /// Accepted public keys of the server.
     @_spi(Plugins) public static let pin = URLOption.string("pin", help: "The server's public key must be one of these: sha256/BASE64 digests of its SubjectPublicKeyInfo, "
-                                             + "comma-separated (connection.metadata.extra[\"tls.pin\"] shows a server's)")
+                                                            + "comma-separated (connection.metadata.extra[\"tls.pin\"] shows a server's)")
     /// No verification at all.
     @_spi(Plugins) public static let insecure = URLOption.bool("insecure", default: false,
-                                                help: "Skip every check of the server's certificate: anyone on the path can read and change the data")
+                                                               help: "Skip every check of the server's certificate: anyone on the path can read and change the data")
     /// How long an accepted client may take over its handshake.
     @_spi(Plugins) public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
-                                                            help: "Seconds an accepted client has to finish its handshake before it is dropped")
+                                                                           help: "Seconds an accepted client has to finish its handshake before it is dropped")
 
     static let clientOptions: [any OptionDeclaration] = [ca, cert, key, serverName, alpn, minVersion, insecure, pin]
     static let serverOptions: [any OptionDeclaration] = [ca, cert, key, alpn, minVersion, handshakeTimeout]

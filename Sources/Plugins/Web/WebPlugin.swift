@@ -43,22 +43,22 @@ public struct WebPlugin: TransportPlugin {
     @_spi(Plugins) public static let origins = URLOption.string("origins", help: "Origins allowed to connect, comma-separated (a browser page on any other site is refused with 403); default: any")
     /// The largest message taken from the peer.
     @_spi(Plugins) public static let maxMessageSize = URLOption.integer("maxMessageSize", in: 125...(1 << 30), default: 1 << 20,
-                                                         help: "The largest message taken from the peer, in bytes; a larger one closes the connection with 1009")
+                                                                        help: "The largest message taken from the peer, in bytes; a larger one closes the connection with 1009")
     /// How often a keepalive ping goes out.
     @_spi(Plugins) public static let pingInterval = URLOption.timeLimit("pingInterval", seconds: 0...86400, default: 20,
-                                                         help: "Seconds between keepalive pings; 0: none")
+                                                                        help: "Seconds between keepalive pings; 0: none")
     /// How long a ping may go unanswered.
     @_spi(Plugins) public static let pingTimeout = URLOption.timeLimit("pingTimeout", seconds: 0...86400, default: 20,
-                                                        help: "Seconds a keepalive ping may go unanswered before the peer counts as gone; 0: wait forever")
+                                                                       help: "Seconds a keepalive ping may go unanswered before the peer counts as gone; 0: wait forever")
     /// How long a close waits for the peer's close frame.
     @_spi(Plugins) public static let closeTimeout = URLOption.duration("closeTimeout", seconds: 0.01...300, default: 10,
-                                                        help: "Seconds a close waits for the peer's close frame")
+                                                                       help: "Seconds a close waits for the peer's close frame")
     /// permessage-deflate offered (client) or accepted (listener).
     @_spi(Plugins) public static let compression = URLOption.bool("compression", default: true,
-                                                   help: "Compress messages with permessage-deflate (RFC 7692) when the other side agrees; a listener accepts a client's offer")
+                                                                  help: "Compress messages with permessage-deflate (RFC 7692) when the other side agrees; a listener accepts a client's offer")
     /// How long an accepted client may take to upgrade.
     @_spi(Plugins) public static let handshakeTimeout = URLOption.duration("handshakeTimeout", seconds: 0.1...300, default: 10,
-                                                            help: "Seconds an accepted client has to finish its upgrade (and TLS handshake) before it is dropped")
+                                                                           help: "Seconds an accepted client has to finish its upgrade (and TLS handshake) before it is dropped")
 
     static let session: [any OptionDeclaration] = [maxMessageSize, pingInterval, pingTimeout, closeTimeout, compression]
     static let tcp: [any OptionDeclaration] = [SocketsPlugin.noDelay, SocketsPlugin.keepAlive, SocketsPlugin.keepAliveIdle]
@@ -73,10 +73,10 @@ public struct WebPlugin: TransportPlugin {
     @_spi(Plugins) public static let length = URLOption.integer("length", in: 0...(1 << 53), help: "The body's length in bytes, sent as Content-Length (write exactly that many); without it the body is chunked")
     /// The longest pause either way.
     @_spi(Plugins) public static let idleTimeout = URLOption.timeLimit("idleTimeout", seconds: 0...86400, default: 120,
-                                                        help: "Seconds the request may go without a byte either way before it fails; 0: no limit")
+                                                                       help: "Seconds the request may go without a byte either way before it fails; 0: no limit")
     /// A limit on the whole request, only when asked for.
     @_spi(Plugins) public static let requestTimeout = URLOption.timeLimit("requestTimeout", seconds: 0...31_536_000, default: 0,
-                                                           help: "Seconds the whole request may take, body and answer; 0 (default): no limit, for a stream that runs as long as its source")
+                                                                          help: "Seconds the whole request may take, body and answer; 0 (default): no limit, for a stream that runs as long as its source")
 
     static let requestOptions: [any OptionDeclaration] = [method, contentType, length, idleTimeout, requestTimeout, authorization, cookie] + tcp
 

@@ -219,7 +219,7 @@ public struct OptionSpec: Sendable, Codable, Equatable {
     /// Options every scheme accepts (wrappers excepted: their deadline is the wrapped URL's).
     /// `timeout`: seconds the whole connect may take, 0…31536000, default 10; `0` waits forever.
     @_spi(Plugins) public static let timeout = URLOption.timeLimit("timeout", seconds: 0...86_400 * 365, default: 10,
-                                                 help: "Seconds to wait for the connection to be established (0 waits forever)")
+                                                                   help: "Seconds to wait for the connection to be established (0 waits forever)")
     /// The options every scheme but a wrapper accepts.
     public static let common: [OptionSpec] = [timeout.spec]
 

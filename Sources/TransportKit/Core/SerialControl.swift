@@ -105,7 +105,7 @@ public enum SerialLineOptions {
     /// `baud`: the bit rate, 1 to ``SerialSettings/maximumBaudRate``; nil when the URL gives none
     /// (the scheme's own default applies, 9600 unless it has another source).
     @_spi(Plugins) public static let baud = URLOption.integer("baud", in: 1...SerialSettings.maximumBaudRate,
-                                               help: "Bit rate, any value the adapter can generate (default 9600; tty://LABEL:BAUD/… also gives it)")
+                                                              help: "Bit rate, any value the adapter can generate (default 9600; tty://LABEL:BAUD/… also gives it)")
     /// `dataBits`: 5 to 8 data bits per character; 8 by default.
     @_spi(Plugins) public static let dataBits = URLOption.integer("dataBits", in: 5...8, default: 8, help: "Data bits per character")
     /// `parity`: `none` (the default), `even` or `odd`.
@@ -114,7 +114,7 @@ public enum SerialLineOptions {
     @_spi(Plugins) public static let stopBits = URLOption.integer("stopBits", in: 1...2, default: 1, help: "Stop bits")
     /// `flowControl`: `none` (the default), `rtscts` or `xonxoff`.
     @_spi(Plugins) public static let flowControl = URLOption.choice("flowControl", default: SerialSettings.FlowControl.none,
-                                                     help: "Hardware (RTS/CTS) or software (XON/XOFF) flow control")
+                                                                    help: "Hardware (RTS/CTS) or software (XON/XOFF) flow control")
     /// `dtr`: raise (`true`) or lower (`false`) DTR on open; nil leaves it as the driver has it.
     @_spi(Plugins) public static let dtr = URLOption.bool("dtr", help: "Raise (true) or lower (false) DTR on open; unset leaves it as the driver has it")
     /// `rts`: raise (`true`) or lower (`false`) RTS on open; nil leaves it as the driver has it.
