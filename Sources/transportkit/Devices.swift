@@ -109,7 +109,7 @@ struct Watch: AsyncParsableCommand {
     /// (removed); with --network the serial ports on the network appearing and leaving. Returns
     /// once every source is subscribed.
     func events() async throws -> AsyncThrowingStream<DeviceEvent, any Error> {
-        let registry = Transport.deviceEvents(includeAll: all)
+        let registry = await Transport.deviceEvents(includeAll: all)
         guard scanSeconds != nil || network else { return registry }
         var subscribed: AsyncThrowingStream<DeviceEvent, any Error>?
         if network {

@@ -189,7 +189,7 @@ struct BlueZLabTests {
         #expect(records.first { $0.name == "hci0" }?.properties["address"] == controllers.centralText, "\(records)")
         #expect(records.first { $0.name == "hci1" }?.properties["address"] == controllers.peripheralText, "\(records)")
 
-        let collector = EventCollector()
+        let collector = await EventCollector()
         defer { collector.stop() }
         try await Task.sleep(for: .milliseconds(300))
         let start = collector.events.count

@@ -230,9 +230,9 @@ final class EventCollector: Sendable {
     private let state = Locked<(events: [DeviceEvent], error: String?)>(([], nil))
     private let task: Locked<Task<Void, Never>?> = Locked(nil)
 
-    /// Subscribes at once (before returning), so nothing that happens afterwards is missed.
-    init(includeAll: Bool = false) {
-        let stream = Transport.registry.deviceEvents(includeAll: includeAll)
+    /// Subscribes before returning, so nothing that happens afterwards is missed.
+    init(includeAll: Bool = false) async {
+        let stream = await Transport.registry.deviceEvents(includeAll: includeAll)
         let consumer = Task { [self] in
             do {
                 for try await event in stream { state.withLock { $0.events.append(event) } }

@@ -17,7 +17,7 @@ struct USBLabTests {
 
     @Test func theLoopbackGadgetIsListedWithItsEndpointsAndItsPlugAndUnplugReportedOnceEach() async throws {
         try await Lab.ctl("usb-loopback", "unplug")
-        let collector = EventCollector()
+        let collector = await EventCollector()
         defer { collector.stop() }
         for round in 1...3 {
             let start = collector.events.count
@@ -48,7 +48,7 @@ struct USBLabTests {
 
     @Test func aHundredPlugUnplugCyclesWithAWatcherReportEachArrivalAndRemovalOnce() async throws {
         try await Lab.ctl("usb-loopback", "plug")
-        let events = EventCollector()
+        let events = await EventCollector()
         defer { events.stop() }
         let cycles = 100
         let started = ContinuousClock.now

@@ -71,7 +71,7 @@ struct USBSerialLabTests {
     @Test("unplug mid-transfer: every byte received is delivered, then .disconnected within a second; events and wait=true after replug")
     func unplugMidTransfer() async throws {
         let (host, gadgetNode) = try await Gadget.plug()
-        let events = EventCollector()
+        let events = await EventCollector()
         defer { events.stop() }
         let descriptorsBefore = Descriptors.targets()
 
@@ -364,7 +364,7 @@ struct USBSerialLabTests {
     @Test("100 unplug/replug cycles with a watcher: every removal and arrival reported exactly once")
     func hundredReplugCycles() async throws {
         _ = try await Gadget.plug()
-        let events = EventCollector()
+        let events = await EventCollector()
         defer { events.stop() }
         let cycles = 100
         let started = ContinuousClock.now

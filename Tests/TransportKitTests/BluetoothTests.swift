@@ -68,7 +68,7 @@ struct BluetoothTests {
         #expect(error?.message.contains("Bluetooth goes through bluetoothd on the system D-Bus") == true, "\(String(describing: error))")
         #expect(error?.message.contains("is dbus-daemon running?") == true)
         #expect(try await plugin.devices(includeAll: false).isEmpty)
-        #expect(plugin.deviceEvents(includeAll: false) == nil, "no bus, no events to offer")
+        #expect(await plugin.deviceEvents(includeAll: false) == nil, "no bus, no events to offer")
     }
 
     @Test func withoutBluetoothdConnectsSayStartIt() async throws {
@@ -92,7 +92,7 @@ struct BluetoothTests {
         let none = await expectTransportError(.notFound) { try await registry.connect(to: Self.device) }
         #expect(none?.message.contains("no Bluetooth adapter") == true, "\(String(describing: none))")
 
-        let events = try #require(plugin.deviceEvents(includeAll: false))
+        let events = try #require(await plugin.deviceEvents(includeAll: false))
         var iterator = events.makeAsyncIterator()
         try await Task.sleep(for: .milliseconds(200))   // the stream subscribes in a task of its own
         try await bluez.add("hci0", address: "00:AA:01:00:00:00", powered: false)

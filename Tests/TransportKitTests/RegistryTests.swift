@@ -255,7 +255,7 @@ struct RegistryDeviceTests {
         #expect(await registry.devices().devices.map(\.url).sorted() == ["fa://one", "fb://one"])
         #expect(await registry.devices(includeAll: true).devices.count == 4)
         var events: [String] = []
-        for try await event in registry.deviceEvents() { events.append("\(event.action.rawValue) \(event.device.url)") }
+        for try await event in await registry.deviceEvents() { events.append("\(event.action.rawValue) \(event.device.url)") }
         #expect(events.sorted() == ["added fa://one", "added fb://one", "removed fa://one", "removed fb://one"])
         // Order within one plugin is kept.
         #expect(events.filter { $0.hasSuffix("fa://one") } == ["added fa://one", "removed fa://one"])
@@ -265,11 +265,11 @@ struct RegistryDeviceTests {
     func singleAndNone() async throws {
         let one = try TransportRegistry(plugins: [FakeDevicePlugin(scheme: "fc")])
         var count = 0
-        for try await _ in one.deviceEvents() { count += 1 }
+        for try await _ in await one.deviceEvents() { count += 1 }
         #expect(count == 2)
         let none = try TransportRegistry(plugins: [LoopPlugin()])
         var any = false
-        for try await _ in none.deviceEvents() { any = true }
+        for try await _ in await none.deviceEvents() { any = true }
         #expect(!any)
     }
 }
@@ -466,7 +466,7 @@ struct RegistryRobustnessTests {
         let registry = try TransportRegistry(plugins: [BurstPlugin(scheme: "ba", count: 10_000), BurstPlugin(scheme: "bb", count: 10_000)])
         var seen: [String: Int] = ["ba": 0, "bb": 0]
         var inOrder = true
-        for try await event in registry.deviceEvents() {
+        for try await event in await registry.deviceEvents() {
             let index = Int(event.device.url.split(separator: "/").last ?? "") ?? -1
             inOrder = inOrder && index == seen[event.device.scheme]
             seen[event.device.scheme, default: 0] += 1
@@ -490,7 +490,7 @@ struct RegistryRobustnessTests {
         }
         let registry = try TransportRegistry(plugins: [CancellingPlugin(scheme: "ca"), CancellingPlugin(scheme: "cb")])
         let error = await #expect(throws: TransportError.self) {
-            for try await _ in registry.deviceEvents() {}
+            for try await _ in await registry.deviceEvents() {}
         }
         #expect(error?.message.contains("watching the devices of ca://") == true || error?.message.contains("watching the devices of cb://") == true,
                 "\(String(describing: error))")
@@ -500,7 +500,7 @@ struct RegistryRobustnessTests {
         let first = PulledSource()
         let second = PulledSource()
         let registry = try TransportRegistry(plugins: [PulledPlugin(scheme: "pa", source: first), PulledPlugin(scheme: "pb", source: second)])
-        var iterator = registry.deviceEvents().makeAsyncIterator()
+        var iterator = await registry.deviceEvents().makeAsyncIterator()
         for _ in 0..<10 { _ = try await iterator.next() }
         try await Task.sleep(for: .milliseconds(100))
         let ahead = first.produced.load(ordering: .relaxed) + second.produced.load(ordering: .relaxed) - 10

@@ -3,8 +3,10 @@ import Glibc
 import TestSupport
 import SystemPackage
 import Testing
-@testable import TransportKit
+@_spi(Plugins) @testable import TransportKit
 @testable import TransportKitSerial
+@_spi(Plugins) import TransportKitLinux
+import TransportKitUdev
 
 /// A pseudo-terminal pair made with plain openpty(3): the test holds the master and plays the
 /// device; the code under test opens `path` (the slave) as tty://.
@@ -427,14 +429,25 @@ struct KernelUeventTests {
         }
     }
 
+    /// The calling thread's name, as ps shows it.
+    static func threadName() -> String {
+        ((try? String(contentsOfFile: "/proc/thread-self/comm", encoding: .utf8)) ?? "").trimmingCharacters(in: .newlines)
+    }
+
     @Test("an overflowing socket (ENOBUFS) is re-enumerated and the monitor keeps going")
     func overflowResyncs() async throws {
+        // The threads the monitor read devices on, after the initializer's listing (this test's thread).
+        let listedOn = Locked<Set<String>>([])
         // A receive buffer the kernel rounds up to its minimum: a burst overflows it.
-        let monitor = try SerialDiscovery.monitor(include: { _ in true }, receiveBufferSize: 1)
+        let monitor = try SerialDiscovery.monitor(include: { _ in listedOn.withLock { _ = $0.insert(Self.threadName()) }; return true },
+                                                  receiveBufferSize: 1)
         #expect(monitor.group == "kernel" || monitor.group == "udev")
+        listedOn.withLock { $0.removeAll() }
         Self.trigger(300)
         let waiter = Task { try await monitor.next() }
         #expect(await eventually(5) { monitor.resyncCount >= 1 }, "ENOBUFS was reported and answered with a resync")
+        // (`include` also reads each received event's device, on the consumer's thread: one device, not a walk.)
+        #expect(listedOn.withLock { $0 }.contains("tk uevent resyn"), "the resync walks sysfs on a thread of its own (named as ps shows it: 15 bytes)")
         // After the resync the monitor must deliver events again. Other tests (and processes) can
         // trigger uevents too, and with this tiny buffer a few at once overflow it again, so keep
         // triggering until one arrives.
@@ -454,6 +467,30 @@ struct KernelUeventTests {
         }
         #expect(result?.0 == .changed)
         #expect(result?.1.devnode == "/dev/ptmx")
+    }
+
+    @Test("deviceEvents lists on Blocking's pool, returns subscribed, and reports what happens next")
+    func deviceEventsSubscribeOffTheCallersThread() async throws {
+        let madeOn = Locked<String?>(nil)
+        let events = await TTYMonitor.deviceEvents({
+            madeOn.withLock { $0 = Self.threadName() }
+            return try SerialDiscovery.monitor(include: { _ in true })
+        }, record: SerialDiscovery.record)
+        // Made before the call returned, on a thread of Blocking's pool, not this task's.
+        let poolThread = try await Blocking.run { Self.threadName() }
+        let made = try #require(madeOn.withLock { $0 }, "the monitor was made (and the ttys listed) before deviceEvents returned")
+        #expect(!poolThread.isEmpty && made != Self.threadName())
+        #expect(made.prefix { $0 != "#" } == poolThread.prefix { $0 != "#" }, "made on \(made), the pool's threads are named like \(poolThread)")
+        // Subscribed: an event right after the call is reported (retriggered, as other tests may
+        // overflow nothing here but the kernel group carries every process's events).
+        let first = Task { () -> DeviceEvent? in
+            for try await event in events where event.device.devnode == "/dev/ptmx" { return event }
+            return nil
+        }
+        Self.trigger()
+        let event = try await withTimeout(.seconds(5)) { try await first.value } ?? nil
+        #expect(event?.action == .changed)
+        first.cancel()
     }
 
     @Test("a waiting monitor is cancelled promptly")

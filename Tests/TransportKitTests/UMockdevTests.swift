@@ -203,7 +203,7 @@ struct UMockdevDiscoveryTests {
     @Test("the registry's event stream and tty://…?wait=true see an arrival")
     func waitForArrival() async throws {
         let testbed = try UMockdevTestbed()
-        let events = Transport.registry.deviceEvents()
+        let events = await Transport.registry.deviceEvents()
         let adapter = FakeSerial.ch340()
         let pty = try TestPTY()
         defer { pty.closeMaster() }

@@ -160,7 +160,7 @@ struct UMockdevUSBTests {
     @Test("the registry's event stream carries USB arrivals, and usb://…?wait=true waits for one")
     func registryEventsAndWait() async throws {
         let testbed = try UMockdevTestbed()
-        let events = Transport.registry.deviceEvents()
+        let events = await Transport.registry.deviceEvents()
         let waiting = Task { try await USBDiscovery.resolve(USBDiscovery.selector(Transport.registry.resolve("usb://1d50:6089?wait=true")), wait: true) }
         try await Task.sleep(for: .milliseconds(300))
         let arriving = FakeUSB.hackRF()

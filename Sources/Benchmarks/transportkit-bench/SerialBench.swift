@@ -86,7 +86,7 @@ enum SerialBench {
     }
 
     static func hotPlugLatency(uevent: String, events: Int) async throws -> Double {
-        var iterator = Transport.registry.deviceEvents(includeAll: true).makeAsyncIterator()
+        var iterator = await Transport.registry.deviceEvents(includeAll: true).makeAsyncIterator()
         var total = Duration.zero
         for _ in 0..<events {
             let start = ContinuousClock.now

@@ -155,13 +155,14 @@ public struct BluetoothPlugin: TransportPlugin {
     }
 
     /// Adapters arriving and going away (a USB dongle plugged in, a controller removed), from
-    /// bluetoothd's InterfacesAdded and InterfacesRemoved. `nil` when there is no system bus (its
-    /// socket file is missing); the sequence ends at once, without an error, when the bus is there
-    /// but cannot be connected to (the connection is opened by the sequence's task, off the
+    /// bluetoothd's InterfacesAdded and InterfacesRemoved, subscribed (and the adapters listed,
+    /// so that a removal can say what went away) when this returns. `nil` when there is no system
+    /// bus (its socket file is missing); the sequence ends at once, without an error, when the bus
+    /// is there but cannot be connected to (the connection is opened on `Blocking`'s pool, off the
     /// caller's thread).
-    public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
+    public func deviceEvents(includeAll: Bool) async -> AsyncThrowingStream<DeviceEvent, any Error>? {
         guard BlueZ.mayBeReachable(bus) else { return nil }
-        return AdapterEvents.stream(bus)
+        return await AdapterEvents.stream(bus)
     }
 
     static func record(_ adapter: BluetoothAdapter) -> DeviceRecord {
@@ -178,22 +179,34 @@ enum AdapterEvents {
     /// Events unread before the sequence ends with an error (as many as the signals it reads).
     static let limit = BlueZ.objectSignalLimit
 
-    static func stream(_ bus: DBusConnection.Bus) -> AsyncThrowingStream<DeviceEvent, any Error> {
+    /// Subscribes (and lists the adapters) before it returns; the signals are read by a task the
+    /// stream owns.
+    static func stream(_ bus: DBusConnection.Bus) async -> AsyncThrowingStream<DeviceEvent, any Error> {
         // Bounded: a reader that falls `limit` events behind gets an error, not a growing queue.
         let (stream, continuation) = AsyncThrowingStream<DeviceEvent, any Error>.makeStream(bufferingPolicy: .bufferingOldest(limit))
         let overflow = TransportError(.io, "the reader of Bluetooth adapter events fell \(limit) events behind; list the adapters again")
-        let task = Task {
-            // No bus to be had: no events to offer, as `devices` lists none.
-            guard let bluez = try? await BlueZ.shared(bus) else { return continuation.finish() }
+        // No bus to be had: no events to offer, as `devices` lists none.
+        guard let bluez = try? await BlueZ.shared(bus) else {
+            continuation.finish()
+            return stream
+        }
+        let signals: AsyncThrowingStream<DBusSignal, any Error>
+        do {
+            // Every object bluetoothd adds or removes (a scan's devices too), read as they come.
+            signals = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
+                                                  buffering: .all(limit: BlueZ.objectSignalLimit))
+        } catch {
+            continuation.finish(throwing: error)
+            return stream
+        }
+        // Known adapters, so a removal can say what went away.
+        var listed: [String: BluetoothAdapter] = [:]
+        if let adapters = try? await bluez.objects().adapters {
+            for adapter in adapters { listed[adapter.path] = adapter }
+        }
+        let task = Task { [listed] in
+            var known = listed
             do {
-                // Every object bluetoothd adds or removes (a scan's devices too), read as they come.
-                let signals = try await bluez.bus.signals(DBusMatch(sender: BlueZ.service, interface: BlueZ.objectManager),
-                                                          buffering: .all(limit: BlueZ.objectSignalLimit))
-                // Known adapters, so a removal can say what went away.
-                var known: [String: BluetoothAdapter] = [:]
-                if let adapters = try? await bluez.objects().adapters {
-                    for adapter in adapters { known[adapter.path] = adapter }
-                }
                 for try await signal in signals {
                     guard case .objectPath(let path)? = signal.values.first else { continue }
                     switch signal.member {

@@ -214,7 +214,7 @@ final class ReconnectCore: Sendable {
         let deadline = settings.giveUpAfter.map { started + $0 }
         // Watching before the loss is announced: a device plugged in again by someone reacting
         // to the event is seen.
-        let arrivals = ArrivalWatch(request.innerDeviceEvents())
+        let arrivals = ArrivalWatch(await request.innerDeviceEvents())
         defer { arrivals.stop() }
         var delay = nextDelay(until: deadline)
         events.emit(.disconnected(error, nextAttempt: delay))

@@ -272,8 +272,9 @@ enum SerialDiscovery {
                         read: { name, _ in TTYDeviceInfo.named(name).flatMap { include($0) ? $0 : nil } })
     }
 
-    /// Hot-plug events for serial ports, subscribed at once.
-    static func events(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        TTYMonitor.deviceEvents({ try monitor(include: { includeAll || $0.isReal }) }, record: record)
+    /// Hot-plug events for serial ports, subscribed (and every tty listed, on `Blocking`'s pool)
+    /// when this returns.
+    static func events(includeAll: Bool) async -> AsyncThrowingStream<DeviceEvent, any Error> {
+        await TTYMonitor.deviceEvents({ try monitor(include: { includeAll || $0.isReal }) }, record: record)
     }
 }

@@ -92,9 +92,10 @@ public struct SerialPlugin: TransportPlugin {
         try await Blocking.run { try SerialDiscovery.list(includeAll: includeAll) }
     }
 
-    /// Arrivals and removals of serial ports, subscribed before this returns.
-    public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
-        SerialDiscovery.events(includeAll: includeAll)
+    /// Arrivals and removals of serial ports, subscribed before this returns (the walk of sysfs
+    /// that subscribing makes runs on `Blocking`'s pool).
+    public func deviceEvents(includeAll: Bool) async -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        await SerialDiscovery.events(includeAll: includeAll)
     }
 }
 

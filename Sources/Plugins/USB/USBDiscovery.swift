@@ -104,8 +104,9 @@ enum USBDiscovery {
                         read: { name, _ in USBDevices.named(name).flatMap { shown($0, includeAll: includeAll) ? $0 : nil } })
     }
 
-    /// Hot-plug events for USB devices, subscribed at once.
-    static func events(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        USBMonitor.deviceEvents({ try monitor(includeAll: includeAll) }, record: record)
+    /// Hot-plug events for USB devices, subscribed (and every USB device listed, on `Blocking`'s
+    /// pool) when this returns.
+    static func events(includeAll: Bool) async -> AsyncThrowingStream<DeviceEvent, any Error> {
+        await USBMonitor.deviceEvents({ try monitor(includeAll: includeAll) }, record: record)
     }
 }

@@ -207,8 +207,9 @@ public struct USBPlugin: TransportPlugin {
     }
 
     /// Arrivals and removals of USB devices (each once, an arrival once the device is configured),
-    /// subscribed before this returns.
-    public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
-        USBDiscovery.events(includeAll: includeAll)
+    /// subscribed before this returns (the walk of sysfs that subscribing makes runs on
+    /// `Blocking`'s pool).
+    public func deviceEvents(includeAll: Bool) async -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        await USBDiscovery.events(includeAll: includeAll)
     }
 }

@@ -95,9 +95,13 @@ public enum Transport {
         await registry.devices(includeAll: includeAll)
     }
 
-    /// Hot-plug events of every plugin; see `TransportRegistry.deviceEvents`.
-    public static func deviceEvents(includeAll: Bool = false) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        registry.deviceEvents(includeAll: includeAll)
+    /// Hot-plug events of every plugin, subscribed when this returns; see `TransportRegistry.deviceEvents`.
+    ///
+    /// ```swift
+    /// for try await event in await Transport.deviceEvents() { print(event.action, event.device.url) }
+    /// ```
+    public static func deviceEvents(includeAll: Bool = false) async -> AsyncThrowingStream<DeviceEvent, any Error> {
+        await registry.deviceEvents(includeAll: includeAll)
     }
 
     /// Registers an application's plugin; see `TransportRegistry.register`.

@@ -31,7 +31,10 @@ public protocol TransportPlugin: Sendable {
     /// subscribes before it returns, so an event that happens after this call is not missed;
     /// `includeAll` as in ``devices(includeAll:)``. The stream should be driven by its consumer
     /// (pull), or buffer boundedly and repair an overflow itself (re-list, report the difference).
-    func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>?
+    /// Subscribing may have to list what is there (so a removal can say what went away): that
+    /// listing belongs off the caller's thread (`Blocking.run` in TransportKitLinux), which is
+    /// why this is `async`. A synchronous implementation satisfies it too.
+    func deviceEvents(includeAll: Bool) async -> AsyncThrowingStream<DeviceEvent, any Error>?
 }
 
 extension TransportPlugin {
@@ -224,9 +227,9 @@ public struct ConnectRequest: Sendable {
     /// Hot-plug events of the plugin that serves the wrapped URL's innermost scheme (`tty` for
     /// `reconnect+spy+tty://…`), or nil when it reports none (`tcp`): for a wrapper that waits
     /// for a device to come back.
-    @_spi(Plugins) public func innerDeviceEvents() -> AsyncThrowingStream<DeviceEvent, any Error>? {
+    @_spi(Plugins) public func innerDeviceEvents() async -> AsyncThrowingStream<DeviceEvent, any Error>? {
         guard let inner = url.inner else { return nil }
-        return registry.deviceEvents(servingScheme: inner.innermost.scheme)
+        return await registry.deviceEvents(servingScheme: inner.innermost.scheme)
     }
 
     /// `true` when the wrapped URL's scheme takes layers beneath its protocol

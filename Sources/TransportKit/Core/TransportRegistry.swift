@@ -383,6 +383,11 @@ public final class TransportRegistry: Sendable {
 
     /// Hot-plug events of every plugin that reports them, merged into one stream.
     ///
+    /// Returns once every plugin has subscribed (the plugins subscribe concurrently): a device
+    /// that arrives or goes away after the call is reported. Subscribing lists what is there, so
+    /// that a removal can say what went away; plugins do that off the caller's thread, which is
+    /// why the call is `async`.
+    ///
     /// Nothing is dropped: a plugin's stream is read only as fast as the merged stream is, so a
     /// slow consumer holds the sources back (the kernel's buffers, and a plugin's resync, take the
     /// rest) instead of filling a buffer that would overflow. The stream ends with an error when a
@@ -390,12 +395,21 @@ public final class TransportRegistry: Sendable {
     /// handed out as it is, with its own errors).
     ///
     /// ```swift
-    /// for try await event in registry.deviceEvents() { print(event.action, event.device.url) }
+    /// for try await event in await registry.deviceEvents() { print(event.action, event.device.url) }
     /// ```
-    public func deviceEvents(includeAll: Bool = false) -> AsyncThrowingStream<DeviceEvent, any Error> {
-        let sources = uniquePlugins().compactMap { plugin, schemes in
-            plugin.deviceEvents(includeAll: includeAll).map { (schemes, $0) }
+    public func deviceEvents(includeAll: Bool = false) async -> AsyncThrowingStream<DeviceEvent, any Error> {
+        let plugins = uniquePlugins()
+        let subscribed = await withTaskGroup(of: (Int, AsyncThrowingStream<DeviceEvent, any Error>?).self) { group in
+            for (index, entry) in plugins.enumerated() {
+                let plugin = entry.plugin
+                group.addTask { (index, await plugin.deviceEvents(includeAll: includeAll)) }
+            }
+            var streams = [AsyncThrowingStream<DeviceEvent, any Error>?](repeating: nil, count: plugins.count)
+            for await (index, stream) in group { streams[index] = stream }
+            return streams
         }
+        // In scheme order, whichever plugin subscribed first.
+        let sources = zip(plugins, subscribed).compactMap { entry, stream in stream.map { (entry.schemes, $0) } }
         // One source (the usual case): hand it out as it is, pull-driven, with no extra hop.
         if sources.count == 1, let only = sources.first { return only.1 }
         return EventMerge.merge(sources)
@@ -403,9 +417,9 @@ public final class TransportRegistry: Sendable {
 
     /// Arrivals and removals reported by the plugin that serves `scheme`, or nil when it reports
     /// none (or no plugin serves it).
-    func deviceEvents(servingScheme scheme: String) -> AsyncThrowingStream<DeviceEvent, any Error>? {
-        let plugin = table.withLock { $0.schemes[scheme.lowercased()]?.plugin }
-        return plugin?.deviceEvents(includeAll: false)
+    func deviceEvents(servingScheme scheme: String) async -> AsyncThrowingStream<DeviceEvent, any Error>? {
+        guard let plugin = table.withLock({ $0.schemes[scheme.lowercased()]?.plugin }) else { return nil }
+        return await plugin.deviceEvents(includeAll: false)
     }
 
     /// Each registered plugin once, with its schemes, in scheme order.

@@ -9,6 +9,8 @@
 //   messages, recvmsg fails with ENOBUFS and the monitor re-enumerates and reports the difference
 //   instead of going silent.
 // - No thread waits: FileDescriptor.wait(until: .readable) (TransportKitLinux) resumes the consumer.
+// - No walk of sysfs on the consumer's thread: `deviceEvents` makes the monitor (which lists) on
+//   Blocking's pool, a resync runs on a thread of its own.
 // - Backpressure: events are pulled; while nobody pulls, the kernel's socket buffer holds them
 //   and an overflow is repaired by the resync above. No queue grows without bound.
 
@@ -67,7 +69,8 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
         var resyncs = 0
     }
 
-    /// Subscribes to the subsystem's uevents, then enumerates what is there.
+    /// Subscribes to the subsystem's uevents, then enumerates what is there. That walk blocks:
+    /// from a task, make the monitor through `Blocking.run` (as ``deviceEvents(_:record:)`` does).
     /// - Parameters:
     ///   - subsystem: the uevent subsystem to receive (`tty`, `usb`, `bluetooth`).
     ///   - devtype: narrows it (`usb_device` leaves out USB interfaces).
@@ -132,7 +135,8 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
     public var knownDevices: [Record] { state.withLock { Array($0.known.values) } }
 
     /// The next event; waits without holding a thread. Throws `CancellationError` when cancelled.
-    /// One consumer at a time: a resync lists with the lock released, and a concurrent `next()`
+    /// After an overflow (ENOBUFS) the re-enumeration runs on a thread started for it, and is
+    /// finished even when the caller is cancelled meanwhile. One consumer at a time: a resync lists with the lock released, and a concurrent `next()`
     /// could report an event that the resync's result then overwrites.
     public func next() async throws -> (Action, Record) {
         while true {
@@ -143,7 +147,9 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
             case .again:
                 try await fd.wait(until: .readable)
             case .overflow:
-                try resync()
+                // The walk of sysfs on a thread of its own (rare: after the kernel dropped
+                // uevents), not on the consumer's and not in a pool's queue behind other work.
+                try await Blocking.runOnThread("tk uevent resync") { try self.resync() }
             }
         }
     }
@@ -272,20 +278,23 @@ extension UdevMonitor {
 }
 
 extension UdevMonitor {
-    /// A plugin's `deviceEvents`: the events of the monitor `make` subscribes (at once), each
-    /// device turned into the registry's record by `record`. A monitor that cannot be made ends the
-    /// stream with its error.
+    /// A plugin's `deviceEvents`: the events of the monitor `make` subscribes, each device turned
+    /// into the registry's record by `record`. `make` (which subscribes and lists the subsystem's
+    /// devices) runs on `Blocking`'s pool, and this returns once it has: an event after the call is
+    /// not missed, and a device removed right after it is reported with its listed record. A
+    /// monitor that cannot be made ends the stream with its error (a caller cancelled while `make`
+    /// still waited for the pool: `CancellationError`).
     ///
     /// ```swift
-    /// public func deviceEvents(includeAll: Bool) -> AsyncThrowingStream<DeviceEvent, any Error>? {
-    ///     UdevMonitor.deviceEvents({ try USBDiscovery.monitor(includeAll: includeAll) }, record: USBDiscovery.record)
+    /// public func deviceEvents(includeAll: Bool) async -> AsyncThrowingStream<DeviceEvent, any Error>? {
+    ///     await UdevMonitor.deviceEvents({ try USBDiscovery.monitor(includeAll: includeAll) }, record: USBDiscovery.record)
     /// }
     /// ```
-    public static func deviceEvents(_ make: () throws -> UdevMonitor<Record>,
-                                    record: @escaping @Sendable (Record) -> DeviceRecord) -> AsyncThrowingStream<DeviceEvent, any Error> {
+    public static func deviceEvents(_ make: @escaping @Sendable () throws -> UdevMonitor<Record>,
+                                    record: @escaping @Sendable (Record) -> DeviceRecord) async -> AsyncThrowingStream<DeviceEvent, any Error> {
         let monitor: UdevMonitor<Record>
         do {
-            monitor = try make()
+            monitor = try await Blocking.run(make)
         } catch {
             return AsyncThrowingStream { $0.finish(throwing: error) }
         }
