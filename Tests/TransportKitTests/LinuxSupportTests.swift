@@ -321,3 +321,126 @@ struct WorkerThreadTests {
         }
     }
 }
+
+/// PacketSocketBackend on an AF_UNIX SOCK_SEQPACKET pair whose send buffer is the kernel's
+/// minimum, so that a write of many records finds it full after a few.
+@Suite("TransportKitLinux: SEQPACKET records", .serialized)
+struct PacketSocketTests {
+    static let mtu = 100
+
+    /// Threads of this process named as the record sender is (ps shows 15 bytes).
+    static func senderThreads() -> Int {
+        let tasks = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/task")) ?? []
+        return tasks.filter { task in
+            (try? String(contentsOfFile: "/proc/self/task/\(task)/comm", encoding: .utf8))?.hasPrefix("tk record send") == true
+        }.count
+    }
+
+    static func connection(_ fd: Int32) throws -> Connection {
+        var size: Int32 = 1   // rounded up to the kernel's minimum
+        _ = setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, socklen_t(MemoryLayout<Int32>.size))
+        let backend = PacketSocketBackend(adopting: FileDescriptor(rawValue: fd), describing: "a seqpacket pair",
+                                          receiveSize: 2048, maximumWriteSize: mtu) { errno, call in
+            TransportError(.disconnected, "the peer went away", errno: errno, syscall: call)
+        }
+        return Connection(url: try TransportURL("loop://"), backend: backend)
+    }
+
+    /// The records waiting on `fd`, without waiting for more.
+    static func queuedRecords(_ fd: Int32) -> [[UInt8]] {
+        var records: [[UInt8]] = []
+        var buffer = [UInt8](repeating: 0, count: 2048)
+        while case let count = recv(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT)), count > 0 {
+            records.append(Array(buffer.prefix(count)))
+        }
+        return records
+    }
+
+    static func pattern(_ count: Int) -> [UInt8] { (0..<count).map { UInt8(truncatingIfNeeded: $0 &* 7 &+ $0 >> 8) } }
+
+    @Test func aWriteOfManyRecordsGoesOutWholeAndInOrderThroughAFullSocket() async throws {
+        let (mine, peer) = try socketPair(SOCK_SEQPACKET)
+        defer { _ = Glibc.close(peer) }
+        let connection = try Self.connection(mine)
+        let data = Self.pattern(100_000)
+        // A slow reader: it pauses every 50 records, so the socket fills again and again.
+        let reader = Task {
+            try await Blocking.runOnThread("tk test reader") { () -> [[UInt8]] in
+                var records: [[UInt8]] = []
+                var buffer = [UInt8](repeating: 0, count: 2048)
+                var total = 0
+                while total < data.count {
+                    let count = recv(peer, &buffer, buffer.count, 0)
+                    guard count > 0 else { break }
+                    records.append(Array(buffer.prefix(count)))
+                    total += count
+                    if records.count % 50 == 0 { usleep(1000) }
+                }
+                return records
+            }
+        }
+        try await connection.write(data)
+        let records = try await reader.value
+        #expect(records.count == 1000 && records.allSatisfy { $0.count == Self.mtu }, "\(records.count) records")
+        #expect(records.flatMap { $0 } == data)
+        #expect(connection.bytesWritten == data.count)
+        #expect(Self.senderThreads() == 1, "the records beyond the full socket went out from the connection's sender thread")
+        try await connection.close()
+        #expect(Self.senderThreads() == 0, "closing ended the sender thread")
+    }
+
+    @Test func aCancelledWriteStopsBetweenRecordsAndCountsWhatWent() async throws {
+        let (mine, peer) = try socketPair(SOCK_SEQPACKET)
+        defer { _ = Glibc.close(peer) }
+        let connection = try Self.connection(mine)
+        let data = Self.pattern(100_000)
+        let writer = Task { try await connection.write(data) }
+        // Nobody reads: the socket is full and the sender thread waits in poll(2).
+        #expect(await eventually { Self.senderThreads() == 1 })
+        writer.cancel()
+        await #expect(throws: CancellationError.self) { try await writer.value }
+        let written = connection.bytesWritten
+        #expect(written > 0 && written < data.count && written % Self.mtu == 0, "\(written) bytes counted as written")
+        // What was counted is there, as whole records, and nothing more.
+        let records = Self.queuedRecords(peer)
+        #expect(records.flatMap { $0 } == Array(data.prefix(written)))
+        // The connection writes on; a stale wake-up from the cancel does not stop the next write.
+        let reader = Task { try await Blocking.runOnThread("tk test reader") { () -> Int in
+            var buffer = [UInt8](repeating: 0, count: 2048)
+            var total = 0
+            while total < 20_000, case let count = recv(peer, &buffer, buffer.count, 0), count > 0 { total += count }
+            return total
+        } }
+        try await connection.write(Self.pattern(20_000))
+        #expect(try await reader.value == 20_000)
+        try await connection.close()
+        #expect(Self.senderThreads() == 0)
+    }
+
+    @Test func closingDuringABlockedWriteEndsItPromptly() async throws {
+        let (mine, peer) = try socketPair(SOCK_SEQPACKET)
+        defer { _ = Glibc.close(peer) }
+        let connection = try Self.connection(mine)
+        let writer = Task { try await connection.write(Self.pattern(100_000)) }
+        #expect(await eventually { Self.senderThreads() == 1 })
+        let started = ContinuousClock.now
+        try await connection.close()
+        let error = await #expect(throws: TransportError.self) { try await writer.value }
+        #expect(error?.kind == .misuse && error?.message.contains("closed during a write") == true, "\(String(describing: error))")
+        #expect(ContinuousClock.now - started < .seconds(2))
+        #expect(Self.senderThreads() == 0)
+    }
+
+    @Test func aPeerThatGoesAwayDuringABlockedWriteIsAHangUp() async throws {
+        let (mine, peer) = try socketPair(SOCK_SEQPACKET)
+        let connection = try Self.connection(mine)
+        let writer = Task { try await connection.write(Self.pattern(100_000)) }
+        #expect(await eventually { Self.senderThreads() == 1 })
+        _ = Glibc.close(peer)
+        let error = await #expect(throws: TransportError.self) { try await writer.value }
+        #expect(error?.kind == .disconnected && error?.syscall == "send", "\(String(describing: error))")
+        #expect([Errno.brokenPipe, .connectionReset].contains(error?.errno ?? .badFileDescriptor), "\(String(describing: error))")
+        try await connection.close()
+        #expect(Self.senderThreads() == 0)
+    }
+}

@@ -361,12 +361,15 @@ public final class Connection: Sendable {
     public func write(_ buffer: ByteBuffer) async throws {
         try checkWritable()
         guard buffer.readableBytes > 0 else { return }
-        if backend.maximumWriteSize != nil {
+        if let limit = backend.maximumWriteSize {
             try await inTurn {
-                var rest = buffer
-                while let chunk = nextChunk(of: &rest) {
-                    try await backend.write(chunk)
-                    counters.written.add(chunk.readableBytes, ordering: .relaxed)
+                if buffer.readableBytes <= limit {
+                    try await backend.write(buffer)
+                    counters.written.add(buffer.readableBytes, ordering: .relaxed)
+                } else {
+                    // Several records: the backend may send them all per wake-up.
+                    let counters = counters
+                    try await backend.writeRecords(buffer) { counters.written.add($0, ordering: .relaxed) }
                 }
             }
         } else {

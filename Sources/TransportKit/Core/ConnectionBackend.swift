@@ -93,6 +93,14 @@ public protocol ConnectionBackend: AnyObject, Sendable {
     /// against a timer (so part may have gone); a backend that can wait for room before it hands
     /// anything over (``ChannelBackend``) sends all or nothing.
     func write(_ buffer: ByteBuffer, deadline: ContinuousClock.Instant) async throws
+    /// Sends `buffer` as consecutive records of at most ``maximumWriteSize`` bytes each, in order,
+    /// and tells `accepted` the size of each record the transport took. ``Connection`` calls it
+    /// for a write larger than one record on a backend with a ``maximumWriteSize``, with no other
+    /// write in between. The default reads ``maximumWriteSize`` before each record (it may change
+    /// while connected) and writes the record with ``write(_:)``; a backend that can send several
+    /// records per wake-up overrides it (`PacketSocketBackend` sends them from a thread the kernel
+    /// wakes as room comes, and resumes the writing task once).
+    func writeRecords(_ buffer: ByteBuffer, accepted: @escaping @Sendable (Int) -> Void) async throws
 }
 
 /// What ``ConnectionBackend/write(_:deadline:)`` throws when the deadline passed before the write
@@ -156,6 +164,16 @@ extension ConnectionBackend {
             throw ReadDeadlinePassed()
         }
         return message
+    }
+
+    /// By default one ``write(_:)`` per record, each at most ``maximumWriteSize`` bytes (read
+    /// before each: it may change while connected).
+    public func writeRecords(_ buffer: ByteBuffer, accepted: @escaping @Sendable (Int) -> Void) async throws {
+        var rest = buffer
+        while rest.readableBytes > 0, let record = rest.readSlice(length: min(max(1, maximumWriteSize ?? rest.readableBytes), rest.readableBytes)) {
+            try await write(record)
+            accepted(record.readableBytes)
+        }
     }
 
     /// By default races ``write(_:)`` against a timer: at the deadline the write is cancelled,

@@ -5,12 +5,17 @@
 // AcquireNotify (one datagram, one attribute value). Every record read is one message; every write
 // is sent as one record.
 //
-// Readiness comes from FileDescriptor.wait(until:) (no thread parked). Closing shuts the socket down
-// first, so a read or write waiting for readiness wakes and leaves, and closes the descriptor only
-// once nothing waits on it (DescriptorGate).
+// Readiness comes from FileDescriptor.wait(until:) (no thread parked). A write of several records
+// (a 4 KiB write cut to an L2CAP send MTU) that finds the socket full sends the rest from a
+// thread of the connection's own, blocked in poll(2) between records, so that the kernel wakes
+// the sender directly as credits come back and the writing task is resumed once per write, not
+// once per record (RecordSender, below). Closing shuts the socket down first, so a read or write
+// waiting for readiness wakes and leaves, and closes the descriptor only once nothing waits on it
+// (DescriptorGate).
 
 import Glibc
 import NIOCore
+import Synchronization
 import SystemPackage
 @_spi(Plugins) import TransportKitCore
 
@@ -43,6 +48,8 @@ public final class PacketSocketBackend: ConnectionBackend {
     private let hangUp: HangUp
     /// The socket is AF_UNIX (read once, at adoption).
     private let isUnixSocket: Bool
+    /// Made at the first write of several records that finds the socket full; ended at close.
+    private let sender = Locked<RecordSender?>(nil)
 
     /// Takes ownership of a connected SOCK_SEQPACKET socket and starts reading it.
     ///
@@ -107,20 +114,81 @@ public final class PacketSocketBackend: ConnectionBackend {
         guard gate.enter() else { throw TransportError(.misuse, "\(describing) is closed") }
         defer { gate.leave() }
         while true {
-            let result = Syscall.attempt { buffer.withUnsafeReadableBytes { send(fd.rawValue, $0.baseAddress, $0.count, Int32(MSG_NOSIGNAL | MSG_DONTWAIT)) } }
-            switch result {
+            switch Self.send(fd, buffer, buffer.readableBytes) {
             case .success: return
             case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
                 try await fd.wait(until: .writable)
                 if gate.isClosed { throw TransportError(.misuse, "\(describing) was closed during a write") }
-            case .failure(.messageTooLong):
-                throw TransportError.posix("send", errno: .messageTooLong, what: describing,
-                                           hint: "a write of \(buffer.readableBytes) bytes is larger than the peer accepts (\(maximumWriteSize.map(String.init) ?? "?") bytes)")
-            case .failure(let errno) where Self.hangUps.contains(errno):
-                throw hangUp(errno, "send")
             case .failure(let errno):
-                throw TransportError.posix("send", errno: errno, what: describing)
+                throw sendFailure(errno, length: buffer.readableBytes)
             }
+        }
+    }
+
+    /// Sends `buffer` as records of at most ``maximumWriteSize`` bytes, in order (the connection
+    /// calls this for a write larger than one record). Records go out from the calling task while
+    /// the socket takes them at once; once it is full, the rest are sent from a thread of this
+    /// connection's own that waits in poll(2) between records, and the task is resumed when the
+    /// last was taken. Cancelling the task stops the thread's sending before the next record
+    /// (records taken stay sent, and were reported to `accepted`). Errors as ``write(_:)``.
+    public func writeRecords(_ buffer: ByteBuffer, accepted: @escaping @Sendable (Int) -> Void) async throws {
+        guard gate.enter() else { throw TransportError(.misuse, "\(describing) is closed") }
+        defer { gate.leave() }
+        let limit = max(1, maximumWriteSize ?? buffer.readableBytes)
+        var rest = buffer
+        while rest.readableBytes > 0 {
+            let length = min(limit, rest.readableBytes)
+            switch Self.send(fd, rest, length) {
+            case .success:
+                rest.moveReaderIndex(forwardBy: length)
+                accepted(length)
+            case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
+                try await sendFromThread(rest, limit: limit, accepted: accepted)
+                return
+            case .failure(let errno):
+                throw sendFailure(errno, length: length)
+            }
+        }
+    }
+
+    /// One record of `length` bytes from the start of `records`, without waiting.
+    fileprivate static func send(_ fd: SystemPackage.FileDescriptor, _ records: ByteBuffer, _ length: Int) -> Result<Int, Errno> {
+        Syscall.attempt { records.withUnsafeReadableBytes { Glibc.send(fd.rawValue, $0.baseAddress, length, Int32(MSG_NOSIGNAL | MSG_DONTWAIT)) } }
+    }
+
+    /// What a failed send(2) of a `length`-byte record throws.
+    private func sendFailure(_ errno: Errno, length: Int) -> TransportError {
+        if gate.isClosed { return TransportError(.misuse, "\(describing) was closed during a write") }
+        switch errno {
+        case .messageTooLong:
+            return TransportError.posix("send", errno: .messageTooLong, what: describing,
+                                        hint: "a write of \(length) bytes is larger than the peer accepts (\(maximumWriteSize.map(String.init) ?? "?") bytes)")
+        case let errno where Self.hangUps.contains(errno):
+            return hangUp(errno, "send")
+        default:
+            return TransportError.posix("send", errno: errno, what: describing)
+        }
+    }
+
+    /// Sends `records` from the connection's sender thread; returns once all were taken.
+    private func sendFromThread(_ records: ByteBuffer, limit: Int, accepted: @escaping @Sendable (Int) -> Void) async throws {
+        let sender = try sender.withLock { sender in
+            if let sender { return sender }
+            let made = try RecordSender()
+            sender = made
+            return made
+        }
+        let job = RecordSender.Job(fd: fd, records: records, limit: limit, accepted: accepted)
+        let outcome = await withTaskCancellationHandler {
+            await sender.run(job)
+        } onCancel: {
+            sender.cancel(job)
+        }
+        switch outcome {
+        case .sent: return
+        case .cancelled: throw CancellationError()
+        case .notRun: throw TransportError(.misuse, "\(describing) was closed during a write")
+        case .failed(let errno, let length): throw sendFailure(errno, length: length)
         }
     }
 
@@ -198,6 +266,107 @@ public final class PacketSocketBackend: ConnectionBackend {
             task?.cancel()
             await task?.value
         }
-        if closed { inbound.finish() }
+        if closed {
+            inbound.finish()
+            // No write is inside any more (the gate is closed): the thread is idle.
+            let sender = sender.withLock { sender in
+                defer { sender = nil }
+                return sender
+            }
+            await sender?.finish()
+        }
+    }
+}
+
+/// A thread that sends records on one socket, blocked in poll(2) while the socket is full, and
+/// a wake pipe through which a cancelled write stops it between records. One job (one write's
+/// records) at a time: ``Connection`` serializes the writes of several records.
+private final class RecordSender: Sendable {
+    /// One write's records and where its sending stands.
+    final class Job: Sendable {
+        let fd: SystemPackage.FileDescriptor
+        let records: ByteBuffer
+        let limit: Int
+        let accepted: @Sendable (Int) -> Void
+        /// Set by the writing task's cancellation; read by the thread between records.
+        let cancelled = Atomic<Bool>(false)
+
+        init(fd: SystemPackage.FileDescriptor, records: ByteBuffer, limit: Int, accepted: @escaping @Sendable (Int) -> Void) {
+            self.fd = fd
+            self.records = records
+            self.limit = limit
+            self.accepted = accepted
+        }
+    }
+
+    enum Outcome: Sendable {
+        case sent
+        case cancelled
+        /// The thread takes no more jobs (the connection is closing).
+        case notRun
+        /// send(2) failed with this errno on a record of this length.
+        case failed(Errno, length: Int)
+    }
+
+    private let thread: JobThread
+    /// Polled beside the socket: a cancel pokes it.
+    private let wake: WakePipe
+
+    init() throws {
+        let wake = try WakePipe(what: "a record sender's wake pipe", blockingRead: false)
+        do {
+            thread = try JobThread(name: "tk record send")
+        } catch {
+            wake.close()
+            throw error
+        }
+        self.wake = wake
+    }
+
+    deinit {
+        // Every job holds the sender, so none is running: the pipe is unused.
+        wake.close()
+    }
+
+    /// Runs `job` on the thread and returns how it ended.
+    func run(_ job: Job) async -> Outcome {
+        await withCheckedContinuation { continuation in
+            let queued = thread.submit { [self] in continuation.resume(returning: send(job)) }
+            if !queued { continuation.resume(returning: .notRun) }
+        }
+    }
+
+    /// Stops `job` before its next record (a wake-up for a job already over is ignored by the next).
+    func cancel(_ job: Job) {
+        job.cancelled.store(true, ordering: .sequentiallyConsistent)
+        wake.poke()
+    }
+
+    /// Ends the thread (idle by then) and joins it.
+    func finish() async {
+        await thread.finish()
+    }
+
+    /// On the thread: every record of `job`, waiting in poll(2) while the socket is full.
+    private func send(_ job: Job) -> Outcome {
+        var rest = job.records
+        var waits = [pollfd(fd: job.fd.rawValue, events: Int16(POLLOUT), revents: 0),
+                     pollfd(fd: wake.readEnd, events: Int16(POLLIN), revents: 0)]
+        while rest.readableBytes > 0 {
+            if job.cancelled.load(ordering: .sequentiallyConsistent) { return .cancelled }
+            let length = min(job.limit, rest.readableBytes)
+            switch PacketSocketBackend.send(job.fd, rest, length) {
+            case .success:
+                rest.moveReaderIndex(forwardBy: length)
+                job.accepted(length)
+            case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
+                // Woken by room (or the socket shut down: the next send fails), or by a cancel.
+                _ = Syscall.attempt { poll(&waits, 2, -1) }
+                if waits[1].revents != 0 { wake.drain() }
+            case .failure(let errno):
+                return .failed(errno, length: length)
+            }
+        }
+        return .sent
     }
 }

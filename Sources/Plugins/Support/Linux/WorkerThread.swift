@@ -170,26 +170,16 @@ public final class JobThread: Sendable {
             var ended = false
         }
         private let queue = Locked(Queue())
-        /// Blocking: the thread waits in read(2) on it while the queue is empty.
-        private let wakeRead: Int32
-        /// Non-blocking: a full pipe already holds a wake-up.
-        private let wakeWrite: Int32
+        /// Its read end blocks: the thread waits in read(2) on it while the queue is empty.
+        private let pipe: WakePipe
 
         init() throws {
-            var ends: [Int32] = [-1, -1]
-            guard pipe(&ends) == 0 else {
-                throw TransportError.posix("pipe", errno: Syscall.errno, what: "a job thread's wake pipe")
-            }
-            for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
-            _ = fcntl(ends[1], F_SETFL, O_NONBLOCK)
-            wakeRead = ends[0]
-            wakeWrite = ends[1]
+            pipe = try WakePipe(what: "a job thread's wake pipe", blockingRead: true)
         }
 
         /// Under the queue's lock, while not ended.
         private func poke() {
-            var one: UInt8 = 1
-            _ = Glibc.write(wakeWrite, &one, 1)
+            pipe.poke()
         }
 
         func submit(_ job: @escaping @Sendable () -> Void) -> Bool {
@@ -227,7 +217,7 @@ public final class JobThread: Sendable {
                 for job in jobs { job() }
                 guard jobs.isEmpty else { continue }
                 if !open { break }
-                _ = Glibc.read(wakeRead, &drain, drain.count)
+                _ = Glibc.read(pipe.readEnd, &drain, drain.count)
             }
             end()
         }
@@ -237,10 +227,57 @@ public final class JobThread: Sendable {
             queue.withLock { queue in
                 queue.open = false
                 queue.ended = true
-                _ = Glibc.close(wakeRead)
-                _ = Glibc.close(wakeWrite)
+                pipe.close()
             }
         }
+    }
+}
+
+/// A pipe that wakes a thread waiting in read(2) or poll(2) on its read end. Its write end does
+/// not block: a full pipe already holds a wake-up. Its owner closes it once no thread waits on it.
+///
+/// ```swift
+/// let wake = try WakePipe(what: "a sender's wake pipe", blockingRead: false)
+/// wake.poke()         // from any thread
+/// wake.drain()        // on the woken thread
+/// wake.close()
+/// ```
+struct WakePipe: Sendable {
+    /// Where the thread waits.
+    let readEnd: Int32
+    /// Where ``poke()`` writes.
+    let writeEnd: Int32
+
+    /// Makes the pipe (close-on-exec); `blockingRead: false` makes the read end non-blocking too,
+    /// for a thread that waits in poll(2) and drains with ``drain()``. Throws naming `what`.
+    init(what: String, blockingRead: Bool) throws {
+        var ends: [Int32] = [-1, -1]
+        guard pipe(&ends) == 0 else {
+            throw TransportError.posix("pipe", errno: Syscall.errno, what: what)
+        }
+        for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
+        _ = fcntl(ends[1], F_SETFL, O_NONBLOCK)
+        if !blockingRead { _ = fcntl(ends[0], F_SETFL, O_NONBLOCK) }
+        readEnd = ends[0]
+        writeEnd = ends[1]
+    }
+
+    /// Wakes the waiting thread (or the next to wait).
+    func poke() {
+        var one: UInt8 = 1
+        _ = Glibc.write(writeEnd, &one, 1)
+    }
+
+    /// Empties the pipe of wake-ups (a non-blocking read end only).
+    func drain() {
+        var bytes = [UInt8](repeating: 0, count: 64)
+        while Glibc.read(readEnd, &bytes, bytes.count) > 0 {}
+    }
+
+    /// Closes both ends.
+    func close() {
+        _ = Glibc.close(readEnd)
+        _ = Glibc.close(writeEnd)
     }
 }
 
