@@ -9,6 +9,7 @@ import NIOCore
 import Synchronization
 import TransportKit
 @_spi(Plugins) import TransportKitCore
+@_spi(Plugins) import TransportKitLinux
 
 /// Standard input, output and error as the tool was started with them.
 enum StandardStreams {
@@ -56,37 +57,6 @@ enum StandardStreamError: Error, CustomStringConvertible {
     }
 }
 
-/// A pipe whose read end a poll(2) watches beside the descriptor it waits for: one byte written
-/// to it ends that poll(2) and every later one (the byte is never read).
-final class WakePipe: Sendable {
-    /// The end poll(2) watches; -1 when pipe(2) failed (then nothing can cancel a wait).
-    let read: Int32
-    private let write: Int32
-
-    init() {
-        var ends: [Int32] = [-1, -1]
-        if pipe(&ends) == 0 {
-            for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
-            _ = fcntl(ends[1], F_SETFL, O_NONBLOCK)   // a second signal never blocks
-        } else {
-            ends = [-1, -1]
-        }
-        read = ends[0]
-        write = ends[1]
-    }
-
-    deinit {
-        if read >= 0 { Glibc.close(read) }
-        if write >= 0 { Glibc.close(write) }
-    }
-
-    /// Ends the current poll(2) on ``read`` and every later one.
-    func signal() {
-        var one: UInt8 = 1
-        _ = Glibc.write(write, &one, 1)
-    }
-}
-
 /// Waits in poll(2) for one descriptor, on one thread of its own for all its waits (started by the
 /// first): a relay into a slow pipe waits once per piece, and a thread per wait was a `clone3`
 /// each time. Cancelling the waiting task writes to a pipe that the same poll(2) watches, so the
@@ -99,7 +69,8 @@ final class DescriptorWait: Sendable {
         let fd: Int32
         let events: Int16
         /// Cancels the poll(2); readable from the first cancel on.
-        let wake = WakePipe()
+        /// Nil when pipe(2) failed: then nothing can cancel a wait.
+        let wake = try? WakePipe(what: "a wait's cancel pipe", blockingRead: true)
         /// Signalled once per wait asked for, and to stop the thread.
         let asked = DispatchSemaphore(value: 0)
         let waiting = Locked<CheckedContinuation<Int16?, Never>?>(nil)
@@ -120,7 +91,7 @@ final class DescriptorWait: Sendable {
         }
 
         private func blockingPoll() -> Int16? {
-            var fds = [pollfd(fd: fd, events: events, revents: 0), pollfd(fd: wake.read, events: Int16(POLLIN), revents: 0)]
+            var fds = [pollfd(fd: fd, events: events, revents: 0), pollfd(fd: wake?.readEnd ?? -1, events: Int16(POLLIN), revents: 0)]
             while true {
                 let ready = poll(&fds, 2, -1)
                 if ready < 0 && errno == EINTR { continue }
@@ -139,7 +110,7 @@ final class DescriptorWait: Sendable {
 
     deinit {
         shared.stopping.store(true, ordering: .releasing)
-        shared.wake.signal()
+        shared.wake?.poke()
         shared.asked.signal()
     }
 
@@ -165,7 +136,7 @@ final class DescriptorWait: Sendable {
 
     /// Makes the current and every later wait return `nil`.
     func cancel() {
-        shared.wake.signal()
+        shared.wake?.poke()
     }
 }
 
@@ -183,7 +154,7 @@ final class StandardInput: Sendable {
     /// Signalled when the relay has made room (the queue's `onResume`) and on cancel.
     private let room: DispatchSemaphore
     /// Cancels the thread's poll(2); closed after the thread ended (it holds this object).
-    private let wake = WakePipe()
+    private let wake = try? WakePipe(what: "standard input's cancel pipe", blockingRead: true)
     private let started = Atomic(false)
     private let cancelled = Atomic(false)
     /// The errno a read(2) failed with; the queue then fails, and ``next()`` throws it.
@@ -218,13 +189,13 @@ final class StandardInput: Sendable {
     /// before is taken.
     func cancel() {
         cancelled.store(true, ordering: .releasing)
-        wake.signal()
+        wake?.poke()
         room.signal()
     }
 
     /// The thread: poll(2), read(2), append, until the end, an error or a cancel.
     private func readAhead() {
-        var fds = [pollfd(fd: 0, events: Int16(POLLIN), revents: 0), pollfd(fd: wake.read, events: Int16(POLLIN), revents: 0)]
+        var fds = [pollfd(fd: 0, events: Int16(POLLIN), revents: 0), pollfd(fd: wake?.readEnd ?? -1, events: Int16(POLLIN), revents: 0)]
         while true {
             while !queue.shouldProduce() && !cancelled.load(ordering: .acquiring) { room.wait() }
             if cancelled.load(ordering: .acquiring) { return queue.finish() }

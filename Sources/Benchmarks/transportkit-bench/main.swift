@@ -242,17 +242,30 @@ let variants = [
     },
 ]
 
+/// The throughput cases of `--case`: seconds to move `totalBytes` (`--bytes`).
+let throughputCases: [String: () async throws -> Double] = [
+    "tput-c": { tk_bench_c_tcp_throughput(totalBytes, chunk) },
+    "tput": { try await transportKitThroughput() },
+    "tput-csink": { try await transportKitThroughputToCSink() },
+]
+
 // --case KEY (a variant's key, or c for the C loop): run one round-trip variant alone (for perf or
-// strace) and print µs per round.
+// strace) and print µs per round; tput-c, tput, tput-csink: one throughput transfer, printed in MiB/s
+// (Scripts/rtt-bench --throughput runs them in fresh processes).
 if let index = CommandLine.arguments.firstIndex(of: "--case"), index + 1 < CommandLine.arguments.count {
     let key = CommandLine.arguments[index + 1]
+    if let transfer = throughputCases[key] {
+        let seconds = try await transfer()
+        print(String(format: "%.1f MiB/s", Double(totalBytes) / 1_048_576 / seconds))
+        exit(0)
+    }
     let seconds: Double
     if let variant = variants.first(where: { $0.key == key }) {
         seconds = try await variant.run()
     } else if key == "c" {
         seconds = tk_bench_c_tcp_round_trips(Int32(rounds))
     } else {
-        print("--case: one of c, " + variants.map(\.key).joined(separator: ", "))
+        print("--case: one of c, " + variants.map(\.key).joined(separator: ", ") + ", " + throughputCases.keys.sorted().joined(separator: ", "))
         exit(2)
     }
     print(String(format: "%.1f µs", seconds / Double(rounds) * 1e6))

@@ -313,19 +313,8 @@ private final class RecordSender: Sendable {
     private let wake: WakePipe
 
     init() throws {
-        let wake = try WakePipe(what: "a record sender's wake pipe", blockingRead: false)
-        do {
-            thread = try JobThread(name: "tk record send")
-        } catch {
-            wake.close()
-            throw error
-        }
-        self.wake = wake
-    }
-
-    deinit {
-        // Every job holds the sender, so none is running: the pipe is unused.
-        wake.close()
+        wake = try WakePipe(what: "a record sender's wake pipe", blockingRead: false)
+        thread = try JobThread(name: "tk record send")
     }
 
     /// Runs `job` on the thread and returns how it ended.

@@ -166,7 +166,7 @@ public final class JobThread: Sendable {
             var jobs: [@Sendable () -> Void] = []
             /// Takes jobs; false once closed.
             var open = true
-            /// The thread has ended and closed the pipe: nothing may be written to it any more.
+            /// The thread has ended: nothing wakes it any more.
             var ended = false
         }
         private let queue = Locked(Queue())
@@ -222,35 +222,36 @@ public final class JobThread: Sendable {
             end()
         }
 
-        /// Marks the thread ended and closes the pipe (under the lock: no write can race it).
+        /// Marks the thread ended (the pipe is closed with this object).
         func end() {
             queue.withLock { queue in
                 queue.open = false
                 queue.ended = true
-                pipe.close()
             }
         }
     }
 }
 
 /// A pipe that wakes a thread waiting in read(2) or poll(2) on its read end. Its write end does
-/// not block: a full pipe already holds a wake-up. Its owner closes it once no thread waits on it.
+/// not block: a full pipe already holds a wake-up, and a poke after the thread stopped waiting
+/// is harmless. Both ends are closed when the pipe is released.
 ///
 /// ```swift
 /// let wake = try WakePipe(what: "a sender's wake pipe", blockingRead: false)
-/// wake.poke()         // from any thread
+/// var fds = [pollfd(fd: socket, events: Int16(POLLOUT), revents: 0), pollfd(fd: wake.readEnd, events: Int16(POLLIN), revents: 0)]
+/// wake.poke()         // from any thread: the poll(2) above returns
 /// wake.drain()        // on the woken thread
-/// wake.close()
 /// ```
-struct WakePipe: Sendable {
+@_spi(Plugins)
+public final class WakePipe: Sendable {
     /// Where the thread waits.
-    let readEnd: Int32
+    public let readEnd: Int32
     /// Where ``poke()`` writes.
-    let writeEnd: Int32
+    private let writeEnd: Int32
 
     /// Makes the pipe (close-on-exec); `blockingRead: false` makes the read end non-blocking too,
-    /// for a thread that waits in poll(2) and drains with ``drain()``. Throws naming `what`.
-    init(what: String, blockingRead: Bool) throws {
+    /// for a thread that waits in poll(2) and empties it with ``drain()``. Throws naming `what`.
+    public init(what: String, blockingRead: Bool) throws {
         var ends: [Int32] = [-1, -1]
         guard pipe(&ends) == 0 else {
             throw TransportError.posix("pipe", errno: Syscall.errno, what: what)
@@ -262,22 +263,21 @@ struct WakePipe: Sendable {
         writeEnd = ends[1]
     }
 
+    deinit {
+        _ = Glibc.close(readEnd)
+        _ = Glibc.close(writeEnd)
+    }
+
     /// Wakes the waiting thread (or the next to wait).
-    func poke() {
+    public func poke() {
         var one: UInt8 = 1
         _ = Glibc.write(writeEnd, &one, 1)
     }
 
     /// Empties the pipe of wake-ups (a non-blocking read end only).
-    func drain() {
+    public func drain() {
         var bytes = [UInt8](repeating: 0, count: 64)
         while Glibc.read(readEnd, &bytes, bytes.count) > 0 {}
-    }
-
-    /// Closes both ends.
-    func close() {
-        _ = Glibc.close(readEnd)
-        _ = Glibc.close(writeEnd)
     }
 }
 
