@@ -215,9 +215,14 @@ enum ClientLimit {
     static let reserve = 64
     /// What one client holds: its socket and its target's connection (tcp, unix: one socket),
     /// with one to spare. A pty:// target is a new pseudo-terminal per client: its master, the two
-    /// duplicates the event loop reads and writes through, and the peer kept open.
+    /// duplicates the event loop reads and writes through, and the peer kept open. A loop://
+    /// target is memory only: the client's socket alone.
     static func descriptorsPerClient(target scheme: String) -> Int {
-        scheme == "pty" ? 6 : 3
+        switch scheme {
+        case "pty": 6
+        case "loop": 1
+        default: 3
+        }
     }
 
     /// The limit for `asked` (the default when `nil`), after raising the soft descriptor limit to

@@ -875,6 +875,22 @@ struct HostileUseTests {
     // MARK: - Helpers
 
     /// The URL a bridge started with --json reports it listens on.
+    @Test("--max-clients is held against the descriptors a client of that target needs")
+    func maxClientsCountsTheTargetsDescriptors() async throws {
+        // A 1,000-descriptor limit for the tool alone (lowering needs no privilege).
+        let limited = ["/usr/bin/prlimit", "--nofile=1000:1000"]
+        // tcp://: the client's socket, the target's and one to spare: 900 clients need 2,764.
+        let refused = try CLI.Running(["bridge", "--max-clients", "900", "--listen", "tcp://127.0.0.1:0", "tcp://127.0.0.1:9"], prefix: limited)
+        let result = await refused.wait(timeout: 20)
+        #expect(result.status != 0 && result.status != 143)
+        #expect(result.stderr.contains("--max-clients 900 needs about 2764 file descriptors, and this process may open 1000"), "\(result.stderr)")
+        // loop://: memory only, the client's socket alone: 900 fit.
+        let served = try CLI.Running(["bridge", "--json", "--max-clients", "900", "--listen", "tcp://127.0.0.1:0", "loop://"], prefix: limited)
+        #expect(await Self.listeningURL(of: served) != nil, "\(served.stderrLines)")
+        served.signal(SIGTERM)
+        #expect(await served.wait(timeout: 20).status == 143)
+    }
+
     static func listeningURL(of bridge: CLI.Running) async -> String? {
         for _ in 0..<500 {
             for line in bridge.stderrLines {

@@ -94,7 +94,7 @@ struct BluetoothTests {
 
         let events = try #require(await plugin.deviceEvents(includeAll: false))
         var iterator = events.makeAsyncIterator()
-        try await Task.sleep(for: .milliseconds(200))   // the stream subscribes in a task of its own
+        // Subscribed when deviceEvents returned: adapters added right after are reported.
         try await bluez.add("hci0", address: "00:AA:01:00:00:00", powered: false)
         try await bluez.add("hci1", address: "00:AA:01:01:00:01", powered: true)
         let first = try await iterator.next()

@@ -155,8 +155,9 @@ public struct BluetoothPlugin: TransportPlugin {
     }
 
     /// Adapters arriving and going away (a USB dongle plugged in, a controller removed), from
-    /// bluetoothd's InterfacesAdded and InterfacesRemoved, subscribed (and the adapters listed,
-    /// so that a removal can say what went away) when this returns. `nil` when there is no system
+    /// bluetoothd's InterfacesAdded and InterfacesRemoved, subscribed when this returns (the
+    /// adapters are listed afterwards, by the stream's task, so that a removal can say what went
+    /// away). `nil` when there is no system
     /// bus (its socket file is missing); the sequence ends at once, without an error, when the bus
     /// is there but cannot be connected to (the connection is opened on `Blocking`'s pool, off the
     /// caller's thread).
@@ -179,7 +180,7 @@ enum AdapterEvents {
     /// Events unread before the sequence ends with an error (as many as the signals it reads).
     static let limit = BlueZ.objectSignalLimit
 
-    /// Subscribes (and lists the adapters) before it returns; the signals are read by a task the
+    /// Subscribes before it returns; the adapters are listed and the signals read by a task the
     /// stream owns.
     static func stream(_ bus: DBusConnection.Bus) async -> AsyncThrowingStream<DeviceEvent, any Error> {
         // Bounded: a reader that falls `limit` events behind gets an error, not a growing queue.
@@ -199,13 +200,16 @@ enum AdapterEvents {
             continuation.finish(throwing: error)
             return stream
         }
-        // Known adapters, so a removal can say what went away.
-        var listed: [String: BluetoothAdapter] = [:]
-        if let adapters = try? await bluez.objects().adapters {
-            for adapter in adapters { listed[adapter.path] = adapter }
-        }
-        let task = Task { [listed] in
-            var known = listed
+        let task = Task {
+            // Known adapters, so a removal can say what went away. Listed here, not before the
+            // call returns: a bluetoothd that is slow to answer (restarting) would otherwise hold
+            // up every plugin's events (the registry waits for all to subscribe), and the
+            // subscription above already buffers what happens meanwhile. An adapter removed
+            // before the listing is reported with what its object path says.
+            var known: [String: BluetoothAdapter] = [:]
+            if let adapters = try? await bluez.objects().adapters {
+                for adapter in adapters { known[adapter.path] = adapter }
+            }
             do {
                 for try await signal in signals {
                     guard case .objectPath(let path)? = signal.values.first else { continue }

@@ -436,6 +436,17 @@ final class GattBackend: ConnectionBackend {
         }
     }
 
+    /// Several records: an acquired socket sends them from its own thread once it is full
+    /// (`PacketSocketBackend.writeRecords`); WriteValue takes one call per record.
+    func writeRecords(_ buffer: ByteBuffer, accepted: @escaping @Sendable (Int) -> Void) async throws {
+        if let error = ended.withLock({ $0 }) { throw error }
+        if case .socket(let socket) = sender {
+            try await socket.writeRecords(buffer, accepted: accepted)
+        } else {
+            try await writeRecordByRecord(buffer, accepted: accepted)
+        }
+    }
+
     /// WriteValue returns once bluetoothd has the value; an acquired socket says what bluetoothd
     /// has not read from it yet.
     var unsentByteCount: Int? {

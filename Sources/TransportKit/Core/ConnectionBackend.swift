@@ -25,7 +25,8 @@ public typealias HangUp = @Sendable (_ errno: Errno?, _ syscall: String?) -> Tra
 ///   ``InboundQueue`` does all of this.
 /// - `write(_:)` suspends while the transport's bounded buffer is full (a ``WriterGate``); returning
 ///   means the bytes were accepted into that buffer. It never gets more than
-///   ``maximumWriteSize`` bytes: the connection chunks larger writes.
+///   ``maximumWriteSize`` bytes: a larger write goes to ``writeRecords(_:accepted:)``, whose
+///   default cuts it into records and calls `write(_:)` for each.
 /// - `closeWrite()` sends an end-of-stream to the peer after every accepted byte (TCP FIN);
 ///   transports without half-close throw ``TransportError/Kind/unsupported``.
 /// - `close()` delivers bytes already accepted where the transport allows, then releases every
@@ -166,9 +167,15 @@ extension ConnectionBackend {
         return message
     }
 
-    /// By default one ``write(_:)`` per record, each at most ``maximumWriteSize`` bytes (read
-    /// before each: it may change while connected).
+    /// By default ``writeRecordByRecord(_:accepted:)``.
     public func writeRecords(_ buffer: ByteBuffer, accepted: @escaping @Sendable (Int) -> Void) async throws {
+        try await writeRecordByRecord(buffer, accepted: accepted)
+    }
+
+    /// One ``write(_:)`` per record, each at most ``maximumWriteSize`` bytes (read before each: it
+    /// may change while connected): the default ``writeRecords(_:accepted:)``, for an override
+    /// that sends some writes another way.
+    public func writeRecordByRecord(_ buffer: ByteBuffer, accepted: @escaping @Sendable (Int) -> Void) async throws {
         var rest = buffer
         while rest.readableBytes > 0, let record = rest.readSlice(length: min(max(1, maximumWriteSize ?? rest.readableBytes), rest.readableBytes)) {
             try await write(record)

@@ -408,6 +408,9 @@ public final class TransportRegistry: Sendable {
             for await (index, stream) in group { streams[index] = stream }
             return streams
         }
+        // Cancelled while the plugins subscribed: a source may have ended with the cancellation,
+        // which the merge would report as that plugin's failure.
+        if Task.isCancelled { return AsyncThrowingStream { $0.finish(throwing: CancellationError()) } }
         // In scheme order, whichever plugin subscribed first.
         let sources = zip(plugins, subscribed).compactMap { entry, stream in stream.map { (entry.schemes, $0) } }
         // One source (the usual case): hand it out as it is, pull-driven, with no extra hop.

@@ -2,8 +2,9 @@
 // ConnectionBackend, for descriptors SwiftNIO's stream channels must not carry: an LE L2CAP
 // channel (a write larger than the send MTU fails with EMSGSIZE, and NIO would gather several
 // writes into one writev), and the AF_UNIX sockets BlueZ hands out for GATT AcquireWrite and
-// AcquireNotify (one datagram, one attribute value). Every record read is one message; every write
-// is sent as one record.
+// AcquireNotify (one datagram, one attribute value). Every record read is one message; every
+// write(_:) is sent as one record, and writeRecords(_:accepted:) cuts a longer write into records
+// of the send MTU.
 //
 // Readiness comes from FileDescriptor.wait(until:) (no thread parked). A write of several records
 // (a 4 KiB write cut to an L2CAP send MTU) that finds the socket full sends the rest from a
@@ -57,7 +58,8 @@ public final class PacketSocketBackend: ConnectionBackend {
     ///   - fd: the connected socket; the backend owns it and closes it.
     ///   - describing: the URL or name the errors use.
     ///   - receiveSize: the largest record expected (the receive MTU); a longer one is cut (MSG_TRUNC).
-    ///   - maximumWriteSize: the largest record the peer accepts (the send MTU); the connection chunks writes to it.
+    ///   - maximumWriteSize: the largest record the peer accepts (the send MTU); a longer write comes
+    ///     to ``writeRecords(_:accepted:)``, which cuts it into records of this size.
     ///   - watermarks: where reading pauses while the application does not read.
     ///   - hangUp: the error that ends the connection when the peer goes away (with the errno and
     ///     the call, `recv` or `send`, if any).
@@ -130,7 +132,10 @@ public final class PacketSocketBackend: ConnectionBackend {
     /// the socket takes them at once; once it is full, the rest are sent from a thread of this
     /// connection's own that waits in poll(2) between records, and the task is resumed when the
     /// last was taken. Cancelling the task stops the thread's sending before the next record
-    /// (records taken stay sent, and were reported to `accepted`). Errors as ``write(_:)``.
+    /// (records taken stay sent, and were reported to `accepted`). Errors as ``write(_:)``; when the
+    /// system refuses the thread, the rest is sent from the task, waiting for room per record.
+    /// A timed write (`Connection.write(_:timeout:)`) does not come here: it goes record by record
+    /// through ``write(_:)``, each bounded by the deadline.
     public func writeRecords(_ buffer: ByteBuffer, accepted: @escaping @Sendable (Int) -> Void) async throws {
         guard gate.enter() else { throw TransportError(.misuse, "\(describing) is closed") }
         defer { gate.leave() }
@@ -172,11 +177,17 @@ public final class PacketSocketBackend: ConnectionBackend {
 
     /// Sends `records` from the connection's sender thread; returns once all were taken.
     private func sendFromThread(_ records: ByteBuffer, limit: Int, accepted: @escaping @Sendable (Int) -> Void) async throws {
-        let sender = try sender.withLock { sender in
-            if let sender { return sender }
-            let made = try RecordSender()
-            sender = made
-            return made
+        let made = Result { () throws -> RecordSender in
+            try sender.withLock { sender in
+                if let sender { return sender }
+                let made = try RecordSender()
+                sender = made
+                return made
+            }
+        }
+        guard case .success(let sender) = made else {
+            // No thread (or no pipe) to be had: record by record from this task.
+            return try await writeRecordByRecord(records, accepted: accepted)
         }
         let job = RecordSender.Job(fd: fd, records: records, limit: limit, accepted: accepted)
         let outcome = await withTaskCancellationHandler {
@@ -279,8 +290,10 @@ public final class PacketSocketBackend: ConnectionBackend {
 }
 
 /// A thread that sends records on one socket, blocked in poll(2) while the socket is full, and
-/// a wake pipe through which a cancelled write stops it between records. One job (one write's
-/// records) at a time: ``Connection`` serializes the writes of several records.
+/// a wake pipe through which a cancelled write stops it between records. Jobs (one write's
+/// records each) run one after another in the order they came: ``Connection`` serializes the
+/// writes of several records, so there is one at a time. (A second job queued behind a first
+/// would not see its cancel until the first is done.)
 private final class RecordSender: Sendable {
     /// One write's records and where its sending stands.
     final class Job: Sendable {
