@@ -356,6 +356,26 @@ struct PacketSocketTests {
         return records
     }
 
+    /// Reads records from `fd` on a thread of its own until `total` bytes came (or the end),
+    /// pausing 1 ms every `pauseEvery` records when given.
+    static func reader(_ fd: Int32, total: Int, pauseEvery: Int? = nil) -> Task<[[UInt8]], any Error> {
+        Task {
+            try await Blocking.runOnThread("tk test reader") { () -> [[UInt8]] in
+                var records: [[UInt8]] = []
+                var buffer = [UInt8](repeating: 0, count: 2048)
+                var received = 0
+                while received < total {
+                    let count = recv(fd, &buffer, buffer.count, 0)
+                    guard count > 0 else { break }
+                    records.append(Array(buffer.prefix(count)))
+                    received += count
+                    if let pauseEvery, records.count % pauseEvery == 0 { usleep(1000) }
+                }
+                return records
+            }
+        }
+    }
+
     static func pattern(_ count: Int) -> [UInt8] { (0..<count).map { UInt8(truncatingIfNeeded: $0 &* 7 &+ $0 >> 8) } }
 
     @Test func aWriteOfManyRecordsGoesOutWholeAndInOrderThroughAFullSocket() async throws {
@@ -364,21 +384,7 @@ struct PacketSocketTests {
         let connection = try Self.connection(mine)
         let data = Self.pattern(100_000)
         // A slow reader: it pauses every 50 records, so the socket fills again and again.
-        let reader = Task {
-            try await Blocking.runOnThread("tk test reader") { () -> [[UInt8]] in
-                var records: [[UInt8]] = []
-                var buffer = [UInt8](repeating: 0, count: 2048)
-                var total = 0
-                while total < data.count {
-                    let count = recv(peer, &buffer, buffer.count, 0)
-                    guard count > 0 else { break }
-                    records.append(Array(buffer.prefix(count)))
-                    total += count
-                    if records.count % 50 == 0 { usleep(1000) }
-                }
-                return records
-            }
-        }
+        let reader = Self.reader(peer, total: data.count, pauseEvery: 50)
         try await connection.write(data)
         let records = try await reader.value
         #expect(records.count == 1000 && records.allSatisfy { $0.count == Self.mtu }, "\(records.count) records")
@@ -405,14 +411,9 @@ struct PacketSocketTests {
         let records = Self.queuedRecords(peer)
         #expect(records.flatMap { $0 } == Array(data.prefix(written)))
         // The connection writes on after a cancelled write, through the same sender thread.
-        let reader = Task { try await Blocking.runOnThread("tk test reader") { () -> Int in
-            var buffer = [UInt8](repeating: 0, count: 2048)
-            var total = 0
-            while total < 20_000, case let count = recv(peer, &buffer, buffer.count, 0), count > 0 { total += count }
-            return total
-        } }
+        let reader = Self.reader(peer, total: 20_000)
         try await connection.write(Self.pattern(20_000))
-        #expect(try await reader.value == 20_000)
+        #expect(try await reader.value.flatMap { $0 } == Self.pattern(20_000))
         try await connection.close()
         #expect(await eventually { Self.senderThreads() == 0 }, "closing ended the sender thread")
     }

@@ -157,10 +157,9 @@ public struct BluetoothPlugin: TransportPlugin {
     /// Adapters arriving and going away (a USB dongle plugged in, a controller removed), from
     /// bluetoothd's InterfacesAdded and InterfacesRemoved, subscribed when this returns (the
     /// adapters are listed afterwards, by the stream's task, so that a removal can say what went
-    /// away). `nil` when there is no system
-    /// bus (its socket file is missing); the sequence ends at once, without an error, when the bus
-    /// is there but cannot be connected to (the connection is opened on `Blocking`'s pool, off the
-    /// caller's thread).
+    /// away). `nil` when there is no system bus (its socket file is missing); the sequence ends at
+    /// once, without an error, when the bus is there but cannot be connected to (the connection
+    /// is opened on `Blocking`'s pool, off the caller's thread).
     public func deviceEvents(includeAll: Bool) async -> AsyncThrowingStream<DeviceEvent, any Error>? {
         guard BlueZ.mayBeReachable(bus) else { return nil }
         return await AdapterEvents.stream(bus)

@@ -141,24 +141,52 @@ public final class PacketSocketBackend: ConnectionBackend {
         defer { gate.leave() }
         let limit = max(1, maximumWriteSize ?? buffer.readableBytes)
         var rest = buffer
-        while rest.readableBytes > 0 {
-            let length = min(limit, rest.readableBytes)
-            switch Self.send(fd, rest, length) {
-            case .success:
-                rest.moveReaderIndex(forwardBy: length)
-                accepted(length)
-            case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
-                try await sendFromThread(rest, limit: limit, accepted: accepted)
-                return
-            case .failure(let errno):
-                throw sendFailure(errno, length: length)
-            }
+        switch Self.sendWhileTaken(fd, &rest, limit: limit, accepted: accepted) {
+        case .sent, .stopped:
+            return
+        case .full:
+            try await sendFromThread(rest, limit: limit, accepted: accepted)
+        case .failed(let errno, let length):
+            throw sendFailure(errno, length: length)
         }
     }
 
     /// One record of `length` bytes from the start of `records`, without waiting.
-    fileprivate static func send(_ fd: SystemPackage.FileDescriptor, _ records: ByteBuffer, _ length: Int) -> Result<Int, Errno> {
+    private static func send(_ fd: SystemPackage.FileDescriptor, _ records: ByteBuffer, _ length: Int) -> Result<Int, Errno> {
         Syscall.attempt { records.withUnsafeReadableBytes { Glibc.send(fd.rawValue, $0.baseAddress, length, Int32(MSG_NOSIGNAL | MSG_DONTWAIT)) } }
+    }
+
+    /// Where ``sendWhileTaken(_:_:limit:accepted:stop:)`` stopped.
+    fileprivate enum SendStop {
+        /// Every record went.
+        case sent
+        /// The socket has no room (EAGAIN or ENOBUFS): wait for writability, then go on.
+        case full
+        /// `stop` said so before the next record.
+        case stopped
+        /// send(2) failed with this errno on a record of this length.
+        case failed(Errno, length: Int)
+    }
+
+    /// Sends records of at most `limit` bytes from `rest` while the socket takes them without
+    /// waiting and `stop` says go on, telling `accepted` each one's size; `rest` is left at the
+    /// first record not sent. The writing task and the sender thread share it.
+    fileprivate static func sendWhileTaken(_ fd: SystemPackage.FileDescriptor, _ rest: inout ByteBuffer, limit: Int,
+                                           accepted: (Int) -> Void, stop: () -> Bool = { false }) -> SendStop {
+        while rest.readableBytes > 0 {
+            if stop() { return .stopped }
+            let length = min(limit, rest.readableBytes)
+            switch send(fd, rest, length) {
+            case .success:
+                rest.moveReaderIndex(forwardBy: length)
+                accepted(length)
+            case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
+                return .full
+            case .failure(let errno):
+                return .failed(errno, length: length)
+            }
+        }
+        return .sent
     }
 
     /// What a failed send(2) of a `length`-byte record throws.
@@ -349,26 +377,23 @@ private final class RecordSender: Sendable {
         await thread.finish()
     }
 
-    /// On the thread: every record of `job`, waiting in poll(2) while the socket is full.
+    /// On the thread: every record of `job`, waiting in poll(2) while the socket is full, and
+    /// checking for a cancel before each record.
     private func send(_ job: Job) -> Outcome {
         var rest = job.records
         var waits = [pollfd(fd: job.fd.rawValue, events: Int16(POLLOUT), revents: 0),
                      pollfd(fd: wake.readEnd, events: Int16(POLLIN), revents: 0)]
-        while rest.readableBytes > 0 {
-            if job.cancelled.load(ordering: .sequentiallyConsistent) { return .cancelled }
-            let length = min(job.limit, rest.readableBytes)
-            switch PacketSocketBackend.send(job.fd, rest, length) {
-            case .success:
-                rest.moveReaderIndex(forwardBy: length)
-                job.accepted(length)
-            case .failure(.resourceTemporarilyUnavailable), .failure(.noBufferSpace):
+        while true {
+            switch PacketSocketBackend.sendWhileTaken(job.fd, &rest, limit: job.limit, accepted: job.accepted,
+                                                      stop: { job.cancelled.load(ordering: .sequentiallyConsistent) }) {
+            case .sent: return .sent
+            case .stopped: return .cancelled
+            case .failed(let errno, let length): return .failed(errno, length: length)
+            case .full:
                 // Woken by room (or the socket shut down: the next send fails), or by a cancel.
                 _ = Syscall.attempt { poll(&waits, 2, -1) }
                 if waits[1].revents != 0 { wake.drain() }
-            case .failure(let errno):
-                return .failed(errno, length: length)
             }
         }
-        return .sent
     }
 }

@@ -136,8 +136,9 @@ public final class UdevMonitor<Record: SysfsRecord>: Sendable {
 
     /// The next event; waits without holding a thread. Throws `CancellationError` when cancelled.
     /// After an overflow (ENOBUFS) the re-enumeration runs on a thread started for it, and is
-    /// finished even when the caller is cancelled meanwhile. One consumer at a time: a resync lists with the lock released, and a concurrent `next()`
-    /// could report an event that the resync's result then overwrites.
+    /// finished even when the caller is cancelled meanwhile. One consumer at a time: a resync
+    /// lists with the lock released, and a concurrent `next()` could report an event that the
+    /// resync's result then overwrites.
     public func next() async throws -> (Action, Record) {
         while true {
             try Task.checkCancellation()
