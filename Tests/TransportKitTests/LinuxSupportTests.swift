@@ -65,6 +65,31 @@ struct SyscallTests {
     }
 }
 
+@Suite("TransportKitLinux: paths this process made")
+struct OwnedPathTests {
+    @Test func aLinkIsRecordedOnlyWhileItIsTheLinkMadeAndRemovedOnlyThen() throws {
+        let link = temporaryPath("owned-link")
+        #expect(symlink("/dev/null", link) == 0)
+        defer { unlink(link) }
+        #expect(OwnedPath(recording: link, kind: S_IFLNK, target: "/dev/zero") == nil, "a link to somewhere else is not the one made")
+        #expect(OwnedPath(recording: link, kind: S_IFSOCK) == nil, "a link is not a socket file")
+        let owned = try #require(OwnedPath(recording: link, kind: S_IFLNK, target: "/dev/null"))
+        // Another program replaces it with a file of its own: that file stays.
+        #expect(unlink(link) == 0)
+        try "someone else's".write(toFile: link, atomically: false, encoding: .utf8)
+        #expect(!owned.isStillOurs)
+        #expect(!owned.remove())
+        #expect(FileManager.default.fileExists(atPath: link))
+        // Replaced before the record was taken (the race between symlink(2) and lstat(2)).
+        #expect(OwnedPath(recording: link, kind: S_IFLNK, target: "/dev/null") == nil)
+        #expect(OwnedPath(recording: link + ".none", kind: S_IFLNK) == nil, "nothing there")
+        #expect(unlink(link) == 0)
+        #expect(symlink("/dev/null", link) == 0)
+        #expect(OwnedPath(recording: link, kind: S_IFLNK, target: "/dev/null")?.remove() == true)
+        #expect(!FileManager.default.fileExists(atPath: link) && (try? FileManager.default.destinationOfSymbolicLink(atPath: link)) == nil)
+    }
+}
+
 @Suite("TransportKitLinux: descriptors on the event loop")
 struct DescriptorChannelTests {
     @Test func anAdoptedSocketCarriesBytesAndHalfClosesForReal() async throws {

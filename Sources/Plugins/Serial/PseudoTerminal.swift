@@ -63,8 +63,10 @@ enum PseudoTerminal {
             throw TransportError(.invalidURL, "the option 'link' needs a path, such as link=/tmp/ttyFAKE0")
         }
         guard case .failure(let errno) = Syscall.attempt({ symlink(peerPath, path) }) else {
-            guard let owned = OwnedPath(recording: path) else {
-                throw TransportError(.io, "the link \(TransportError.printable(path)) vanished right after it was made")
+            guard let owned = OwnedPath(recording: path, kind: S_IFLNK, target: peerPath) else {
+                // Not removed: whatever is there now is somebody else's.
+                throw TransportError(.busy, "the link \(TransportError.printable(path)) was removed or replaced right after it was made; "
+                                     + "another program is using that path: choose another link path")
             }
             return owned
         }

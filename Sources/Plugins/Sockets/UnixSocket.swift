@@ -161,8 +161,10 @@ enum UnixSocket {
             // listen(2) the moment the file exists, before anything else: a client that connects as
             // soon as it appears finds it listening, but for the few microseconds between the calls.
             let listening = Syscall.attempt { Glibc.listen(fd, Int32(backlog)) }
-            guard let owned = OwnedPath(recording: path) else {
-                throw TransportError(.io, "the socket file \(TransportError.printable(path)) vanished right after bind(2)")
+            guard let owned = OwnedPath(recording: path, kind: S_IFSOCK) else {
+                // Not removed: whatever is there now is somebody else's.
+                throw TransportError(.busy, "the socket file \(TransportError.printable(path)) was removed or replaced right after bind(2); "
+                                     + "another program is using that path: choose another one")
             }
             do {
                 if case .failure(let errno) = listening { throw TransportError.posix("listen", errno: errno, what: path) }

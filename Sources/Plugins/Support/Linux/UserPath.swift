@@ -232,10 +232,15 @@ public enum UserPath {
 ///
 /// ```swift
 /// try Syscall.run("symlink", on: link) { symlink(peer, link) }
-/// let owned = OwnedPath(recording: link)
+/// let owned = OwnedPath(recording: link, kind: S_IFLNK, target: peer)
 /// // … later, on close:
 /// owned?.remove()
 /// ```
+///
+/// The record is taken right after the call that made the entry, but another process can unlink
+/// it and put its own file there in between: a record of whatever is there would then remove that
+/// file on close. So the record is refused unless the entry is of the kind just made (and, for a
+/// link, points where it was made to point).
 public struct OwnedPath: Sendable {
     /// The path as given.
     public let path: String
@@ -243,11 +248,13 @@ public struct OwnedPath: Sendable {
     private let inode: UInt64
     private let type: UInt32
 
-    /// The entry now at `path` (lstat(2): a link itself, not what it points to); `nil` when
-    /// nothing is there.
-    public init?(recording path: String) {
+    /// The entry now at `path` (lstat(2): a link itself, not what it points to) when it is of
+    /// `kind` (`S_IFLNK`, `S_IFSOCK`, …) and, when `target` is given, is a link to `target`;
+    /// `nil` when nothing is there or something else is.
+    public init?(recording path: String, kind: mode_t, target: String? = nil) {
         var info = stat()
-        guard lstat(path, &info) == 0 else { return nil }
+        guard lstat(path, &info) == 0, info.st_mode & S_IFMT == kind else { return nil }
+        if let target, DeviceNode.readLink(path) != target { return nil }
         self.path = path
         device = UInt64(info.st_dev)
         inode = UInt64(info.st_ino)
