@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import TestSupport
 import Testing
 import TransportKit
 
@@ -151,9 +152,10 @@ struct CLI {
             lock.withLock { errPartial.isEmpty ? errLines : errLines + [String(decoding: errPartial, as: UTF8.self)] }
         }
 
-        /// Waits for the process to exit (killing it after `timeout` seconds).
+        /// Waits for the process to exit (killing it after `timeout` seconds times `testPatience`:
+        /// only a process that hangs waits the longer time).
         func wait(timeout: Double = 20) async -> Result {
-            let deadline = Date().addingTimeInterval(timeout)
+            let deadline = Date().addingTimeInterval(timeout * testPatience)
             while process.isRunning && Date() < deadline { try? await Task.sleep(for: .milliseconds(20)) }
             if process.isRunning { process.terminate() }
             await withCheckedContinuation { continuation in

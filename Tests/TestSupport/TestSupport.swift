@@ -7,13 +7,20 @@ import Glibc
 import Synchronization
 @_spi(Plugins) import TransportKitCore
 
-/// Polls `condition` every `interval` for up to `seconds`; `true` as soon as it holds.
+/// How many times longer than written a wait for a condition lasts before it gives up: 3, or
+/// `TK_TEST_PATIENCE`. The suites run in parallel on two cores and once more under
+/// ThreadSanitizer, where CI once found the cooperative pool 10 s late. A condition that holds ends
+/// the wait at once, so only a test that fails waits the longer time.
+public let testPatience: Double = ProcessInfo.processInfo.environment["TK_TEST_PATIENCE"].flatMap(Double.init).map { max($0, 1) } ?? 3
+
+/// Polls `condition` every `interval` for up to `seconds` (times ``testPatience``); `true` as
+/// soon as it holds.
 ///
 /// ```swift
 /// #expect(await eventually { connection.isClosed })
 /// ```
 public func eventually(_ seconds: Double = 2, every interval: Duration = .milliseconds(10), _ condition: () -> Bool) async -> Bool {
-    let deadline = ContinuousClock.now + .milliseconds(Int(seconds * 1000))
+    let deadline = ContinuousClock.now + .milliseconds(Int(seconds * testPatience * 1000))
     while ContinuousClock.now < deadline {
         if condition() { return true }
         try? await Task.sleep(for: interval)

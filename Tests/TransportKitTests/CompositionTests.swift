@@ -182,7 +182,7 @@ struct CompositionTests {
         let error = await expectTransportError(.timedOut) { try await registry.connect(to: "spy+stuck://?timeout=0.2") }
         // The plugin never returns: ending at all is the deadline's work. The bound is loose, as
         // the suite runs in parallel and under ThreadSanitizer on two cores.
-        #expect(ContinuousClock.now - start < .seconds(10))
+        #expect(ContinuousClock.now - start < .seconds(30))
         #expect(error?.message.contains("took longer than 0.2 s") == true, "\(error?.message ?? "")")
     }
 

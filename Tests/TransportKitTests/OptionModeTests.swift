@@ -291,8 +291,8 @@ struct OptionModeTests {
         var info = stat()
         #expect(lstat(path, &info) == 0 && info.st_mode & 0o7777 == 0o640)
         #expect(await Support.offPool { Self.listenBacklog(["-x", "src", path]) } == 5)
-        let client = try await Transport.connect(to: "unix://\(path)?timeout=5")
-        #expect(try Self.missing("unix://\(path)?timeout=5", mode: "unix:// connection", scheme: "unix").isEmpty)
+        let client = try await Transport.connect(to: "unix://\(path)?timeout=60")
+        #expect(try Self.missing("unix://\(path)?timeout=60", mode: "unix:// connection", scheme: "unix").isEmpty)
         let accepted = try #require(try await listener.accept())
         try await client.close()
         try await accepted.close()
@@ -303,7 +303,7 @@ struct OptionModeTests {
     }
 
     @Test func aLoopTakesEveryOption() async throws {
-        let url = "loop://?buffer=100&messages=true&maxWrite=10&timeout=5"
+        let url = "loop://?buffer=100&messages=true&maxWrite=10&timeout=60"
         #expect(try Self.missing(url, mode: "loop:// connection", scheme: "loop").isEmpty)
         let loop = try await Transport.connect(to: url)
         #expect(loop.metadata.maximumWriteSize == 10)
@@ -349,7 +349,7 @@ struct OptionModeTests {
 
     @Test func aPtyTakesEveryOption() async throws {
         let link = temporaryPath("mode-pty")
-        let url = "pty://?baud=19200&stopBits=2&flowControl=xonxoff&link=\(link)&timeout=5"
+        let url = "pty://?baud=19200&stopBits=2&flowControl=xonxoff&link=\(link)&timeout=60"
         #expect(try Self.missing(url, mode: "pty:// connection", scheme: "pty").isEmpty)
         let pty = try await Transport.connect(to: url)
         let peer = try #require(pty.metadata.extra["peer"])
@@ -373,7 +373,7 @@ struct OptionModeTests {
         let path = FileManager.default.destinationOfSymbolicLinkAtPathOrNil("/proc/self/fd/\(peer)") ?? ""
         var before = termios()
         _ = tcgetattr(peer, &before)
-        let url = "tty://\(path)?baud=57600&dataBits=8&parity=none&stopBits=2&flowControl=rtscts&exclusive=false&lowLatency=true&wait=true&restore=true&timeout=5"
+        let url = "tty://\(path)?baud=57600&dataBits=8&parity=none&stopBits=2&flowControl=rtscts&exclusive=false&lowLatency=true&wait=true&restore=true&timeout=60"
         let missing = try Self.missing(url, mode: "tty:// connection to a device node", scheme: "tty")
         #expect(missing.sorted() == ["dtr", "rts"], "the modem lines are checked below: \(missing)")
         let tty = try await Transport.connect(to: url)

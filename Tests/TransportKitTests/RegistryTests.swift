@@ -151,7 +151,7 @@ struct RegistryTests {
         let error = await expectTransportError(.timedOut) { try await registry.connect(to: "stuck://?timeout=0.2") }
         // The plugin never returns: ending at all is the deadline's work. The bound is loose, as
         // the suite runs in parallel and under ThreadSanitizer on two cores.
-        #expect(ContinuousClock.now - start < .seconds(10))
+        #expect(ContinuousClock.now - start < .seconds(30))
         #expect(error?.message.contains("timeout") == true)
     }
 
@@ -162,9 +162,9 @@ struct RegistryTests {
         let start = ContinuousClock.now
         task.cancel()
         await #expect(throws: CancellationError.self) { try await task.value }
-        // The stuck connect itself never returns: anything short of that is prompt; 5 s leaves room
-        // for a loaded machine (2.4 s was seen in CI beside the CLI tests).
-        #expect(ContinuousClock.now - start < .seconds(5))
+        // The stuck connect itself never returns: anything short of that is prompt; 30 s leaves room
+        // for a loaded machine (2.4 s was seen in CI beside the CLI tests, and a pool 10 s late).
+        #expect(ContinuousClock.now - start < .seconds(30))
     }
 
     @Test func schemeListIsSortedAndComplete() throws {

@@ -379,9 +379,9 @@ struct MessageTests {
     @Test func aReadWithATimeoutReportsAFailureWhenItHappensNotWhenTheTimeoutEnds() async throws {
         let connection = Connection(url: try TransportURL("loop://"), backend: FailingBackend())
         let started = ContinuousClock.now
-        let error = await expectTransportError(.disconnected) { _ = try await connection.read(timeout: .seconds(30)) }
+        let error = await expectTransportError(.disconnected) { _ = try await connection.read(timeout: .seconds(120)) }
         #expect(error?.message.contains("went away") == true)
-        #expect(ContinuousClock.now - started < .seconds(10), "the 30-second timer was not waited out")
+        #expect(ContinuousClock.now - started < .seconds(60), "the 120-second timer was not waited out")
         try await connection.close()
     }
 
@@ -437,10 +437,12 @@ struct SearchLimitTests {
     @Test func aSearchThatOutlastsItsLimitGivesNilThere() async throws {
         let started = ContinuousClock.now
         let found: Int? = try await ConnectRequest.first(of: [{ @Sendable in
-            try await Task.sleep(for: .seconds(30))
+            try await Task.sleep(for: .seconds(120))
             return 1
         }], until: started + .milliseconds(100))
         #expect(found == nil)
-        #expect(ContinuousClock.now - started < .seconds(10))
+        // Ended at the limit, not by the search: far below its 120 s, with room for a machine so
+        // loaded that the cooperative pool is seconds late (seen: 10 s, on CI).
+        #expect(ContinuousClock.now - started < .seconds(60))
     }
 }

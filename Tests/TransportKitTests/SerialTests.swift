@@ -316,7 +316,7 @@ struct TTYTests {
         let error = await expectTransportError(.disconnected) { try await connection.read() }
         // Without the hang-up seen, the read would wait for ever; the bound leaves room for a
         // loaded machine and ThreadSanitizer.
-        #expect(ContinuousClock.now - start < .seconds(5))
+        #expect(ContinuousClock.now - start < .seconds(30))
         #expect(error?.message.contains("went away") == true)
         // The pty is gone with its master, so the connection's descriptors now show the node as deleted.
         let gone = pty.path + " (deleted)"
@@ -501,7 +501,7 @@ struct KernelUeventTests {
         waiter.cancel()
         let start = ContinuousClock.now
         await #expect(throws: CancellationError.self) { try await waiter.value }
-        #expect(ContinuousClock.now - start < .seconds(5), "a monitor with nothing to report waits for ever otherwise")
+        #expect(ContinuousClock.now - start < .seconds(30), "a monitor with nothing to report waits for ever otherwise")
     }
 
     @Test("tty://PATH?wait=true waits for the node; without it the error says how to wait")
@@ -509,7 +509,7 @@ struct KernelUeventTests {
         let link = Support.temporaryPath("ttyLATER")
         let pty = try TestPTY()
         defer { pty.closeMaster() }
-        let connect = Task { try await Transport.connect(to: "tty://\(link)?wait=true&timeout=5") }
+        let connect = Task { try await Transport.connect(to: "tty://\(link)?wait=true&timeout=60") }
         try await Task.sleep(for: .milliseconds(300))
         #expect(symlink(pty.path, link) == 0)
         defer { unlink(link) }

@@ -209,7 +209,8 @@ struct TCPTests {
         let error = await expectTransportError(.timedOut) {
             try await Transport.connect(to: "tcp://127.0.0.1:\(hole.listener.port)?timeout=0.3")
         }
-        #expect(ContinuousClock.now - start < .seconds(5))
+        // The black hole never answers: ending at all is the timeout's work.
+        #expect(ContinuousClock.now - start < .seconds(30))
         #expect(error?.message.contains("timeout") == true)
         #expect(await eventually { Support.openSockets(port: hole.listener.port, excluding: hole.fillers) == 0 })
     }
@@ -225,9 +226,9 @@ struct TCPTests {
         let start = ContinuousClock.now
         task.cancel()
         await #expect(throws: CancellationError.self) { try await task.value }
-        // Without cancellation it would wait forever (timeout=0); 5 s leaves room for a loaded
-        // 2-core machine (1.06 s was seen while the lab shut down) and ThreadSanitizer.
-        #expect(ContinuousClock.now - start < .seconds(5))
+        // Without cancellation it would wait forever (timeout=0); 30 s leaves room for a loaded
+        // 2-core machine (1.06 s was seen while the lab shut down; CI's pool was once 10 s late).
+        #expect(ContinuousClock.now - start < .seconds(30))
         // The abandoned attempt's socket is closed once NIO gives up on it.
         #expect(await eventually(15) { Support.openSockets(port: hole.listener.port, excluding: hole.fillers) == 0 })
     }

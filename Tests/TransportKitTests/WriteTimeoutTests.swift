@@ -83,7 +83,7 @@ struct WriteTimeoutTests {
         let started = ContinuousClock.now
         let error = await expectTransportError(.timedOut) { try await loop.write([2, 2], timeout: .milliseconds(300)) }
         #expect(error?.message.contains("nothing of it was sent") == true, "\(error?.message ?? "")")
-        #expect(ContinuousClock.now - started < .seconds(10), "the turn's wait ended at the deadline")
+        #expect(ContinuousClock.now - started < .seconds(30), "the turn's wait ended at the deadline")
         loop.abort()
         _ = await stuck.result
     }
