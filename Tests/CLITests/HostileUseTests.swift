@@ -236,7 +236,9 @@ struct HostileUseTests {
         let held = Task { try await sink.accept() }
         let path = temporaryPath("stall.sock")
         let bridge = try CLI.Running(["bridge", "--listen", "unix://\(path)", "tcp://127.0.0.1:\(sink.url.port ?? 0)"])
-        #expect(await eventually(10) { FileManager.default.fileExists(atPath: path) })
+        // The status line, not the file: the file exists from bind(2), a moment before listen(2)
+        // (on CI the bridge was once preempted in between, and the connect below refused).
+        #expect(await eventually(10) { bridge.stderrLines.contains { $0.hasPrefix("listening") } })
         let client = try await Transport.connect(to: "unix://\(path)")
         let feeding = Task { try await client.write([UInt8](repeating: 2, count: 64 << 20)) }
         try await Task.sleep(for: .milliseconds(500))

@@ -124,7 +124,7 @@ struct SecurityTests {
         let result = try await CLI.run(["connect", "spy+loop://?timeout=0&spy.file=\(fifo)"], timeout: 30)
         #expect(result.status == 1, "\(result.stderr)")
         #expect(result.stderr.contains("is a FIFO (named pipe)"), "\(result.stderr)")
-        #expect(ContinuousClock.now - started < .seconds(20), "open(2) did not wait for a reader")
+        #expect(ContinuousClock.now - started < .seconds(45), "open(2) did not wait for a reader (killed at 90 s otherwise)")
         let bridge = try await CLI.run(["bridge", "--listen", "tcp://127.0.0.1:0", "spy+loop://?spy.file=\(fifo)"], timeout: 30)
         #expect(bridge.status == 1, "\(bridge.stderr)")
         #expect(!bridge.stderr.split(separator: "\n").contains { $0.hasPrefix("listening ") }, "checked before anything listens: \(bridge.stderr)")
@@ -195,7 +195,11 @@ struct SecurityTests {
         #expect(unlink(link) == 0)
         try "someone else's\n".write(toFile: link, atomically: false, encoding: .utf8)
         running.signal(SIGTERM)
-        #expect(await running.wait(timeout: 15).status == 143)
+        // The replacement may come before the tool's record of its link: it then ends at once,
+        // busy, and leaves the file too.
+        let ended = await running.wait(timeout: 15)
+        #expect(ended.status == 143 || (ended.status == 1 && ended.stderr.contains("was removed or replaced right after it was made")),
+                "\(ended.status) \(ended.stderr)")
         #expect(try String(contentsOfFile: link, encoding: .utf8) == "someone else's\n", "the file put in the link's place stays")
     }
 

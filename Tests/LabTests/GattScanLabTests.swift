@@ -50,7 +50,7 @@ struct GattScanLabTests {
         let collector = Self.collect(scan, into: events)
         defer { collector.cancel() }
         let seen = await eventually(10) { !events.list.withLock { $0 }.isEmpty }
-        try #require(seen, "the scan saw nothing in 10 s")
+        try #require(seen, "the scan saw nothing in \(Int(10 * testPatience)) s")
         guard case .discovered(let found) = events.list.withLock({ $0[0] }) else {
             Issue.record("the first event is not a discovery: \(events.list.withLock { $0 })")
             return

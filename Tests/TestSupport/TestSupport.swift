@@ -11,7 +11,8 @@ import Synchronization
 /// `TK_TEST_PATIENCE`. The suites run in parallel on two cores and once more under
 /// ThreadSanitizer, where CI once found the cooperative pool 10 s late. A condition that holds ends
 /// the wait at once, so only a test that fails waits the longer time.
-public let testPatience: Double = ProcessInfo.processInfo.environment["TK_TEST_PATIENCE"].flatMap(Double.init).map { max($0, 1) } ?? 3
+public let testPatience: Double = ProcessInfo.processInfo.environment["TK_TEST_PATIENCE"].flatMap(Double.init)
+    .flatMap { $0.isFinite ? min(max($0, 1), 100) : nil } ?? 3
 
 /// Polls `condition` every `interval` for up to `seconds` (times ``testPatience``); `true` as
 /// soon as it holds.
@@ -114,7 +115,7 @@ public func withPeer(_ arguments: [String], executable: String = "/usr/bin/pytho
         return port.map(portAccepts) ?? false
     }
     guard ready, let port else {
-        throw PeerNotReady(description: "\(executable) \(arguments.joined(separator: " ")) did not print 'ready PORT' and listen within 10 s")
+        throw PeerNotReady(description: "\(executable) \(arguments.joined(separator: " ")) did not print 'ready PORT' and listen within \(Int(10 * testPatience)) s")
     }
     try await body(port)
 }

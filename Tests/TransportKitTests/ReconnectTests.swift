@@ -124,8 +124,9 @@ struct ReconnectTests {
     @Test func writesAreAtMostOnceAcrossALoss() async throws {
         let server = try await Transport.listen(on: "tcp://127.0.0.1:0")
         let port = try #require(server.url.port)
-        // Attempts far apart: the connection stays down while the writes are tried.
-        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?reconnect.initialDelay=2&reconnect.jitter=0")
+        // Attempts far apart: the connection stays down while the writes are tried (10 s: a loaded
+        // machine's cooperative pool has been seconds late).
+        let connection = try await Transport.connect(to: "reconnect+tcp://127.0.0.1:\(port)?reconnect.initialDelay=10&reconnect.jitter=0")
         let events = Gathered(connection.events())
         let first = try #require(try await server.accept())
         try await connection.write("one\n")

@@ -240,7 +240,9 @@ public enum UserPath {
 /// The record is taken right after the call that made the entry, but another process can unlink
 /// it and put its own file there in between: a record of whatever is there would then remove that
 /// file on close. So the record is refused unless the entry is of the kind just made (and, for a
-/// link, points where it was made to point).
+/// link, points where it was made to point). An entry of the same kind put there in that moment
+/// (another program's socket bound at the path, another link to the same target) is still taken
+/// for this one: only a program that may unlink this process's entries can do that.
 public struct OwnedPath: Sendable {
     /// The path as given.
     public let path: String
