@@ -79,12 +79,13 @@ struct GattCentralLabTests {
         #expect(wrongService?.message.contains("has no service 1800") == true, "\(String(describing: wrongService))")
         // encrypt-read without pairing: bluetoothd tries to raise the link's security, which
         // needs an agent, and answers ATT error 0x0e, or not at all (NoReply after 25 s), both
-        // seen with BlueZ 5.66 here, or an authentication error; each way the error says to pair first.
+        // seen with BlueZ 5.66 here, or an authentication error, or the failed pairing drops the
+        // link (once in a CI rehearsal); each way the error says to pair first.
         do {
             _ = try await device.read(LabPeripheral.encrypted)
             Issue.record("an encrypted characteristic read without pairing")
         } catch let error as TransportError {
-            #expect(error.kind == .permissionDenied || error.kind == .io || error.kind == .timedOut, "\(error)")
+            #expect([.permissionDenied, .io, .timedOut, .disconnected].contains(error.kind), "\(error)")
             #expect(error.message.contains("pair first"), "\(error)")
             print("lab: encrypt-read without pairing: \(error)")
         }

@@ -475,14 +475,27 @@ public final class BluetoothPeripheral: Sendable {
     ///   - characteristic: its UUID (`2a19`, `00002a19`, or 128-bit).
     ///   - service: the service's UUID, where two services have the characteristic.
     /// - Throws: `.notFound` (listing what the device has), `.unsupported` when it cannot be read,
-    ///   `.permissionDenied` when it needs pairing first, `.disconnected`.
+    ///   `.permissionDenied` when it needs pairing first, `.disconnected` (on an unpaired device, for
+    ///   a characteristic that needs encryption, saying the pairing likely failed).
     public func read(_ characteristic: String, service: String? = nil) async throws -> [UInt8] {
         try await inOrder {
             let found = try self.find(characteristic, service: service)
             guard found.canRead else {
                 throw TransportError(.unsupported, "\(self.describing): characteristic \(found.shortUUID) cannot be read: [\(found.flags.joined(separator: ","))]")
             }
-            let reply = try await self.call(found.path, "ReadValue", [.dictionary([:])], about: "reading \(found.shortUUID)")
+            let reply: [DBusValue]
+            do {
+                reply = try await self.call(found.path, "ReadValue", [.dictionary([:])], about: "reading \(found.shortUUID)")
+            } catch let error as TransportError where error.kind == .disconnected && !self.deviceSnapshot.paired
+                        && found.flags.contains(where: { $0.hasPrefix("encrypt") || $0.hasPrefix("secure") }) {
+                // bluetoothd starts a pairing to raise the link's security; failed, it can drop the
+                // LE link too (seen in the lab with BlueZ 5.66, beside ATT errors and no answer).
+                var explained = TransportError(.disconnected, "\(error.message), while bluetoothd raised its security to read \(found.shortUUID) "
+                                               + "[\(found.flags.joined(separator: ","))], which needs an encrypted link: the pairing likely failed. "
+                                               + "Pair first (BluetoothPeripheral.pair() with an agent registered), then connect again")
+                explained.code = error.code
+                throw explained
+            }
             guard let bytes = reply.first?.bytes else {
                 throw TransportError(.protocolError, "\(self.describing): bluetoothd's answer to ReadValue on \(found.shortUUID) carried no bytes: \(reply)")
             }
