@@ -226,6 +226,8 @@ public struct GATTCharacteristic: Sendable, Hashable, Encodable {
 
     /// Whether the flags include `read` (plain: an `encrypt-read` alone does not count).
     public var canRead: Bool { flags.contains("read") }
+    /// Whether some access needs an encrypted link (`encrypt-…`, `encrypt-authenticated-…`, `secure-…`).
+    var needsSecurity: Bool { flags.contains { $0.hasPrefix("encrypt-") || $0.hasPrefix("secure-") } }
     /// Whether the flags include `write` (a write with response).
     public var canWrite: Bool { flags.contains("write") }
     /// Whether the flags include `write-without-response`.
@@ -476,26 +478,14 @@ public final class BluetoothPeripheral: Sendable {
     ///   - service: the service's UUID, where two services have the characteristic.
     /// - Throws: `.notFound` (listing what the device has), `.unsupported` when it cannot be read,
     ///   `.permissionDenied` when it needs pairing first, `.disconnected` (on an unpaired device, for
-    ///   a characteristic that needs encryption, saying the pairing likely failed).
+    ///   a characteristic that needs encryption, saying the pairing likely failed and to pair first).
     public func read(_ characteristic: String, service: String? = nil) async throws -> [UInt8] {
         try await inOrder {
             let found = try self.find(characteristic, service: service)
             guard found.canRead else {
                 throw TransportError(.unsupported, "\(self.describing): characteristic \(found.shortUUID) cannot be read: [\(found.flags.joined(separator: ","))]")
             }
-            let reply: [DBusValue]
-            do {
-                reply = try await self.call(found.path, "ReadValue", [.dictionary([:])], about: "reading \(found.shortUUID)")
-            } catch let error as TransportError where error.kind == .disconnected && !self.deviceSnapshot.paired
-                        && found.flags.contains(where: { $0.hasPrefix("encrypt") || $0.hasPrefix("secure") }) {
-                // bluetoothd starts a pairing to raise the link's security; failed, it can drop the
-                // LE link too (seen in the lab with BlueZ 5.66, beside ATT errors and no answer).
-                var explained = TransportError(.disconnected, "\(error.message), while bluetoothd raised its security to read \(found.shortUUID) "
-                                               + "[\(found.flags.joined(separator: ","))], which needs an encrypted link: the pairing likely failed. "
-                                               + "Pair first (BluetoothPeripheral.pair() with an agent registered), then connect again")
-                explained.code = error.code
-                throw explained
-            }
+            let reply = try await self.call(found, "ReadValue", [.dictionary([:])], about: "reading \(found.shortUUID)")
             guard let bytes = reply.first?.bytes else {
                 throw TransportError(.protocolError, "\(self.describing): bluetoothd's answer to ReadValue on \(found.shortUUID) carried no bytes: \(reply)")
             }
@@ -524,7 +514,7 @@ public final class BluetoothPeripheral: Sendable {
             throw TransportError(.misuse, "\(describing): \(value.count) bytes is longer than characteristic \(found.shortUUID) takes in one write "
                                  + "\(type == .withResponse ? "with" : "without") response: at most \(limit) (ATT MTU \(attMTU.map(String.init) ?? "23"))")
         }
-        _ = try await call(found.path, "WriteValue", [.bytes(value), .dictionary(["type": .string(type == .withResponse ? "request" : "command")])],
+        _ = try await call(found, "WriteValue", [.bytes(value), .dictionary(["type": .string(type == .withResponse ? "request" : "command")])],
                            about: "writing \(value.count) bytes to \(found.shortUUID)")
     }
 
@@ -550,7 +540,7 @@ public final class BluetoothPeripheral: Sendable {
         do {
             values = try await bluez.notifications(of: found.path, about: "\(describing): starting notifications from \(found.shortUUID)")
         } catch let error as TransportError {
-            throw failure(error)
+            throw failure(error, on: found)
         }
         let (stream, continuation) = AsyncThrowingStream<[UInt8], any Error>.makeStream(bufferingPolicy: .bufferingOldest(limit))
         // Registered only while the link is up and this object open (disconnect() may have run
@@ -742,20 +732,29 @@ public final class BluetoothPeripheral: Sendable {
     }
 
     /// A call on a characteristic, with the errors a person can act on.
-    private func call(_ path: String, _ member: String, _ arguments: [DBusValue] = [], about what: String) async throws -> [DBusValue] {
+    private func call(_ characteristic: GATTCharacteristic, _ member: String, _ arguments: [DBusValue] = [], about what: String) async throws -> [DBusValue] {
         do {
-            return try await bluez.call(path, GattSerial.characteristicInterface, member, arguments, about: "\(describing): \(what)")
+            return try await bluez.call(characteristic.path, GattSerial.characteristicInterface, member, arguments, about: "\(describing): \(what)")
         } catch let error as TransportError {
-            throw failure(error)
+            throw failure(error, on: characteristic)
         }
     }
 
-    /// What a failed call on the device means: its own reason when that is about security (a failed
-    /// pairing drops an LE link too), else the link's end if it ended, else the reason explained.
-    private func failure(_ error: TransportError) -> TransportError {
-        let explained = Self.explain(error, describing: describing, paired: deviceSnapshot.paired)
-        if explained.kind != .permissionDenied, let ended = state.withLock({ $0.ended ?? $0.down }) { return ended }
-        return explained
+    /// What a failed call on `characteristic` means: its own reason when that is about security,
+    /// else the link's end if it ended, else the reason explained. A failed pairing drops an LE
+    /// link too: bluetoothd starts one to raise an unpaired link's security for a characteristic
+    /// that needs it, and BlueZ 5.66 in the lab answered that way once, beside ATT errors and no
+    /// answer; the link's end then says so.
+    private func failure(_ error: TransportError, on characteristic: GATTCharacteristic) -> TransportError {
+        let paired = deviceSnapshot.paired
+        let explained = Self.explain(error, describing: describing, paired: paired)
+        guard explained.kind != .permissionDenied, let ended = state.withLock({ $0.ended ?? $0.down }) else { return explained }
+        guard !paired, characteristic.needsSecurity else { return ended }
+        var pairing = TransportError(.disconnected, "\(ended.message), while bluetoothd raised the link's security for characteristic "
+                                     + "\(characteristic.shortUUID) [\(characteristic.flags.joined(separator: ","))], which needs an encrypted link: "
+                                     + "the pairing likely failed; pair first (BluetoothPeripheral.pair() with an agent registered), then connect again")
+        pairing.code = ended.code
+        return pairing
     }
 
     /// BlueZ's GATT errors, by their name and (for ATT errors, which come only as text) their code.
